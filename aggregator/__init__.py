@@ -1,0 +1,27 @@
+"""rankscope's aggregator: ingests ranks' wire records into ClickHouse (embedded chDB or a server).
+
+Example::
+
+    from aggregator import Store, ingest
+
+    with Store.embedded("/var/lib/rankscope/db") as store:
+        ingest("/var/spool/rankscope", store)
+        print(store.jobs())
+"""
+
+from __future__ import annotations
+
+from .schema import SCHEMA_VERSION, SchemaError, ensure_schema
+from .spool import IngestStats, ingest
+from .store import Batch, Store, StoreError
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "Batch",
+    "IngestStats",
+    "SchemaError",
+    "Store",
+    "StoreError",
+    "ensure_schema",
+    "ingest",
+]

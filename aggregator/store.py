@@ -1,0 +1,465 @@
+"""The store: decoded records in, pandas frames out, over one clickhouse_connect client.
+
+Two ways to open it, same SQL behind both:
+
+* :meth:`Store.embedded` — chDB inside this process (the default deployment). chDB hosts one engine
+  per process: any number of Stores may be open on the same directory, but a second directory can
+  only be opened once every Store on the first is closed, and no other process may open a directory
+  while this one holds it. So the aggregator, the diagnosis and the API share one process (and
+  ideally one Store); training ranks never open the store.
+* :meth:`Store.server` — a ClickHouse server (23.x+).
+
+Example::
+
+    with Store.embedded("/var/lib/rankscope/db") as store:
+        store.write(records)
+        steps = store.steps("llama-7b-run3", since_step=100)
+
+Every row is checked against its column type before anything is inserted (see :class:`Batch`):
+clickhouse_connect would otherwise coerce ``"7"`` into an Int64 silently, or fail the whole insert
+on one out-of-range integer or unencodable string.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import clickhouse_connect
+import pandas as pd
+from clickhouse_connect.driver.exceptions import ClickHouseError
+
+from profiler_hook.records import (
+    FUNCTION_COLUMNS,
+    STEP_COLUMNS,
+    Heartbeat,
+    RankInfo,
+    Record,
+    RecordError,
+    StepBatch,
+    WindowSummary,
+)
+
+from .schema import (
+    DEAD_LETTERS,
+    DEFAULT_DATABASE,
+    FUNCTIONS,
+    HEARTBEATS,
+    INGEST_OFFSETS,
+    JOB_TABLES,
+    RANKS,
+    STEPS,
+    TABLES,
+    WINDOWS,
+    Table,
+    check_identifier,
+    ensure_schema,
+)
+
+log = logging.getLogger(__name__)
+
+
+class StoreError(RuntimeError):
+    """The store could not be opened, written or read; the message says which and why."""
+
+
+# --- checking values against column types -------------------------------------------------------
+
+
+def _int_check(lo: int, hi: int) -> Callable[[Any], Any]:
+    def check(v: Any) -> Any:
+        if type(v) is not int:  # bool is an int subclass, and JSON true is not a count
+            raise ValueError("must be an integer")
+        if not lo <= v < hi:
+            raise ValueError(f"is outside [{lo}, {hi})")
+        return v
+
+    return check
+
+
+def _float(v: Any) -> float:
+    if type(v) is float:
+        return v
+    if type(v) is not int:
+        raise ValueError("must be a number")
+    try:
+        return float(v)
+    except OverflowError:
+        raise ValueError("is too large for Float64") from None
+
+
+def _str(v: Any) -> str:
+    if type(v) is not str:
+        raise ValueError("must be a string")
+    if not v.isascii():
+        try:
+            v.encode()
+        except UnicodeEncodeError:  # a lone surrogate from a JSON "\ud800" escape
+            raise ValueError("is not valid Unicode") from None
+    return v
+
+
+def _map_check(value_check: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    def check(v: Any) -> Any:
+        if type(v) is not dict:
+            raise ValueError("must be an object")
+        return {_str(k): value_check(x) for k, x in v.items()}
+
+    return check
+
+
+_Int64 = _int_check(-(1 << 63), 1 << 63)
+_CHECKS: dict[str, Callable[[Any], Any]] = {
+    "Int32": _int_check(-(1 << 31), 1 << 31),
+    "Int64": _Int64,
+    "UInt64": _int_check(0, 1 << 64),
+    "Float64": _float,
+    "String": _str,
+    "LowCardinality(String)": _str,
+    "Map(String, Int64)": _map_check(_Int64),
+    "Map(String, Float64)": _map_check(_float),
+}
+_TABLE_CHECKS = {t.name: tuple(_CHECKS[type_] for type_ in t.column_types) for t in TABLES.values()}
+
+
+def _checked(table: Table, values: tuple[Any, ...]) -> tuple[Any, ...]:
+    out = []
+    for name, check, v in zip(table.column_names, _TABLE_CHECKS[table.name], values, strict=True):
+        try:
+            out.append(check(v))
+        except ValueError as exc:
+            raise RecordError(f"{table.name}.{name} {exc}, got {v!r:.80}") from None
+    return tuple(out)
+
+
+# Step and function rows are spliced onto their record's columns by position, so a reordered
+# NamedTuple would silently fill the wrong columns: refuse to import instead.
+_FUNCTION_PREFIX = ("job", "rank", "host", "window", "step_lo", "step_hi", "time_us")
+for _table, _columns in (
+    (STEPS, ("job", "rank", "host", *STEP_COLUMNS)),
+    (FUNCTIONS, (*_FUNCTION_PREFIX, *FUNCTION_COLUMNS)),
+):
+    if _table.column_names != _columns:
+        raise ImportError(f"aggregator.schema table {_table.name} is out of step with profiler_hook.records")
+
+
+def _attrs(record: Record, table: Table) -> tuple[Any, ...]:
+    return tuple(getattr(record, c) for c in table.column_names)
+
+
+def _record_rows(record: Record) -> list[tuple[Table, tuple[Any, ...]]]:
+    """The checked rows one record becomes; raises RecordError naming the first bad value."""
+    if isinstance(record, StepBatch):
+        head = (record.job, record.rank, record.host)
+        return [(STEPS, _checked(STEPS, head + tuple(row))) for row in record.rows]
+    if isinstance(record, Heartbeat):
+        return [(HEARTBEATS, _checked(HEARTBEATS, _attrs(record, HEARTBEATS)))]
+    if isinstance(record, RankInfo):
+        return [(RANKS, _checked(RANKS, _attrs(record, RANKS)))]
+    if isinstance(record, WindowSummary):
+        window = tuple(
+            len(record.functions) if c == "n_functions" else getattr(record, c) for c in WINDOWS.column_names
+        )
+        rows = [(WINDOWS, _checked(WINDOWS, window))]
+        head = tuple(getattr(record, c) for c in _FUNCTION_PREFIX)
+        rows += [(FUNCTIONS, _checked(FUNCTIONS, head + tuple(f))) for f in record.functions]
+        return rows
+    raise TypeError(f"not a record: {type(record).__name__}")
+
+
+def _now_us() -> int:
+    return time.time_ns() // 1000
+
+
+class Batch:
+    """Rows of many records and dead letters, grouped per table, written by :meth:`Store.write_batch`.
+
+    :meth:`add` checks a whole record before taking any of its rows, so a bad record (which
+    ``decode`` let through, e.g. a string inside a step row) can be dead-lettered by the caller
+    instead of failing the insert of everything else.
+    """
+
+    def __init__(self) -> None:
+        self.rows: dict[str, list[tuple[Any, ...]]] = {}
+        self.records = 0
+        """Records added."""
+        self.dead_letters = 0
+        """Dead letters added."""
+
+    def __len__(self) -> int:
+        return self.records + self.dead_letters
+
+    def add(self, record: Record) -> None:
+        """Take one record's rows; raises RecordError (taking nothing) if a value does not fit."""
+        rows = _record_rows(record)
+        for table, row in rows:
+            self.rows.setdefault(table.name, []).append(row)
+        self.records += 1
+
+    def dead_letter(self, source: str, position: str | int, key: bytes, raw: bytes, reason: str) -> None:
+        """Keep a value that could not be stored, with where it came from and why.
+
+        Bytes are decoded with ``backslashreplace``: invalid UTF-8 survives as ``\\xNN`` escapes.
+        """
+        row = (
+            source,
+            str(position),
+            key.decode("utf-8", "backslashreplace"),
+            raw.decode("utf-8", "backslashreplace"),
+            reason,
+            _now_us(),
+        )
+        self.rows.setdefault(DEAD_LETTERS.name, []).append(_checked(DEAD_LETTERS, row))
+        self.dead_letters += 1
+
+
+class Store:
+    """Records and dead letters in ClickHouse tables; reads return pandas DataFrames.
+
+    Queries read with ``FINAL`` (or in a way duplicates cannot change), so rows ingested twice count
+    once. Job values travel as bound parameters, never spliced into SQL.
+    """
+
+    def __init__(self, client: Any, database: str = DEFAULT_DATABASE) -> None:
+        """Wrap an open clickhouse_connect ``client`` and create the schema if missing."""
+        self._client = client
+        self._db = check_identifier(database)
+        self._last_commit_us = 0
+        self._closed = False
+        ensure_schema(client, database)
+
+    @classmethod
+    def embedded(cls, path: str | os.PathLike[str], database: str = DEFAULT_DATABASE) -> Store:
+        """Open (or create) a chDB store in directory ``path``, inside this process.
+
+        Stores on the same path share chDB's one engine per process; opening a different path
+        while one is open, or a path another process holds, raises :class:`StoreError`.
+        """
+        abspath = os.path.abspath(os.fspath(path))
+        try:
+            client = clickhouse_connect.get_client(interface="chdb", path=abspath)
+        except ClickHouseError as exc:
+            raise StoreError(
+                f"cannot open the chDB store at {abspath}: {exc}. chDB allows one data directory per "
+                "process, and one process per directory: close the other Store, or stop the other process"
+            ) from exc
+        return cls._owning(client, database)
+
+    @classmethod
+    def server(
+        cls,
+        host: str = "localhost",
+        port: int | None = None,
+        username: str = "default",
+        password: str = "",
+        database: str = DEFAULT_DATABASE,
+        secure: bool = False,
+    ) -> Store:
+        """Connect to a ClickHouse server over HTTP(S); ``port`` defaults to 8123, or 8443 if ``secure``."""
+        try:
+            # The database may not exist yet, so the client is not bound to it; tables are qualified.
+            client = clickhouse_connect.get_client(
+                host=host, port=port, username=username, password=password, secure=secure
+            )
+        except ClickHouseError as exc:
+            raise StoreError(f"cannot connect to ClickHouse at {host}:{port} as {username!r}: {exc}") from exc
+        return cls._owning(client, database)
+
+    @classmethod
+    def _owning(cls, client: Any, database: str) -> Store:
+        try:
+            return cls(client, database)
+        except BaseException:
+            # A chDB client left open would keep its engine, and refuse every other path, for good.
+            client.close()
+            raise
+
+    @property
+    def client(self) -> Any:
+        """The clickhouse_connect client, for queries this class does not offer."""
+        return self._client
+
+    @property
+    def database(self) -> str:
+        """The database holding the tables; qualify table names with it."""
+        return self._db
+
+    def close(self) -> None:
+        """Release the client (for chDB, the engine once no other Store uses it). Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._client.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # --- write side -----------------------------------------------------------------------------
+
+    def write(self, records: Iterable[Record]) -> int:
+        """Insert records, one insert per table; returns how many were written.
+
+        Raises RecordError (writing nothing) if a record holds a value its column cannot take.
+        """
+        batch = Batch()
+        for record in records:
+            try:
+                batch.add(record)
+            except RecordError as exc:
+                raise RecordError(f"record {record.key!r} of type {record.TYPE!r}: {exc}") from None
+        return self.write_batch(batch)
+
+    def write_batch(self, batch: Batch) -> int:
+        """Insert everything in ``batch``, one insert per table; returns the records written.
+
+        Not atomic across tables: on failure some tables may hold the batch already, which is
+        harmless because a retry replaces those rows (ReplacingMergeTree + FINAL).
+        """
+        for name, rows in batch.rows.items():
+            self._insert(TABLES[name], rows)
+        return batch.records
+
+    def dead_letter(self, source: str, position: str | int, key: bytes, raw: bytes, reason: str) -> None:
+        """Store one value that could not be ingested (see :meth:`Batch.dead_letter` for many)."""
+        batch = Batch()
+        batch.dead_letter(source, position, key, raw, reason)
+        self.write_batch(batch)
+
+    def set_offsets(self, offsets: Mapping[str, int]) -> None:
+        """Record how far each source has been ingested (bytes into a spool file)."""
+        if not offsets:
+            return
+        # The version column must grow with every commit, even two in the same microsecond, so
+        # that the latest commit wins even when it moves an offset backwards.
+        now = max(_now_us(), self._last_commit_us + 1)
+        self._last_commit_us = now
+        self._insert(INGEST_OFFSETS, [(s, o, now) for s, o in offsets.items()])
+
+    def _insert(self, table: Table, rows: list[tuple[Any, ...]]) -> None:
+        if not rows:
+            return
+        try:
+            self._client.insert(
+                table.name,
+                rows,
+                column_names=list(table.column_names),
+                column_type_names=list(table.column_types),  # saves a DESCRIBE per insert
+                database=self._db,
+            )
+        except (ClickHouseError, ValueError, TypeError) as exc:
+            raise StoreError(
+                f"insert of {len(rows)} rows into {self._db}.{table.name} failed: {exc}"
+            ) from exc
+
+    # --- read side ------------------------------------------------------------------------------
+
+    def offset(self, source: str) -> int:
+        """How many bytes of ``source`` have been ingested (0 if never)."""
+        rows = self._query(
+            f"SELECT `offset` FROM {self._t(INGEST_OFFSETS)} FINAL WHERE source = {{source:String}}",
+            {"source": source},
+        ).result_rows
+        return int(rows[0][0]) if rows else 0
+
+    def offsets(self) -> dict[str, int]:
+        """Every source's ingested offset, in one query."""
+        rows = self._query(f"SELECT source, `offset` FROM {self._t(INGEST_OFFSETS)} FINAL").result_rows
+        return {source: int(offset) for source, offset in rows}
+
+    def jobs(self) -> pd.DataFrame:
+        """One row per job: ``job, ranks, world_size, first_us, last_us`` (latest job first)."""
+        # min/max/uniqExact do not change with duplicate rows, so no FINAL (which costs a merge).
+        sql = f"""
+            SELECT job, uniqExact(rank) AS ranks, max(world_size) AS world_size,
+                   min(t0) AS first_us, max(t1) AS last_us
+            FROM (
+                SELECT job, rank, world_size, time_us AS t0, time_us AS t1 FROM {self._t(RANKS)}
+                UNION ALL
+                SELECT job, rank, 0, start_us, start_us + dur_us FROM {self._t(STEPS)}
+                UNION ALL
+                SELECT job, rank, 0, time_us, time_us FROM {self._t(HEARTBEATS)}
+                UNION ALL
+                SELECT job, rank, 0, time_us, time_us FROM {self._t(WINDOWS)}
+            )
+            GROUP BY job ORDER BY last_us DESC, job"""
+        return self._frame(sql, {}, ("job", "ranks", "world_size", "first_us", "last_us"))
+
+    def ranks(self, job: str) -> pd.DataFrame:
+        """The ``rank`` records of ``job``, one row per rank (its latest start)."""
+        return self._select(RANKS, job, "", {}, "rank")
+
+    def steps(self, job: str, since_step: int | None = None) -> pd.DataFrame:
+        """Step rows of ``job`` (only steps ``>= since_step`` if given), ordered by rank and step."""
+        if since_step is None:
+            return self._select(STEPS, job, "", {}, "rank, step")
+        return self._select(STEPS, job, "AND step >= {since:Int64}", {"since": since_step}, "rank, step")
+
+    def windows(self, job: str) -> pd.DataFrame:
+        """Window summaries of ``job`` (without functions), ordered by window and rank."""
+        return self._select(WINDOWS, job, "", {}, "window, rank")
+
+    def functions(self, job: str, windows: list[int] | None = None) -> pd.DataFrame:
+        """Function patterns of ``job``, of the given windows only if ``windows`` is not None."""
+        order = "window, rank, kind, name, stack"
+        if windows is None:
+            return self._select(FUNCTIONS, job, "", {}, order)
+        where = "AND window IN {windows:Array(Int64)}"
+        return self._select(FUNCTIONS, job, where, {"windows": list(windows)}, order)
+
+    def heartbeats_latest(self, job: str) -> pd.DataFrame:
+        """The latest heartbeat of each rank of ``job``, ordered by rank."""
+        # Duplicate heartbeats are identical rows, so LIMIT 1 BY needs no FINAL.
+        sql = (
+            f"SELECT * FROM {self._t(HEARTBEATS)} WHERE job = {{job:String}} "
+            "ORDER BY rank, time_us DESC LIMIT 1 BY rank"
+        )
+        return self._frame(sql, {"job": job}, HEARTBEATS.column_names)
+
+    def dead_letters(self, limit: int = 1000) -> pd.DataFrame:
+        """Up to ``limit`` dead letters, ordered by source and position (raw values can be 1 MB each)."""
+        # Positions are strings (a byte offset, a Kafka offset…): shorter first sorts numbers numerically.
+        sql = (
+            f"SELECT * FROM {self._t(DEAD_LETTERS)} FINAL "
+            "ORDER BY source, length(position), position LIMIT {limit:UInt64}"
+        )
+        return self._frame(sql, {"limit": limit}, DEAD_LETTERS.column_names)
+
+    def counts(self, job: str) -> dict[str, int]:
+        """Rows per table for ``job`` (after FINAL), e.g. ``{"steps": 1200, "ranks": 8, ...}``."""
+        sql = " UNION ALL ".join(
+            f"SELECT '{name}', count() FROM {self._t(TABLES[name])} FINAL WHERE job = {{job:String}}"
+            for name in JOB_TABLES
+        )
+        counts = dict.fromkeys(JOB_TABLES, 0)
+        counts.update({name: int(n) for name, n in self._query(sql, {"job": job}).result_rows})
+        return counts
+
+    # --- helpers --------------------------------------------------------------------------------
+
+    def _t(self, table: Table) -> str:
+        return f"`{self._db}`.`{table.name}`"
+
+    def _select(self, table: Table, job: str, where: str, params: dict[str, Any], order: str) -> pd.DataFrame:
+        sql = f"SELECT * FROM {self._t(table)} FINAL WHERE job = {{job:String}} {where} ORDER BY {order}"
+        return self._frame(sql, {"job": job, **params}, table.column_names)
+
+    def _query(self, sql: str, params: dict[str, Any] | None = None) -> Any:
+        try:
+            return self._client.query(sql, parameters=params or {})
+        except ClickHouseError as exc:
+            raise StoreError(f"query on {self._db} failed: {exc}") from exc
+
+    def _frame(self, sql: str, params: dict[str, Any], columns: Iterable[str]) -> pd.DataFrame:
+        try:
+            df = self._client.query_df(sql, parameters=params)
+        except ClickHouseError as exc:
+            raise StoreError(f"query on {self._db} failed: {exc}") from exc
+        if df.columns.empty:
+            # An empty result comes back from chDB with no columns at all; callers index by name.
+            return pd.DataFrame(columns=list(columns))
+        return df

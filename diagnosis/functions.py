@@ -1,0 +1,113 @@
+"""Per-function differential analysis inside profiling windows: where a culprit's extra time goes.
+
+Windows cover the same steps on every rank, so a function's time and count per step can be
+compared rank against peers directly. Two shapes matter:
+
+* the same functions, executed as often as on the peers, but slower: a slower device (``compute``);
+* functions the culprit executes and its peers do not, or more often: a different code path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pandas as pd
+
+MAX_PEERS = 32
+"""Peers compared against (evenly spread over the rest): enough for a stable median at any scale."""
+_WORK_KINDS = ("op", "kernel", "memcpy")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FunctionExcess:
+    kind: str
+    name: str
+    stack: str
+    rank_us: float
+    """The culprit's time in this function per step."""
+    peer_us: float
+    rank_count: float
+    """The culprit's executions per step."""
+    peer_count: float
+
+    @property
+    def excess_us(self) -> float:
+        return self.rank_us - self.peer_us
+
+    @property
+    def extra(self) -> bool:
+        """Executed more often than on the peers: a different code path, not a slower one."""
+        return self.rank_count >= self.peer_count + 0.5
+
+
+def _pick_peers(peers: list[int]) -> list[int]:
+    if len(peers) <= MAX_PEERS:
+        return peers
+    stride = len(peers) / MAX_PEERS
+    return [peers[int(i * stride)] for i in range(MAX_PEERS)]
+
+
+def compare(functions: pd.DataFrame, rank: int, peers: list[int]) -> list[FunctionExcess]:
+    """The culprit's functions, largest excess time per step over the peer median first."""
+    if functions.empty or not peers:
+        return []
+    peers = _pick_peers(sorted(peers))
+    f = functions[functions["rank"].isin([rank, *peers])]
+    windows = set(f.loc[f["rank"] == rank, "window"])
+    f = f[f["window"].isin(windows)]
+    if f.empty:
+        return []
+    steps = (f["step_hi"] - f["step_lo"]).clip(lower=1)
+    f = f.assign(us=f["total_us"] / steps, n=f["count"] / steps)
+    n_windows = f.groupby("rank")["window"].nunique()
+    per = f.groupby(["rank", "kind", "name", "stack"])[["us", "n"]].sum()
+    per = per.div(n_windows, axis=0, level="rank")
+    wide = per.unstack("rank", fill_value=0.0)
+    present_peers = [p for p in peers if p in n_windows.index]
+    if rank not in n_windows.index or not present_peers:
+        return []
+    us, n = wide["us"], wide["n"]
+    out = pd.DataFrame(
+        {
+            "rank_us": us[rank],
+            "peer_us": us[present_peers].median(axis=1),
+            "rank_n": n[rank],
+            "peer_n": n[present_peers].median(axis=1),
+        }
+    )
+    out = out[out["rank_us"] > out["peer_us"]]
+    out = out.assign(excess=out["rank_us"] - out["peer_us"]).sort_values(by="excess", ascending=False)
+    return [
+        FunctionExcess(
+            kind=k,
+            name=nm,
+            stack=st,
+            rank_us=float(r.rank_us),
+            peer_us=float(r.peer_us),
+            rank_count=float(r.rank_n),
+            peer_count=float(r.peer_n),
+        )
+        for (k, nm, st), r in out.head(200).iterrows()
+    ]
+
+
+def top_extra(excess: list[FunctionExcess]) -> FunctionExcess | None:
+    """The costliest function only the culprit runs (or runs more often), Python functions first."""
+    extra = [e for e in excess if e.extra and e.kind != "collective"]
+    if not extra:
+        return None
+    best = max(e.excess_us for e in extra)
+    # A Python function names the code path better than the operators it calls.
+    python = [e for e in extra if e.kind == "python" and e.excess_us >= 0.5 * best]
+    return (python or extra)[0]
+
+
+def top_slower(excess: list[FunctionExcess], kinds: tuple[str, ...] = _WORK_KINDS) -> FunctionExcess | None:
+    """The costliest operator/kernel the culprit runs as often as its peers, only slower."""
+    same = [e for e in excess if e.kind in kinds and not e.extra]
+    return same[0] if same else None
+
+
+def top_of_kind(excess: list[FunctionExcess], kind: str) -> FunctionExcess | None:
+    of = [e for e in excess if e.kind == kind]
+    return of[0] if of else None

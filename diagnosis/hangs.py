@@ -1,0 +1,90 @@
+"""Hang localization from the latest heartbeats, in seconds rather than at the watchdog timeout.
+
+Every rank's heartbeat carries, per process group, the sequence number of the last collective it
+entered (as Flight Recorder does). When the job stops making progress, the ranks that never
+entered the collective the others wait in — a lower last sequence number — are the culprits; a
+rank whose heartbeats stopped altogether is dead or frozen. The culprit's stack says where it is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HangSettings:
+    stall_s: float = 30.0
+    """The job is hung when some rank made no progress for this long."""
+    silent_s: float = 30.0
+    """A rank whose latest heartbeat is this much older than the newest one is silent."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Hang:
+    ranks: list[int]
+    stalled: list[int]
+    """All ranks without progress (the culprits and those waiting for them)."""
+    group: str
+    seq: int
+    """The collective (process group, sequence number) the waiting ranks are in."""
+    why: str
+    stacks: dict[int, str]
+    evidence: dict[str, Any]
+
+
+def _seq(last_seq: Any, group: str) -> int:
+    if isinstance(last_seq, dict):
+        return int(last_seq.get(group, 0))
+    try:  # ClickHouse maps come back as dicts; tolerate lists of pairs
+        return int(dict(last_seq).get(group, 0))
+    except (TypeError, ValueError):
+        return 0
+
+
+def find(heartbeats: pd.DataFrame, s: HangSettings | None = None) -> Hang | None:
+    s = s or HangSettings()
+    if heartbeats.empty:
+        return None
+    hb = heartbeats.sort_values(by="rank")
+    newest = float(hb["time_us"].max())
+    silent_age = (newest - hb["time_us"]) / 1e6
+    age = hb["progress_age_s"] + silent_age
+    stalled = hb[age >= s.stall_s]
+    if stalled.empty:
+        return None
+    silent = hb[silent_age >= s.silent_s]
+    waiting = hb[hb["coll_seq"] >= 0]
+    group, seq = "", -1
+    if not waiting.empty:
+        top = waiting.sort_values(by="coll_seq").iloc[-1]
+        group, seq = str(top["coll_group"]), int(top["coll_seq"])
+    behind = hb[[_seq(x, group) < seq for x in hb["last_seq"]]] if seq >= 0 else hb.iloc[0:0]
+    culprits = sorted(set(behind["rank"].astype(int)) | set(silent["rank"].astype(int)))
+    if culprits:
+        why = (
+            f"ranks {culprits} never entered collective #{seq} of group '{group}' that "
+            f"{len(waiting)} rank(s) wait in"
+            if seq >= 0 and not behind.empty
+            else f"ranks {culprits} stopped sending heartbeats"
+        )
+    else:  # all in the same collective: the transport itself is stuck
+        culprits = sorted(stalled["rank"].astype(int))
+        why = f"all stalled ranks wait in collective #{seq} of group '{group}'"
+    stacks = {int(r.rank): str(r.stack) for r in hb.itertuples() if int(r.rank) in culprits and r.stack}
+    return Hang(
+        ranks=culprits,
+        stalled=sorted(stalled["rank"].astype(int)),
+        group=group,
+        seq=seq,
+        why=why,
+        stacks=stacks,
+        evidence={
+            "stalled_for_s": round(float(age.max()), 1),
+            "waiting_in": {"group": group, "seq": seq},
+            "last_seq": {int(r.rank): _seq(r.last_seq, group) for r in hb.itertuples()},
+            "last_step": {int(r.rank): int(r.step) for r in hb.itertuples()},
+        },
+    )

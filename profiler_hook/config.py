@@ -1,0 +1,98 @@
+"""Hook settings and the rank's identity, read from arguments and the environment."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+
+
+@dataclass(kw_only=True, slots=True)
+class Config:
+    """Settings of the in-rank hook. Every field has a default that is safe for production."""
+
+    enable: bool = True
+    """False turns every hook call into a no-op."""
+    job: str = ""
+    """Job id shared by all ranks; default: $RANKSCOPE_JOB, $TORCHELASTIC_RUN_ID or 'default'."""
+    spool_dir: str = ""
+    """Where the spool sink appends records; default: $RANKSCOPE_SPOOL or ./rankscope-spool."""
+    sink: str = "spool"
+    """``spool`` (local files, the default), ``kafka``, or ``none``."""
+    queue_size: int = 10_000
+    """Records held for the background shipper; beyond this they are dropped and counted."""
+    flush_s: float = 2.0
+    """Seconds between shipments of the always-on step rows."""
+    heartbeat_s: float = 5.0
+    """Seconds between heartbeats from the watchdog thread."""
+    stall_s: float = 10.0
+    """A rank with no progress for this long is stalled: its heartbeat carries its Python stack."""
+    window_every: int = 1000
+    """A profiling window starts every this many steps (0: never profile)."""
+    window_steps: int = 5
+    """Steps profiled in each window."""
+    window_offset: int = 20
+    """First window starts at this step (skips start-up), then every ``window_every`` steps."""
+    with_stack: bool = True
+    """Record Python functions (by call stack) in profiling windows."""
+    max_functions: int = 300
+    """At most this many function patterns per window (the largest by total time are kept)."""
+    patch_collectives: bool = True
+    """Wrap torch.distributed collectives to count, sequence and time them always-on."""
+
+    def __post_init__(self) -> None:
+        for name in ("queue_size", "window_steps", "max_functions"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"Config.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("flush_s", "heartbeat_s", "stall_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"Config.{name} must be > 0, got {getattr(self, name)}")
+        if self.window_every < 0 or self.window_offset < 0:
+            raise ValueError("Config.window_every and Config.window_offset must be >= 0")
+        if self.window_every and self.window_steps >= self.window_every:
+            raise ValueError(
+                f"Config.window_steps ({self.window_steps}) must be smaller than "
+                f"Config.window_every ({self.window_every})"
+            )
+        if self.sink not in ("spool", "kafka", "none"):
+            raise ValueError(f"Config.sink must be 'spool', 'kafka' or 'none', got {self.sink!r}")
+        self.job = self.job or os.environ.get("RANKSCOPE_JOB") or os.environ.get("TORCHELASTIC_RUN_ID") or "default"
+        self.spool_dir = self.spool_dir or os.environ.get("RANKSCOPE_SPOOL", "rankscope-spool")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Identity:
+    """Who this rank is. Host and topology labels can be overridden to simulate a cluster on one machine."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    host: str
+    nic: str = ""
+    switch: str = ""
+    pid: int = field(default_factory=os.getpid)
+
+    @classmethod
+    def from_env(cls, rank: int | None = None, world_size: int | None = None) -> Identity:
+        """Read $RANK, $LOCAL_RANK, $WORLD_SIZE (set by torchrun), falling back to torch.distributed.
+
+        Overrides: $RANKSCOPE_HOST, $RANKSCOPE_NIC, $RANKSCOPE_SWITCH (e.g. from Kubernetes labels).
+        """
+        env = os.environ
+        if rank is None or world_size is None:
+            rank_env, world_env = env.get("RANK"), env.get("WORLD_SIZE")
+            if rank_env is None or world_env is None:
+                import torch.distributed as dist
+
+                if dist.is_available() and dist.is_initialized():
+                    rank_env, world_env = str(dist.get_rank()), str(dist.get_world_size())
+            rank = int(rank_env or 0) if rank is None else rank
+            world_size = int(world_env or 1) if world_size is None else world_size
+        return cls(
+            rank=rank,
+            local_rank=int(env.get("LOCAL_RANK", rank)),
+            world_size=world_size,
+            host=env.get("RANKSCOPE_HOST") or socket.gethostname(),
+            nic=env.get("RANKSCOPE_NIC", ""),
+            switch=env.get("RANKSCOPE_SWITCH", ""),
+        )

@@ -1,0 +1,261 @@
+"""The in-rank hook: step accounting, profiling windows, and the threads that ship it all.
+
+Usage (see README)::
+
+    hook = profiler_hook.attach(job="my-run")
+    for batch in hook.wrap_loader(loader):
+        with hook.step():
+            loss = model(batch).sum(); loss.backward(); opt.step()
+    hook.close()
+
+Every public method catches its own failures: the hook never raises into the training loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import resource
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any, TypeVar
+
+from .collectives import CollectiveTracker
+from .config import Config, Identity
+from .records import Heartbeat, RankInfo, StepBatch, StepRow, WindowSummary
+from .shipper import Shipper
+from .sinks import NullSink, Sink, make_sink
+from .watchdog import Watchdog
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def _now_us() -> int:
+    return time.time_ns() // 1000
+
+
+def _thread_usage() -> tuple[int, int]:
+    ru = resource.getrusage(resource.RUSAGE_THREAD)
+    return int((ru.ru_utime + ru.ru_stime) * 1e6), ru.ru_nivcsw
+
+
+class Hook:
+    """One per rank. Build it with :func:`profiler_hook.attach`."""
+
+    def __init__(self, cfg: Config, ident: Identity, sink: Sink | None = None) -> None:
+        self.cfg, self.ident = cfg, ident
+        self.enabled = cfg.enable
+        self.step_num = -1
+        self._rows: list[StepRow] = []
+        self._last_flush = time.perf_counter()
+        self._mark_ns = time.perf_counter_ns()
+        self._epoch_offset_ns = time.time_ns() - self._mark_ns
+        self._data_ns = 0
+        self._usage = _thread_usage()
+        self._prof: Any = None
+        self._window: tuple[int, int, int, int] | None = None
+        self._summarizers: list[threading.Thread] = []
+        self.tracker = CollectiveTracker()
+        if not self.enabled:
+            self.shipper = Shipper(NullSink(), 1)
+            return
+        self.shipper = Shipper(sink or make_sink(cfg, ident), cfg.queue_size)
+        if cfg.patch_collectives:
+            self.tracker.patch()
+        self.shipper.submit(
+            RankInfo(
+                **self._origin(),
+                local_rank=ident.local_rank,
+                world_size=ident.world_size,
+                pid=ident.pid,
+                nic=ident.nic,
+                switch=ident.switch,
+                backend=_backend(),
+                device="cuda" if _cuda() else "cpu",
+            )
+        )
+        self.watchdog = Watchdog(
+            make=lambda **kw: Heartbeat(**self._origin(), dropped=self.shipper.dropped, **kw),
+            submit=self.shipper.submit,
+            progress=lambda: (self.step_num, self._mark_ns),
+            tracker=self.tracker,
+            interval_s=cfg.heartbeat_s,
+            stall_s=cfg.stall_s,
+            main_thread_id=threading.get_ident(),
+        )
+
+    def _origin(self) -> dict[str, Any]:
+        return {"job": self.cfg.job, "rank": self.ident.rank, "host": self.ident.host, "time_us": _now_us()}
+
+    # --- the training loop's calls -------------------------------------------------------------
+
+    def wrap_loader(self, loader: Iterable[T]) -> Iterator[T]:
+        """Yield from ``loader``, timing how long each batch took to arrive (the step's data wait)."""
+        it = iter(loader)
+        while True:
+            t0 = time.perf_counter_ns()
+            try:
+                item = next(it)
+            except StopIteration:
+                return
+            self._data_ns += time.perf_counter_ns() - t0
+            yield item
+
+    @contextlib.contextmanager
+    def step(self, step: int | None = None) -> Iterator[None]:
+        """Mark one training step; ``step`` defaults to the previous step + 1."""
+        self.begin_step(step)
+        try:
+            yield
+        finally:
+            self.end_step()
+
+    def begin_step(self, step: int | None = None) -> None:
+        if not self.enabled:
+            return
+        try:
+            self.step_num = self.step_num + 1 if step is None else step
+            self._maybe_start_window()
+        except Exception as exc:
+            self._fail("begin_step", exc)
+
+    def end_step(self) -> None:
+        if not self.enabled:
+            return
+        try:
+            now = time.perf_counter_ns()
+            comm_ns, n_coll, first_ns = self.tracker.take_step()
+            cpu_us, nivcsw = _thread_usage()
+            self._rows.append(
+                StepRow(
+                    step=self.step_num,
+                    start_us=(self._mark_ns + self._epoch_offset_ns) // 1000,
+                    dur_us=(now - self._mark_ns) // 1000,
+                    data_us=self._data_ns // 1000,
+                    comm_us=comm_ns // 1000,
+                    n_coll=n_coll,
+                    first_coll_us=(first_ns - self._mark_ns) // 1000 if first_ns >= 0 else -1,
+                    cpu_us=cpu_us - self._usage[0],
+                    nivcsw=nivcsw - self._usage[1],
+                )
+            )
+            self._usage = (cpu_us, nivcsw)
+            self._mark_ns, self._data_ns = now, 0
+            self._maybe_stop_window()
+            if time.perf_counter() - self._last_flush >= self.cfg.flush_s:
+                self._flush_steps()
+        except Exception as exc:
+            self._fail("end_step", exc)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Ship what is left and stop the hook's threads. Safe to call twice."""
+        if not self.enabled:
+            return
+        self.enabled = False
+        try:
+            if self._prof is not None:
+                self._prof.stop()
+                self._prof = None
+            for t in self._summarizers:
+                t.join(timeout)
+            self._flush_steps()
+            self.watchdog.close()
+            self.shipper.submit(self.watchdog.beat())
+            self.tracker.unpatch()
+        except Exception as exc:
+            self._fail("close", exc)
+        self.shipper.close(timeout)
+
+    def __enter__(self) -> Hook:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- internals ---------------------------------------------------------------------------
+
+    def _fail(self, where: str, exc: BaseException) -> None:
+        log.warning("rankscope: %s failed (%s: %s); training continues", where, type(exc).__name__, exc)
+
+    def _flush_steps(self) -> None:
+        if self._rows:
+            self.shipper.submit(StepBatch(**self._origin(), rows=tuple(self._rows)))
+            self._rows = []
+        self._last_flush = time.perf_counter()
+
+    def _maybe_start_window(self) -> None:
+        cfg, s = self.cfg, self.step_num
+        if not cfg.window_every or s < cfg.window_offset or self._prof is not None:
+            return
+        if (s - cfg.window_offset) % cfg.window_every:
+            return
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if _cuda() else [])
+        self._prof = profile(activities=activities, with_stack=cfg.with_stack, record_shapes=False)
+        self._prof.start()
+        number = (s - cfg.window_offset) // cfg.window_every
+        self._window = (number, s, s + cfg.window_steps, time.time_ns())
+        self.tracker.recording = []
+
+    def _maybe_stop_window(self) -> None:
+        if self._prof is None or self._window is None or self.step_num + 1 < self._window[2]:
+            return
+        prof, (number, lo, hi, t0) = self._prof, self._window
+        prof.stop()
+        dur_ns = time.time_ns() - t0
+        calls, self.tracker.recording = self.tracker.recording or [], None
+        self._prof, self._window = None, None
+        origin = self._origin()
+        # Reading the events takes tens of milliseconds: do it off the training thread.
+        t = threading.Thread(
+            target=self._summarize,
+            args=(prof, calls, number, lo, hi, dur_ns, origin),
+            name="rankscope-summarize",
+            daemon=True,
+        )
+        self._summarizers = [x for x in self._summarizers if x.is_alive()] + [t]
+        t.start()
+
+    def _summarize(self, prof: Any, calls: list, number: int, lo: int, hi: int, dur_ns: int, origin: dict) -> None:
+        try:
+            from .summarize import summarize
+
+            functions, busy, n = summarize(
+                prof.profiler.kineto_results.events(),
+                calls,
+                dur_ns,
+                self.cfg.max_functions,
+                self._epoch_offset_ns,
+            )
+            self.shipper.submit(
+                WindowSummary(
+                    **origin,
+                    window=number,
+                    step_lo=lo,
+                    step_hi=hi,
+                    dur_us=dur_ns // 1000,
+                    busy=busy,
+                    n_events=n,
+                    functions=tuple(functions),
+                )
+            )
+        except Exception as exc:
+            self._fail("summarizing a profiling window", exc)
+
+
+def _cuda() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def _backend() -> str:
+    try:
+        import torch.distributed as dist
+
+        return str(dist.get_backend()) if dist.is_available() and dist.is_initialized() else ""
+    except Exception:
+        return ""

@@ -1,0 +1,165 @@
+"""Turn one profiling window's raw events into per-function execution patterns.
+
+A raw window holds thousands of events per step; a summary holds one row per function identity
+(kind, name, calling stack for Python functions) with its count, duration distribution and start
+intervals. This is the EROICA idea: patterns, not traces, are what ranks can be compared on.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter, defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from .collectives import CollectiveCall
+from .records import FunctionPattern
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+_COLLECTIVE_PREFIXES = ("gloo:", "nccl:", "c10d::", "record_param_comms", "ncclDevKernel", "ncclKernel")
+_STACK_DEPTH = 3
+
+
+def _kind(name: str, activity: str, is_python: bool) -> str | None:
+    if is_python:
+        return "python"
+    if activity == "kernel":
+        return "collective" if name.startswith(_COLLECTIVE_PREFIXES) else "kernel"
+    if activity in ("gpu_memcpy", "gpu_memset"):
+        return "memcpy"
+    if activity == "user_annotation":
+        if name.startswith("ProfilerStep"):
+            return None
+        return "dataloader" if "DataLoader" in name else "op"
+    if activity == "cpu_op":
+        return "collective" if name.startswith(_COLLECTIVE_PREFIXES) else "op"
+    return None  # runtime/driver calls, profiler overhead: not functions of the workload
+
+
+def pattern(kind: str, name: str, stack: str, starts: Any, durs: Any, nbytes: int = 0) -> FunctionPattern:
+    """The execution pattern of one function from its start times and durations (nanoseconds)."""
+    d = np.asarray(durs, dtype=np.float64) / 1e3
+    s = np.sort(np.asarray(starts, dtype=np.float64)) / 1e3
+    mean = float(d.mean())
+    gaps = np.diff(s)
+    interval = float(gaps.mean()) if gaps.size else 0.0
+    p50, p90 = np.percentile(d, (50, 90))
+    return FunctionPattern(
+        kind=kind,
+        name=name,
+        stack=stack,
+        count=int(d.size),
+        total_us=round(float(d.sum()), 1),
+        mean_us=round(mean, 2),
+        p50_us=round(float(p50), 2),
+        p90_us=round(float(p90), 2),
+        max_us=round(float(d.max()), 2),
+        cv=round(float(d.std() / mean), 4) if mean > 0 else 0.0,
+        interval_us=round(interval, 1),
+        interval_cv=round(float(gaps.std() / interval), 4) if interval > 0 else 0.0,
+        nbytes=int(nbytes),
+    )
+
+
+def _union_ns(intervals: list[tuple[int, int]]) -> int:
+    total, end = 0, -1
+    for s, e in sorted(intervals):
+        if e <= end:
+            continue
+        total += e - max(s, end)
+        end = e
+    return total
+
+
+def summarize(
+    events: Iterable[Any],
+    calls: Iterable[CollectiveCall],
+    window_ns: int,
+    max_functions: int,
+    epoch_offset_ns: int = 0,
+) -> tuple[list[FunctionPattern], dict[str, float], int]:
+    """Summarize kineto events (``prof.profiler.kineto_results.events()``) and tracked collectives.
+
+    Collective calls carry ``time.perf_counter_ns`` times; ``epoch_offset_ns`` moves them onto the
+    profiler's clock (nanoseconds since the epoch).
+
+    Returns the function patterns (the ``max_functions`` largest by total time), the main thread's
+    busy fractions (``compute``, ``comm``, ``data``, ``idle``) and the number of events read.
+    """
+    groups: dict[tuple[str, str, str], tuple[list[int], list[int]]] = defaultdict(lambda: ([], []))
+    python: dict[int, tuple[str, int]] = {}
+    pending_python: list[tuple[int, int, int, int]] = []
+    busy: dict[str, list[tuple[int, int]]] = {"compute": [], "comm": [], "data": []}
+    threads: Counter[int] = Counter()
+    cpu_events: list[tuple[str, int, int, int]] = []
+    n = 0
+    for e in events:
+        n += 1
+        try:
+            name = e.name()
+        except UnicodeDecodeError:  # seen in torch 2.13 for some Python names
+            continue
+        is_python = e.is_python_function()
+        kind = _kind(name, str(e.activity_type()).rsplit(".", 1)[-1], is_python)
+        if kind is None:
+            continue
+        start, dur = e.start_ns(), e.duration_ns()
+        name = _ADDRESS.sub("", name)
+        if is_python:
+            python[e.python_id()] = (name, e.python_parent_id())
+            pending_python.append((e.python_id(), e.start_thread_id(), start, dur))
+            continue
+        groups[(kind, name, "")][0].append(start)
+        groups[(kind, name, "")][1].append(dur)
+        if kind in ("kernel", "memcpy"):
+            busy["compute"].append((start, start + dur))
+        else:
+            tid = e.start_thread_id()
+            threads[tid] += 1
+            cpu_events.append((kind, tid, start, start + dur))
+
+    # Busy fractions and Python functions come from the thread that ran the most operators (the
+    # training loop's); other threads' Python (the hook's own, the user's) is not the step's work.
+    main_tid = threads.most_common(1)[0][0] if threads else None
+    for pid, tid, start, dur in pending_python:
+        # Frames open for most of the window (the training loop, its callers) are not executions.
+        if tid != main_tid or dur >= window_ns // 2:
+            continue
+        name, parent = python[pid]
+        chain = []
+        while parent in python and len(chain) < _STACK_DEPTH:
+            pname, parent = python[parent]
+            chain.append(pname)
+        key = ("python", name, " > ".join(reversed(chain)))
+        groups[key][0].append(start)
+        groups[key][1].append(dur)
+
+    category = {"op": "compute", "collective": "comm", "dataloader": "data"}
+    for kind, tid, s, e_ in cpu_events:
+        if tid == main_tid:
+            busy[category[kind]].append((s, e_))
+
+    patterns = [pattern(k, nm, st, starts, durs) for (k, nm, st), (starts, durs) in groups.items()]
+    by_op: dict[tuple[str, str], list[CollectiveCall]] = defaultdict(list)
+    for c in calls:
+        by_op[(c.op, c.group)].append(c)
+        busy["comm"].append((c.enter_ns + epoch_offset_ns, c.enter_ns + epoch_offset_ns + c.dur_ns))
+    for (op, group), cs in by_op.items():
+        patterns.append(
+            pattern(
+                "collective",
+                f"{op}@{group}",
+                "",
+                [c.enter_ns + epoch_offset_ns for c in cs],
+                [c.dur_ns for c in cs],
+                sum(c.nbytes for c in cs),
+            )
+        )
+    patterns.sort(key=lambda p: -p.total_us)
+
+    window = max(window_ns, 1)
+    fractions = {k: round(min(1.0, _union_ns(v) / window), 4) for k, v in busy.items()}
+    fractions["idle"] = round(max(0.0, 1.0 - _union_ns([i for v in busy.values() for i in v]) / window), 4)
+    return patterns[:max_functions], fractions, n

@@ -1,0 +1,46 @@
+"""The readable (non-JSON) form of a diagnosis, for terminals."""
+
+from __future__ import annotations
+
+from typing import TextIO
+
+from diagnosis import Diagnosis
+
+_KEYS = (
+    "rank_value_ms",
+    "peer_median_ms",
+    "ratio",
+    "chunks_flagged",
+    "collective_wait_ms",
+    "peer_collective_wait_ms",
+    "data_wait_ms",
+    "peer_data_wait_ms",
+    "function_ms_per_step",
+    "function_peer_ms_per_step",
+    "calls_per_step",
+    "peer_calls_per_step",
+    "stalled_for_s",
+    "waiting_in",
+)
+
+
+def format_diagnosis(d: Diagnosis) -> str:
+    a = d.analyzed
+    steps = a.get("steps") or []
+    span = f"steps {steps[0]}-{steps[1]}" if steps else "no steps"
+    lines = [f"rankscope diagnosis of job {d.job}: {a.get('ranks', 0)} ranks, {span}, {a.get('windows', 0)} windows"]
+    if not d.findings:
+        lines.append("  no findings: every rank keeps pace with its peers")
+    for i, f in enumerate(d.findings, 1):
+        where = f"rank{'s' if len(f.ranks) > 1 else ''} {', '.join(map(str, f.ranks))}"
+        hosts = f" on {', '.join(f.hosts)}" if f.hosts else ""
+        lines.append(f"  {i}. {f.cause.upper()}  {where}{hosts}  confidence {f.confidence:.2f}  [{f.function}]")
+        lines.append(f"     {f.summary}")
+        ev = ", ".join(f"{k}={f.evidence[k]}" for k in _KEYS if k in f.evidence)
+        if ev:
+            lines.append(f"     evidence: {ev}")
+    return "\n".join(lines)
+
+
+def print_diagnosis(d: Diagnosis, file: TextIO | None = None) -> None:
+    print(format_diagnosis(d), file=file, flush=True)
