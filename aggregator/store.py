@@ -30,6 +30,7 @@ from typing import Any
 
 import clickhouse_connect
 import pandas as pd
+from diagnosis.data import JobData
 from clickhouse_connect.driver.exceptions import ClickHouseError
 
 from profiler_hook.records import (
@@ -419,6 +420,16 @@ class Store:
             "ORDER BY rank, time_us DESC LIMIT 1 BY rank"
         )
         return self._frame(sql, {"job": job}, HEARTBEATS.column_names)
+
+    def job_data(self, job: str) -> JobData:
+        """Everything the diagnosis reads about ``job``, as one :class:`diagnosis.JobData`."""
+        return JobData(
+            job=job,
+            ranks=self.ranks(job),
+            steps=self.steps(job),
+            functions=self.functions(job),
+            heartbeats=self.heartbeats_latest(job),
+        )
 
     def dead_letters(self, limit: int = 1000) -> pd.DataFrame:
         """Up to ``limit`` dead letters, ordered by source and position (raw values can be 1 MB each)."""

@@ -7,12 +7,11 @@ intervals. This is the EROICA idea: patterns, not traces, are what ranks can be 
 
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 from typing import Any
-
-import numpy as np
 
 from .collectives import CollectiveCall
 from .records import FunctionPattern
@@ -38,27 +37,49 @@ def _kind(name: str, activity: str, is_python: bool) -> str | None:
     return None  # runtime/driver calls, profiler overhead: not functions of the workload
 
 
-def pattern(kind: str, name: str, stack: str, starts: Any, durs: Any, nbytes: int = 0) -> FunctionPattern:
-    """The execution pattern of one function from its start times and durations (nanoseconds)."""
-    d = np.asarray(durs, dtype=np.float64) / 1e3
-    s = np.sort(np.asarray(starts, dtype=np.float64)) / 1e3
-    mean = float(d.mean())
-    gaps = np.diff(s)
-    interval = float(gaps.mean()) if gaps.size else 0.0
-    p50, p90 = np.percentile(d, (50, 90))
+def _quantile(sorted_values: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default), on a sorted list."""
+    pos = q * (len(sorted_values) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def _mean_cv(values: list[float]) -> tuple[float, float]:
+    n = len(values)
+    mean = sum(values) / n
+    if mean <= 0:
+        return mean, 0.0
+    var = sum((v - mean) ** 2 for v in values) / n
+    return mean, math.sqrt(var) / mean
+
+
+def pattern(
+    kind: str, name: str, stack: str, starts: list[int], durs: list[int], nbytes: int = 0
+) -> FunctionPattern:
+    """The execution pattern of one function from its start times and durations (nanoseconds).
+
+    Plain Python rather than numpy: most groups hold a handful of values, where numpy's per-call
+    cost dominates (measured: 4x slower summaries with np.percentile per group).
+    """
+    d = sorted(x / 1e3 for x in durs)
+    mean, cv = _mean_cv(d)
+    s = sorted(starts)
+    gaps = [(b - a) / 1e3 for a, b in zip(s, s[1:])]
+    interval, interval_cv = _mean_cv(gaps) if gaps else (0.0, 0.0)
     return FunctionPattern(
         kind=kind,
         name=name,
         stack=stack,
-        count=int(d.size),
-        total_us=round(float(d.sum()), 1),
+        count=len(d),
+        total_us=round(sum(d), 1),
         mean_us=round(mean, 2),
-        p50_us=round(float(p50), 2),
-        p90_us=round(float(p90), 2),
-        max_us=round(float(d.max()), 2),
-        cv=round(float(d.std() / mean), 4) if mean > 0 else 0.0,
+        p50_us=round(_quantile(d, 0.5), 2),
+        p90_us=round(_quantile(d, 0.9), 2),
+        max_us=round(d[-1], 2),
+        cv=round(cv, 4),
         interval_us=round(interval, 1),
-        interval_cv=round(float(gaps.std() / interval), 4) if interval > 0 else 0.0,
+        interval_cv=round(interval_cv, 4),
         nbytes=int(nbytes),
     )
 

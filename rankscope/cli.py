@@ -44,7 +44,7 @@ def _diagnose(a: argparse.Namespace) -> int:
         if jobs.empty:
             print(f"rankscope diagnose: no jobs in {a.store}", file=sys.stderr)
             return 2
-        job = a.job or str(jobs.sort_values(by="last_time_us")["job"].iloc[-1])
+        job = a.job or str(jobs.sort_values(by="last_us")["job"].iloc[-1])
         if job not in set(jobs["job"]):
             print(f"rankscope diagnose: no job {job!r} in {a.store}; jobs: {', '.join(jobs['job'])}", file=sys.stderr)
             return 2
