@@ -30,9 +30,9 @@ from typing import Any
 
 import clickhouse_connect
 import pandas as pd
-from diagnosis.data import JobData
 from clickhouse_connect.driver.exceptions import ClickHouseError
 
+from diagnosis.data import JobData
 from profiler_hook.records import (
     FUNCTION_COLUMNS,
     STEP_COLUMNS,

@@ -55,7 +55,9 @@ def main(argv: list[str] | None = None) -> dict:
             res = {on: _run(on, a.steps, spool, i) for on in order}
             ratio = res[True]["ms_per_step"] / res[False]["ms_per_step"]
             med_ratio = res[True]["median_step_ms"] / res[False]["median_step_ms"]
-            rows.append({"repeat": i, "off": res[False], "on": res[True], "ratio": ratio, "median_ratio": med_ratio})
+            rows.append(
+                {"repeat": i, "off": res[False], "on": res[True], "ratio": ratio, "median_ratio": med_ratio}
+            )
             print(
                 f"repeat {i}: off {res[False]['ms_per_step']:.3f} ms/step, on {res[True]['ms_per_step']:.3f} "
                 f"ms/step, ratio {ratio:.4f} (median-step ratio {med_ratio:.4f})",
@@ -78,7 +80,13 @@ def main(argv: list[str] | None = None) -> dict:
     print()
     print("| metric | value |")
     print("|---|---|")
-    for k in ("overhead_pct", "overhead_pct_min", "overhead_pct_max", "median_step_overhead_pct", "dropped_records"):
+    for k in (
+        "overhead_pct",
+        "overhead_pct_min",
+        "overhead_pct_max",
+        "median_step_overhead_pct",
+        "dropped_records",
+    ):
         print(f"| {k} | {result[k]} |")
     print(f"| off ms/step (median) | {statistics.median(r['off']['ms_per_step'] for r in rows):.3f} |")
     print(f"| on ms/step (median) | {statistics.median(r['on']['ms_per_step'] for r in rows):.3f} |")

@@ -11,7 +11,17 @@ import pandas as pd
 
 STEP_FIELDS = ["rank", "step", "dur_us", "data_us", "comm_us", "n_coll", "first_coll_us", "cpu_us", "nivcsw"]
 FUNCTION_FIELDS = ["rank", "window", "kind", "name", "stack", "count", "total_us", "mean_us"]
-HEARTBEAT_FIELDS = ["rank", "time_us", "step", "progress_age_s", "coll_group", "coll_op", "coll_seq", "last_seq", "stack"]
+HEARTBEAT_FIELDS = [
+    "rank",
+    "time_us",
+    "step",
+    "progress_age_s",
+    "coll_group",
+    "coll_op",
+    "coll_seq",
+    "last_seq",
+    "stack",
+]
 
 
 def _empty(columns: list[str]) -> pd.DataFrame:

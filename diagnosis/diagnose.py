@@ -6,6 +6,7 @@ import math
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from typing import Any
 
 import pandas as pd
 
@@ -33,13 +34,15 @@ def _effect(ratio: float) -> float:
     return 1.0 - math.exp(-max(ratio - 1.0, 0.0) / 0.15)
 
 
-def _classify(st: stragglers.Straggler, excess: list[functions.FunctionExcess]) -> tuple[str, str, float, dict]:
+def _classify(
+    st: stragglers.Straggler, excess: list[functions.FunctionExcess]
+) -> tuple[str, str, float, dict[str, Any]]:
     """(cause, function, share of the excess it explains, evidence) for one straggler."""
     total = max(st.excess_us, 1.0)
     data_excess = st.data_us - st.peer_data_us
     if data_excess >= 0.5 * total:
         fn = functions.top_of_kind(excess, "dataloader")
-        ev = {"data_wait_ms": _ms(st.data_us), "peer_data_wait_ms": _ms(st.peer_data_us)}
+        ev: dict[str, Any] = {"data_wait_ms": _ms(st.data_us), "peer_data_wait_ms": _ms(st.peer_data_us)}
         return "dataloader", fn.name if fn else "DataLoader.__next__", data_excess / total, ev
     extra = functions.top_extra(excess)
     if extra is not None and extra.excess_us >= 0.3 * total:
@@ -102,8 +105,13 @@ def _straggler_finding(st: stragglers.Straggler, data: JobData, hosts: dict[int,
         f"longer in collectives for it"
     )
     return Finding(
-        cause=cause, ranks=[st.rank], hosts=[host] if host else [], function=fn,
-        confidence=confidence, summary=summary, evidence=evidence,
+        cause=cause,
+        ranks=[st.rank],
+        hosts=[host] if host else [],
+        function=fn,
+        confidence=confidence,
+        summary=summary,
+        evidence=evidence,
     )
 
 
@@ -119,7 +127,11 @@ def _group_topology(found: list[Finding], ranks: pd.DataFrame) -> list[Finding]:
         for f in singles:
             by_key[(f.cause, label_of.get(f.ranks[0], ""))].append(f)
         for (cause, where), fs in by_key.items():
-            if not where or len(members.get(where, [])) < 2 or sorted(f.ranks[0] for f in fs) != members[where]:
+            if (
+                not where
+                or len(members.get(where, [])) < 2
+                or sorted(f.ranks[0] for f in fs) != members[where]
+            ):
                 continue
             fn = Counter(f.function for f in fs).most_common(1)[0][0]
             merged = Finding(

@@ -25,7 +25,9 @@ from .records import (
 )
 
 
-def attach(config: Config | None = None, *, rank: int | None = None, world_size: int | None = None, **settings: Any) -> Hook:
+def attach(
+    config: Config | None = None, *, rank: int | None = None, world_size: int | None = None, **settings: Any
+) -> Hook:
     """Start the hook for this rank; ``settings`` are :class:`Config` fields.
 
     Example::

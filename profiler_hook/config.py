@@ -56,7 +56,9 @@ class Config:
             )
         if self.sink not in ("spool", "kafka", "none"):
             raise ValueError(f"Config.sink must be 'spool', 'kafka' or 'none', got {self.sink!r}")
-        self.job = self.job or os.environ.get("RANKSCOPE_JOB") or os.environ.get("TORCHELASTIC_RUN_ID") or "default"
+        self.job = (
+            self.job or os.environ.get("RANKSCOPE_JOB") or os.environ.get("TORCHELASTIC_RUN_ID") or "default"
+        )
         self.spool_dir = self.spool_dir or os.environ.get("RANKSCOPE_SPOOL", "rankscope-spool")
 
 

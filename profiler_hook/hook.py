@@ -219,7 +219,9 @@ class Hook:
         self._summarizers = [x for x in self._summarizers if x.is_alive()] + [t]
         t.start()
 
-    def _summarize(self, prof: Any, calls: list, number: int, lo: int, hi: int, dur_ns: int, origin: dict) -> None:
+    def _summarize(
+        self, prof: Any, calls: list, number: int, lo: int, hi: int, dur_ns: int, origin: dict
+    ) -> None:
         try:
             from .summarize import summarize
 

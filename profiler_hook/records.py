@@ -64,7 +64,7 @@ class FunctionPattern(NamedTuple):
     name: str
     stack: str
     """For Python functions, the calling functions (outermost first, `` > ``-separated); else ''."""
-    count: int
+    count: int  # type: ignore[assignment]  # shadows tuple.count; the wire name is worth it
     total_us: float
     mean_us: float
     p50_us: float
@@ -165,7 +165,7 @@ def encode(record: Record) -> tuple[bytes, bytes]:
     return record.key, json.dumps(d, separators=(",", ":")).encode()
 
 
-def _rows(raw: Any, row_type: type, where: str) -> tuple:
+def _rows(raw: Any, row_type: Any, where: str) -> tuple:
     if not isinstance(raw, list):
         raise RecordError(f"{where} must be a list of rows")
     n = len(row_type._fields)
@@ -177,7 +177,7 @@ def _rows(raw: Any, row_type: type, where: str) -> tuple:
     return tuple(out)
 
 
-_FIELD_TYPES = {
+_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
     "str": str,
     "int": int,
     "float": (int, float),
@@ -212,14 +212,14 @@ def decode(value: bytes) -> Record:
             if f.default is not MISSING or f.default_factory is not MISSING:
                 continue
             raise RecordError(f"{cls.TYPE} record lacks field {name!r}")
-        value = d[name]
+        field_value: Any = d[name]
         if name == "rows":
-            value = _rows(value, StepRow, "rows")
+            field_value = _rows(field_value, StepRow, "rows")
         elif name == "functions":
-            value = _rows(value, FunctionPattern, "functions")
+            field_value = _rows(field_value, FunctionPattern, "functions")
         else:
             want = _FIELD_TYPES.get(str(f.type))
-            if want is not None and (not isinstance(value, want) or isinstance(value, bool)):
-                raise RecordError(f"field {name!r} must be {f.type}, got {value!r:.80}")
-        kwargs[name] = value
-    return cls(**kwargs)  # type: ignore[no-any-return]
+            if want is not None and (not isinstance(field_value, want) or isinstance(field_value, bool)):
+                raise RecordError(f"field {name!r} must be {f.type}, got {field_value!r:.80}")
+        kwargs[name] = field_value
+    return cls(**kwargs)  # type: ignore[return-value]

@@ -7,6 +7,7 @@ intervals. This is the EROICA idea: patterns, not traces, are what ranks can be 
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from collections import Counter, defaultdict
@@ -65,7 +66,7 @@ def pattern(
     d = sorted(x / 1e3 for x in durs)
     mean, cv = _mean_cv(d)
     s = sorted(starts)
-    gaps = [(b - a) / 1e3 for a, b in zip(s, s[1:])]
+    gaps = [(b - a) / 1e3 for a, b in itertools.pairwise(s)]
     interval, interval_cv = _mean_cv(gaps) if gaps else (0.0, 0.0)
     return FunctionPattern(
         kind=kind,
@@ -149,7 +150,7 @@ def summarize(
         if tid != main_tid or dur >= window_ns // 2:
             continue
         name, parent = python[pid]
-        chain = []
+        chain: list[str] = []
         while parent in python and len(chain) < _STACK_DEPTH:
             pname, parent = python[parent]
             chain.append(pname)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
@@ -62,10 +63,8 @@ class Watchdog:
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval_s):
-            try:
+            with contextlib.suppress(Exception):  # a heartbeat is never worth a crash
                 self._submit(self.beat())
-            except Exception:  # a heartbeat is never worth a crash
-                pass
 
     def close(self) -> None:
         self._stop.set()

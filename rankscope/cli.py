@@ -26,7 +26,9 @@ def _ingest(a: argparse.Namespace) -> int:
         return 2
     with Store.embedded(a.store) as store:
         st = ingest(a.spool, store)
-    print(f"ingested {st.records} records ({st.bytes} bytes) from {st.files} files; {st.dead_letters} dead letters")
+    print(
+        f"ingested {st.records} records ({st.bytes} bytes) from {st.files} files; {st.dead_letters} dead letters"
+    )
     return 0
 
 
@@ -37,7 +39,10 @@ def _diagnose(a: argparse.Namespace) -> int:
     from .render import print_diagnosis
 
     if not Path(a.store).is_dir():
-        print(f"rankscope diagnose: store directory {a.store} does not exist; run `rankscope ingest` first", file=sys.stderr)
+        print(
+            f"rankscope diagnose: store directory {a.store} does not exist; run `rankscope ingest` first",
+            file=sys.stderr,
+        )
         return 2
     with Store.embedded(a.store) as store:
         jobs = store.jobs()
@@ -46,7 +51,10 @@ def _diagnose(a: argparse.Namespace) -> int:
             return 2
         job = a.job or str(jobs.sort_values(by="last_us")["job"].iloc[-1])
         if job not in set(jobs["job"]):
-            print(f"rankscope diagnose: no job {job!r} in {a.store}; jobs: {', '.join(jobs['job'])}", file=sys.stderr)
+            print(
+                f"rankscope diagnose: no job {job!r} in {a.store}; jobs: {', '.join(jobs['job'])}",
+                file=sys.stderr,
+            )
             return 2
         data = store.job_data(job)
     d = diagnose(data)
@@ -86,7 +94,9 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if a.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
     return int(a.func(a))
 
 

@@ -39,7 +39,9 @@ def run_demo(
     spool, store_dir, logs = out / "spool", out / "store", out / "logs"
     job = f"demo-{fault}-{time.strftime('%Y%m%d-%H%M%S')}"
     where = "" if fault == "none" else f" on rank {rank}"
-    print(f"[1/4] training job {job}: {world_size} ranks (gloo, CPU) for ~{seconds:.0f} s, fault: {fault}{where}")
+    print(
+        f"[1/4] training job {job}: {world_size} ranks (gloo, CPU) for ~{seconds:.0f} s, fault: {fault}{where}"
+    )
     t0 = time.perf_counter()
     spec = JobSpec(
         job=job,
@@ -53,7 +55,9 @@ def run_demo(
     stats = launch(spec)
     sent = sum(s.get("sent", 0) for s in stats)
     dropped = sum(s.get("dropped", 0) for s in stats)
-    print(f"      {stats[0]['steps']} steps in {time.perf_counter() - t0:.0f} s; hook shipped {sent} records, dropped {dropped}")
+    print(
+        f"      {stats[0]['steps']} steps in {time.perf_counter() - t0:.0f} s; hook shipped {sent} records, dropped {dropped}"
+    )
 
     print(f"[2/4] ingesting {spool} into embedded ClickHouse at {store_dir}")
     with Store.embedded(store_dir) as store:

@@ -28,13 +28,17 @@ def format_diagnosis(d: Diagnosis) -> str:
     a = d.analyzed
     steps = a.get("steps") or []
     span = f"steps {steps[0]}-{steps[1]}" if steps else "no steps"
-    lines = [f"rankscope diagnosis of job {d.job}: {a.get('ranks', 0)} ranks, {span}, {a.get('windows', 0)} windows"]
+    lines = [
+        f"rankscope diagnosis of job {d.job}: {a.get('ranks', 0)} ranks, {span}, {a.get('windows', 0)} windows"
+    ]
     if not d.findings:
         lines.append("  no findings: every rank keeps pace with its peers")
     for i, f in enumerate(d.findings, 1):
         where = f"rank{'s' if len(f.ranks) > 1 else ''} {', '.join(map(str, f.ranks))}"
         hosts = f" on {', '.join(f.hosts)}" if f.hosts else ""
-        lines.append(f"  {i}. {f.cause.upper()}  {where}{hosts}  confidence {f.confidence:.2f}  [{f.function}]")
+        lines.append(
+            f"  {i}. {f.cause.upper()}  {where}{hosts}  confidence {f.confidence:.2f}  [{f.function}]"
+        )
         lines.append(f"     {f.summary}")
         ev = ", ".join(f"{k}={f.evidence[k]}" for k in _KEYS if k in f.evidence)
         if ev:

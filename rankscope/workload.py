@@ -88,7 +88,7 @@ def slow_device_forward(model: Any, x: Any, factor: float) -> Any:
     """Run ``model`` on ``x`` as a device ``factor``× slower would: same operators, more work each."""
     import torch
 
-    extra = int(round(x.shape[0] * (factor - 1)))
+    extra = round(x.shape[0] * (factor - 1))
     padded = torch.cat([x, x.new_zeros((extra, x.shape[1]))])
     return model(padded)[: x.shape[0]]
 
@@ -154,7 +154,7 @@ def _train(rank: int, spec: JobSpec, hook: Any, fault: str) -> dict[str, Any]:
 
     g = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(8192, 128, generator=g), torch.randint(0, 10, (8192,), generator=g))
-    sampler = DistributedSampler(data, num_replicas=spec.world_size, rank=rank, seed=0)
+    sampler: DistributedSampler = DistributedSampler(data, num_replicas=spec.world_size, rank=rank, seed=0)
     delay = spec.fault.delay_ms / 1e3 if fault == "dataloader" else 0.0
     loader = DataLoader(data, batch_size=spec.batch_size, sampler=sampler, collate_fn=_SlowCollate(delay))
     model = _model(spec.hidden)

@@ -1,0 +1,249 @@
+"""The in-rank hook: wire records, light import, summaries of real profiler output, failure modes,
+and real multi-rank gloo jobs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import profiler_hook
+from profiler_hook.config import Config, Identity
+from profiler_hook.hook import Hook
+from profiler_hook.records import Heartbeat, RecordError, StepBatch, StepRow, WindowSummary, decode, encode
+from profiler_hook.summarize import summarize
+from rankscope.workload import Fault, JobSpec, free_port, launch
+
+
+def test_public_api_is_sorted_and_importable() -> None:
+    # isort-style order, as ruff keeps it: CONSTANTS, then Classes, then functions.
+    def order(name: str) -> tuple[int, str]:
+        return (0 if name.isupper() else 1 if name[0].isupper() else 2, name)
+
+    assert profiler_hook.__all__ == sorted(profiler_hook.__all__, key=order)
+    for name in profiler_hook.__all__:
+        assert hasattr(profiler_hook, name)
+
+
+def test_importing_the_hook_loads_nothing_heavy() -> None:
+    code = (
+        "import sys, profiler_hook; "
+        "print([m for m in ('pandas', 'clickhouse_connect', 'chdb', 'fastapi', 'kafka', 'torch') if m in sys.modules])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_records_round_trip_and_bad_values_say_why() -> None:
+    batch = StepBatch(job="j", rank=3, host="h", time_us=1, rows=(StepRow(1, 2, 3, 4, 5, 6, 7, 8, 9),))
+    key, value = encode(batch)
+    assert key == b"j/3"
+    assert decode(value) == batch
+    hb = Heartbeat(job="j", rank=0, host="h", time_us=5, step=7, progress_age_s=0.5, last_seq={"world": 4})
+    assert decode(encode(hb)[1]) == hb
+    cases = {
+        b"{": "not JSON",
+        b'{"v": 99, "type": "steps"}': "unknown schema version",
+        b'{"v": 1, "type": "nope"}': "unknown record type",
+        b'{"v": 1, "type": "steps", "job": "j"}': "lacks field",
+        b'{"v": 1, "type": "steps", "job": 1, "rank": 0, "host": "h", "time_us": 0, "rows": []}': "must be str",
+        b'{"v": 1, "type": "steps", "job": "j", "rank": 0, "host": "h", "time_us": 0, "rows": [[1]]}': r"rows\[0\]",
+    }
+    for raw, reason in cases.items():
+        with pytest.raises(RecordError, match=reason):
+            decode(raw)
+
+
+def test_config_rejects_bad_settings_naming_the_field() -> None:
+    with pytest.raises(ValueError, match="window_steps"):
+        Config(window_every=5, window_steps=5)
+    with pytest.raises(ValueError, match="sink"):
+        Config(sink="carrier-pigeon")
+    with pytest.raises(ValueError, match="queue_size"):
+        Config(queue_size=0)
+
+
+def audit(model: torch.nn.Module) -> float:
+    return sum(float(p.detach().norm()) for p in model.parameters())
+
+
+def test_summary_of_real_profiler_output() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    data = torch.utils.data.TensorDataset(torch.randn(256, 32), torch.randint(0, 4, (256,)))
+    loader = torch.utils.data.DataLoader(data, batch_size=32)
+    t0 = time.time_ns()
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+        for x, y in loader:
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            audit(model)
+    window_ns = time.time_ns() - t0
+    functions, busy, n = summarize(prof.profiler.kineto_results.events(), [], window_ns, max_functions=300)
+    assert n > 100
+    assert len(functions) <= 300
+    by = {(f.kind, f.name.rsplit(": ", 1)[-1]): f for f in functions}
+    # The Python function is identified by its name and the stack that called it.
+    audit_fn = by[("python", "audit")]
+    assert audit_fn.count == 8
+    assert "test_summary_of_real_profiler_output" in audit_fn.stack
+    assert by[("op", "aten::addmm")].count == 16  # two layers x eight batches
+    loader_fn = next(f for (k, _), f in by.items() if k == "dataloader")
+    assert loader_fn.count >= 8
+    for f in functions:
+        assert f.p50_us <= f.p90_us <= f.max_us + 1e-6
+        assert f.mean_us * f.count == pytest.approx(f.total_us, rel=0.01, abs=1.0)
+        assert " at 0x" not in f.name  # object addresses differ per rank: stripped
+    assert 0 < busy["compute"] <= 1 and 0 <= busy["idle"] < 1
+
+
+class _BrokenSink:
+    def send(self, key: bytes, value: bytes) -> None:
+        raise ConnectionError("the transport is down")
+
+    def close(self) -> None:
+        raise ConnectionError("still down")
+
+
+class _SlowSink:
+    def __init__(self) -> None:
+        self.got: list[bytes] = []
+
+    def send(self, key: bytes, value: bytes) -> None:
+        time.sleep(0.2)
+        self.got.append(value)
+
+    def close(self) -> None:
+        pass
+
+
+def _steps(hook: Hook, n: int) -> float:
+    """Run n trivial steps; the longest step in seconds."""
+    worst = 0.0
+    for _ in range(n):
+        t = time.perf_counter()
+        with hook.step():
+            pass
+        worst = max(worst, time.perf_counter() - t)
+    return worst
+
+
+def test_a_failing_sink_never_reaches_the_training_loop() -> None:
+    hook = Hook(
+        Config(flush_s=0.001, window_every=0),
+        Identity(rank=0, local_rank=0, world_size=1, host="h"),
+        _BrokenSink(),
+    )
+    _steps(hook, 50)
+    hook.close()
+    assert hook.shipper.sent == 0
+    assert hook.shipper.dropped >= 2  # the rank record and step batches, all counted
+
+
+def test_a_full_queue_drops_and_counts_instead_of_blocking() -> None:
+    sink = _SlowSink()
+    hook = Hook(
+        Config(flush_s=0.0001, queue_size=2, window_every=0),
+        Identity(rank=0, local_rank=0, world_size=1, host="h"),
+        sink,
+    )
+    worst = _steps(hook, 200)
+    hook.close(timeout=30)
+    assert worst < 0.05, f"a step waited {worst * 1e3:.1f} ms on the transport"
+    assert hook.shipper.dropped > 0
+    assert hook.shipper.sent == len(sink.got)
+
+
+def test_disabled_hook_is_a_no_op(tmp_path: Path) -> None:
+    hook = profiler_hook.attach(enable=False, spool_dir=str(tmp_path), rank=0, world_size=1)
+    _steps(hook, 5)
+    hook.close()
+    assert not list(tmp_path.rglob("*.jsonl"))
+
+
+def test_stalled_rank_heartbeat_carries_its_stack() -> None:
+    hook = Hook(
+        Config(window_every=0, heartbeat_s=60, stall_s=0.05),
+        Identity(rank=0, local_rank=0, world_size=1, host="h"),
+        _SlowSink(),
+    )
+    hook.begin_step(0)
+    hb: list[Heartbeat] = []
+
+    def later() -> None:
+        time.sleep(0.2)
+        hb.append(hook.watchdog.beat())
+
+    t = threading.Thread(target=later)
+    t.start()
+    t.join()
+    hook.end_step()
+    hook.close(timeout=30)
+    assert hb[0].progress_age_s >= 0.05
+    assert "test_stalled_rank_heartbeat_carries_its_stack" in hb[0].stack
+
+
+def _records(spool: Path, job: str) -> dict[int, list]:
+    out: dict[int, list] = defaultdict(list)
+    for f in sorted((spool / job).glob("*.jsonl")):
+        for line in f.read_bytes().splitlines():
+            rec = decode(line)
+            out[rec.rank].append(rec)
+    return out
+
+
+@pytest.mark.slow
+def test_hook_in_spawned_gloo_ranks(tmp_path: Path) -> None:
+    hook = {
+        "spool_dir": str(tmp_path),
+        "window_every": 40,
+        "window_offset": 10,
+        "window_steps": 4,
+        "flush_s": 0.5,
+    }
+    stats = launch(
+        JobSpec(
+            job="mr",
+            world_size=4,
+            port=free_port(),
+            max_steps=100,
+            hook=hook,
+            log_dir=str(tmp_path / "logs"),
+            progress=False,
+        )
+    )
+    assert [s["steps"] for s in stats] == [100] * 4
+    assert all(s["dropped"] == 0 for s in stats)
+    recs = _records(tmp_path, "mr")
+    assert sorted(recs) == [0, 1, 2, 3]
+    windows = {}
+    for rank, rs in recs.items():
+        assert sum(isinstance(r, profiler_hook.RankInfo) for r in rs) == 1
+        steps = [row.step for r in rs if isinstance(r, StepBatch) for row in r.rows]
+        assert steps == list(range(100))  # every step once, in order
+        rows = [row for r in rs if isinstance(r, StepBatch) for row in r.rows]
+        assert all(row.n_coll == 1 and row.comm_us > 0 for row in rows)  # one all-reduce per step
+        wins = [r for r in rs if isinstance(r, WindowSummary)]
+        windows[rank] = [(w.window, w.step_lo, w.step_hi) for w in wins]
+        for w in wins:
+            kinds = {f.kind for f in w.functions}
+            assert {"op", "python", "collective", "dataloader"} <= kinds
+            assert len(json.dumps([list(f) for f in w.functions])) < 100_000  # the per-window budget
+        last = [r for r in rs if isinstance(r, Heartbeat)][-1]
+        assert last.last_seq == {"world": 101}  # 100 all-reduces + the final barrier, on every rank
+    # Windows cover the same steps on every rank: that is what makes ranks comparable.
+    assert windows[0] == [(0, 10, 14), (1, 50, 54), (2, 90, 94)]
+    assert all(w == windows[0] for w in windows.values())
+    hosts = {r.rank: r.host for rs in recs.values() for r in rs if isinstance(r, profiler_hook.RankInfo)}
+    assert hosts == {0: "node0", 1: "node0", 2: "node1", 3: "node1"}
+
+
+def test_fault_settings_are_validated() -> None:
+    with pytest.raises(ValueError, match="unknown fault"):
+        Fault(kind="cosmic-ray")
