@@ -10,7 +10,18 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 STEP_FIELDS = ["rank", "step", "dur_us", "data_us", "comm_us", "n_coll", "first_coll_us", "cpu_us", "nivcsw"]
-FUNCTION_FIELDS = ["rank", "window", "kind", "name", "stack", "count", "total_us", "mean_us"]
+FUNCTION_FIELDS = [
+    "rank",
+    "window",
+    "step_lo",
+    "step_hi",
+    "kind",
+    "name",
+    "stack",
+    "count",
+    "total_us",
+    "mean_us",
+]
 HEARTBEAT_FIELDS = [
     "rank",
     "time_us",

@@ -60,6 +60,7 @@ class Hook:
         self.tracker = CollectiveTracker()
         if not self.enabled:
             self.shipper = Shipper(NullSink(), 1)
+            self.shipper.close()  # nothing will ever be shipped: end its thread now
             return
         self.shipper = Shipper(sink or make_sink(cfg, ident), cfg.queue_size)
         if cfg.patch_collectives:
