@@ -59,6 +59,8 @@ class JobSpec:
     """Ranks are spread over this many simulated hosts (``node0``, ``node1``, ...)."""
     hook: dict[str, Any] | None = field(default_factory=dict)
     """profiler_hook.Config settings; None runs without the hook."""
+    hook_blocks: int = 0
+    """If > 0, the hook works only in even blocks of this many steps (an A/B inside one run)."""
     log_dir: str = ""
     """If set, each rank's stderr goes to ``<log_dir>/rank<R>.log``."""
     progress: bool = True
@@ -167,7 +169,8 @@ def _train(rank: int, spec: JobSpec, hook: Any, fault: str) -> dict[str, Any]:
         sampler.set_epoch(epoch)
         batches = hook.wrap_loader(loader) if hook is not None else loader
         for x, y in batches:
-            if hook is not None:
+            active = hook is not None and (not spec.hook_blocks or (step // spec.hook_blocks) % 2 == 0)
+            if active:
                 hook.begin_step(step)
             # Every rank takes the same code path; only the faulty one pads (does more work).
             out = slow_device_forward(model, x, spec.fault.factor if fault == "compute" else 1.0)
@@ -178,7 +181,7 @@ def _train(rank: int, spec: JobSpec, hook: Any, fault: str) -> dict[str, Any]:
                 audit_gradients(model, spec.fault.audit_rounds)
             stop = _all_reduce_gradients(params, spec, step, start, rank)
             opt.step()
-            if hook is not None:
+            if active:
                 hook.end_step()
             step += 1
             now = time.perf_counter()
@@ -190,12 +193,23 @@ def _train(rank: int, spec: JobSpec, hook: Any, fault: str) -> dict[str, Any]:
                 break
         epoch += 1
     dist.barrier()
-    durations = sorted(b - a for a, b in zip([start, *step_s[:-1]], step_s, strict=True))
-    return {
+    each = [b - a for a, b in zip([start, *step_s[:-1]], step_s, strict=True)]
+    durations = sorted(each)
+    result: dict[str, Any] = {
         "steps": step,
         "train_s": step_s[-1] - start if step_s else 0.0,
         "median_step_ms": 1e3 * durations[len(durations) // 2] if durations else 0.0,
     }
+    if spec.hook_blocks:
+        # Mean time per step with the hook working vs. idle, leaving out each block's first step.
+        for name, parity in (("on_ms", 0), ("off_ms", 1)):
+            sel = [
+                d
+                for i, d in enumerate(each)
+                if (i // spec.hook_blocks) % 2 == parity and i % spec.hook_blocks
+            ]
+            result[name] = 1e3 * sum(sel) / max(len(sel), 1)
+    return result
 
 
 def _all_reduce_gradients(params: list, spec: JobSpec, step: int, start: float, rank: int) -> bool:
