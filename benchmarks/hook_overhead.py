@@ -145,7 +145,6 @@ def main(argv: list[str] | None = None) -> dict:
                 f"ms/step, ratio {ratio:.4f} (median-step ratio {med_ratio:.4f})",
                 flush=True,
             )
-    with tempfile.TemporaryDirectory(prefix="rankscope-overhead-") as spool:
         blocks = [in_run(a.steps * 4, 500, spool) for _ in range(max(1, a.repeats // 2))]
     for b in blocks:
         print(

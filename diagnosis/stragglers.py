@@ -57,7 +57,6 @@ class Straggler:
     peer_cpu_us: float
     nivcsw: float
     peer_nivcsw: float
-    step_us: float
 
     @property
     def excess_us(self) -> float:
@@ -78,12 +77,12 @@ def prepare(steps: pd.DataFrame, s: Settings) -> pd.DataFrame:
     return df
 
 
-def robust_z(values: pd.Series, floor_frac: float) -> tuple[pd.Series, float, float]:
-    """(z-scores, median, scale): median/MAD, the scale never below ``floor_frac`` x median."""
+def robust_z(values: pd.Series, floor_frac: float) -> tuple[pd.Series, float]:
+    """(z-scores, median): median/MAD, the scale never below ``floor_frac`` x median."""
     med = float(values.median())
     mad = float((values - med).abs().median()) * 1.4826
     scale = max(mad, floor_frac * abs(med), 1e-9)
-    return (values - med) / scale, med, scale
+    return (values - med) / scale, med
 
 
 def find(steps: pd.DataFrame, s: Settings | None = None) -> list[Straggler]:
@@ -106,7 +105,7 @@ def find(steps: pd.DataFrame, s: Settings | None = None) -> list[Straggler]:
         if len(g) < 3:
             continue
         n_chunks += 1
-        z, med, _ = robust_z(g["rel"], s.mad_floor)
+        z, med = robust_z(g["rel"], s.mad_floor)
         slow = g["rel"] >= s.min_ratio * med
         if len(g) >= s.z_min_ranks:
             slow &= z >= s.min_z
@@ -117,7 +116,7 @@ def find(steps: pd.DataFrame, s: Settings | None = None) -> list[Straggler]:
     culprits = sorted(r for r, n in flagged.items() if n >= need)
     if not culprits:
         return []
-    cols = ["rel", "own_us", "data_us", "comm_us", "cpu_us", "nivcsw", "dur_us"]
+    cols = ["rel", "own_us", "data_us", "comm_us", "cpu_us", "nivcsw"]
     med = df.groupby("rank")[cols].median()
     peers = med.drop(index=culprits, errors="ignore")
     if peers.empty:
@@ -139,7 +138,6 @@ def find(steps: pd.DataFrame, s: Settings | None = None) -> list[Straggler]:
             peer_cpu_us=float(pm["cpu_us"]),
             nivcsw=float(med.at[r, "nivcsw"]),
             peer_nivcsw=float(pm["nivcsw"]),
-            step_us=float(med.at[r, "dur_us"]),
         )
         for r in culprits
     ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -110,12 +111,7 @@ def test_compute_straggler_is_named_not_the_ranks_that_wait_for_it() -> None:
     data = synthetic(slow={5: {"compute_us": 1500}})
     ops = [("op", "aten::addmm", 15, 10_000.0), ("op", "aten::relu", 10, 2_000.0)]
     slow_ops = [("op", "aten::addmm", 15, 20_000.0), ("op", "aten::relu", 10, 2_100.0)]
-    data = JobData(
-        job=data.job,
-        ranks=data.ranks,
-        steps=data.steps,
-        functions=functions_frame({r: slow_ops if r == 5 else ops for r in range(8)}),
-    )
+    data = replace(data, functions=functions_frame({r: slow_ops if r == 5 else ops for r in range(8)}))
     f = only(diagnose(data).findings)
     assert (f.cause, f.ranks, f.hosts, f.function) == ("compute", [5], ["node2"], "aten::addmm")
     # The wait inversion: the culprit waits least in the collective.
@@ -139,12 +135,7 @@ def test_code_path_straggler_names_the_extra_function() -> None:
         ("python", "train.py(50): audit_gradients", 5, 7_500.0),
         ("op", "aten::norm", 100, 6000.0),
     ]
-    data = JobData(
-        job=data.job,
-        ranks=data.ranks,
-        steps=data.steps,
-        functions=functions_frame({r: extra if r == 6 else common for r in range(8)}),
-    )
+    data = replace(data, functions=functions_frame({r: extra if r == 6 else common for r in range(8)}))
     f = only(diagnose(data).findings)
     assert (f.cause, f.ranks, f.function) == ("code_path", [6], "train.py(50): audit_gradients")
     assert f.evidence["calls_per_step"] == 1.0 and f.evidence["peer_calls_per_step"] == 0.0
