@@ -5,8 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import signal
 import sys
+from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 from .workload import FAULTS
 
@@ -28,6 +32,62 @@ def _ingest(a: argparse.Namespace) -> int:
         st = ingest(a.spool, store)
     print(
         f"ingested {st.records} records ({st.bytes} bytes) from {st.files} files; {st.dead_letters} dead letters"
+    )
+    return 0
+
+
+def _option(kv: str) -> tuple[str, Any]:
+    key, sep, value = kv.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {kv!r}")
+    try:
+        return key, json.loads(value)  # numbers, booleans, lists; anything else stays a string
+    except ValueError:
+        return key, value
+
+
+def _aggregate(a: argparse.Namespace) -> int:
+    from aggregator import Store, StoreError
+    from aggregator.consumer import Aggregator, BatchSettings, KafkaSettings
+    from aggregator.metrics import Metrics
+
+    if not a.kafka:
+        print("rankscope aggregate: give --kafka HOST:PORT or set $RANKSCOPE_KAFKA", file=sys.stderr)
+        return 2
+    try:
+        if a.clickhouse:
+            host, _, port = a.clickhouse.partition(":")
+            store = Store.server(
+                host=host,
+                port=int(port) if port else None,
+                username=a.clickhouse_user,
+                password=os.environ.get("RANKSCOPE_CLICKHOUSE_PASSWORD", ""),
+                database=a.database,
+                secure=a.clickhouse_secure,
+            )
+        else:
+            store = Store.embedded(a.store, database=a.database)
+    except StoreError as exc:
+        print(f"rankscope aggregate: {exc}", file=sys.stderr)
+        return 2
+    metrics = Metrics()
+    if a.metrics_port is not None:
+        metrics.serve(a.metrics_port)
+    kafka = KafkaSettings(
+        bootstrap=a.kafka,
+        topic=a.topic,
+        group=a.group,
+        api_version=a.kafka_api_version,
+        options=dict(a.kafka_option),
+    )
+    agg = Aggregator(store, kafka, BatchSettings(records=a.batch_records, seconds=a.batch_seconds), metrics)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: agg.stop())
+    with store:
+        st = agg.run(idle_exit_s=a.exit_when_idle)
+    print(
+        f"consumed {st.consumed} messages: stored {st.stored} records and {st.dead_letters} dead letters "
+        f"in {st.batches} batches ({st.insert_failures} failed inserts retried) in {st.seconds:.1f} s"
     )
     return 0
 
@@ -65,9 +125,29 @@ def _diagnose(a: argparse.Namespace) -> int:
     return 0
 
 
+_LOG_RECORD_FIELDS = {*vars(logging.makeLogRecord({})), "message", "asctime"}
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message, and the fields given in ``extra``."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        d: dict[str, Any] = {
+            "time": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        d.update((k, v) for k, v in vars(record).items() if k not in _LOG_RECORD_FIELDS)
+        if record.exc_info:
+            d["exception"] = self.formatException(record.exc_info)
+        return json.dumps(d, default=str)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rankscope", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true", help="log progress details")
+    p.add_argument("--log-format", choices=("text", "json"), default="text", help="json: one object per line")
     sub = p.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("demo", help="train a real 4-rank job with an injected fault, then diagnose it")
@@ -84,6 +164,46 @@ def parser() -> argparse.ArgumentParser:
     i.add_argument("--store", required=True, help="chDB data directory")
     i.set_defaults(func=_ingest)
 
+    a = sub.add_parser(
+        "aggregate",
+        help="consume the hooks' records from Kafka into ClickHouse (one consumer-group member)",
+    )
+    a.add_argument(
+        "--kafka",
+        default=os.environ.get("RANKSCOPE_KAFKA"),
+        help="bootstrap servers (default: $RANKSCOPE_KAFKA)",
+    )
+    a.add_argument("--topic", default="rankscope", help="topic the hooks produce to (default: rankscope)")
+    a.add_argument(
+        "--group", default="rankscope-aggregator", help="consumer group (default: rankscope-aggregator)"
+    )
+    a.add_argument("--kafka-api-version", default="", help="e.g. 0.9 for old brokers (default: probe)")
+    a.add_argument(
+        "--kafka-option",
+        type=_option,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="passed to KafkaConsumer, e.g. security_protocol=SASL_SSL (repeatable)",
+    )
+    where = a.add_mutually_exclusive_group(required=True)
+    where.add_argument("--store", help="embedded chDB data directory")
+    where.add_argument(
+        "--clickhouse", metavar="HOST[:PORT]", help="ClickHouse server (HTTP port, default 8123)"
+    )
+    a.add_argument(
+        "--clickhouse-user", default="default", help="password from $RANKSCOPE_CLICKHOUSE_PASSWORD"
+    )
+    a.add_argument("--clickhouse-secure", action="store_true", help="HTTPS (default port 8443)")
+    a.add_argument("--database", default="rankscope", help="database (default: rankscope)")
+    a.add_argument("--batch-records", type=int, default=5000, help="write every N messages (default: 5000)")
+    a.add_argument("--batch-seconds", type=float, default=1.0, help="…or every S seconds (default: 1)")
+    a.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    a.add_argument(
+        "--exit-when-idle", type=float, metavar="SECONDS", help="stop after SECONDS without messages"
+    )
+    a.set_defaults(func=_aggregate)
+
     g = sub.add_parser("diagnose", help="diagnose a job in the store")
     g.add_argument("--store", required=True, help="chDB data directory")
     g.add_argument("--job", help="job id (default: the most recent job)")
@@ -94,9 +214,12 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO if a.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
-    )
+    handler = logging.StreamHandler()
+    if a.log_format == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING, handlers=[handler])
     return int(a.func(a))
 
 

