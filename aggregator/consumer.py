@@ -27,10 +27,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
-
-from profiler_hook.records import RecordError, decode
 
 from .metrics import Metrics
 from .store import Batch, Store, StoreError
@@ -92,6 +91,16 @@ class AggregateStats:
     seconds: float = 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class _Write:
+    """A batch on the writer thread, with the offsets to commit once it is stored."""
+
+    batch: Batch
+    offsets: dict[Any, int]
+    t0: float
+    future: Future[int | None]
+
+
 class Aggregator:
     """One consumer-group member: Kafka → validate → batched insert → commit."""
 
@@ -111,6 +120,8 @@ class Aggregator:
         self._offsets: dict[Any, int] = {}  # TopicPartition -> next offset to commit
         self._batch_t0 = 0.0
         self._consumer: Any = None
+        self._writer = ThreadPoolExecutor(max_workers=1)
+        self._in_flight: _Write | None = None
         self._stop = threading.Event()
 
     @property
@@ -139,6 +150,7 @@ class Aggregator:
         if stop is not None:
             self._stop = stop
         t0 = time.perf_counter()
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rankscope-writer")
         self._consumer = KafkaConsumer(**self.kafka.consumer_kwargs())
         self._consumer.subscribe([self.kafka.topic], listener=_Listener())
         log.info("aggregator started", extra={"topic": self.kafka.topic, "group": self.kafka.group})
@@ -146,7 +158,9 @@ class Aggregator:
         try:
             while not self._stop.is_set():
                 try:
-                    polled = self._consumer.poll(timeout_ms=self._poll_ms(), max_records=self.batching.records)
+                    polled = self._consumer.poll(
+                        timeout_ms=self._poll_ms(), max_records=self.batching.records
+                    )
                 except KafkaError as exc:  # the broker is away: keep the batch, wait, poll again
                     log.warning("Kafka poll failed; retrying: %s", exc)
                     polled = {}
@@ -160,13 +174,16 @@ class Aggregator:
                     last_message = time.monotonic()
                     self._update_lag()
                 if self._due():
-                    self._flush(retry=True)
+                    self._flush()
+                elif self._in_flight is not None and self._in_flight.future.done():
+                    self._finish()  # commit as soon as the write is done
                 if idle_exit_s is not None and time.monotonic() - last_message >= idle_exit_s:
                     log.info("no messages for %.1f s; stopping", idle_exit_s)
                     break
-            self._flush(retry=True)
+            self._flush(wait=True)
         finally:
             # No autocommit: only what was stored above is committed.
+            self._writer.shutdown(wait=True)
             self._consumer.close(autocommit=False)
             self.stats.seconds += time.perf_counter() - t0
             log.info(
@@ -204,34 +221,35 @@ class Aggregator:
             self._batch_t0 = time.monotonic()
         self.stats.consumed += 1
         self.metrics.consumed.inc()
-        value: bytes = m.value if m.value is not None else b""
-        try:
-            self._batch.add(decode(value))
-        except RecordError as exc:
-            self._dead_letter(m, value, str(exc))
-        except Exception as exc:  # a decoding bug must not stop the partition: keep the message
-            log.warning("unexpected error decoding a message; kept as a dead letter: %r", exc)
-            self._dead_letter(m, value, f"unexpected {type(exc).__name__}: {exc}")
+        value = m.value if m.value is not None else b""
+        self._batch.add_value(f"kafka:{m.topic}/{m.partition}", m.offset, m.key or b"", value)
         self._offsets[TopicPartition(m.topic, m.partition)] = m.offset + 1
 
-    def _dead_letter(self, m: Any, value: bytes, reason: str) -> None:
-        self._batch.dead_letter(f"kafka:{m.topic}/{m.partition}", m.offset, m.key or b"", value, reason)
+    def _flush(self, retry: bool = True, wait: bool = False) -> None:
+        """Hand the batch to the writer thread; first commit the batch before it once it is stored.
 
-    def _flush(self, retry: bool) -> bool:
-        """Store the batch, then commit its offsets. Returns False if it was not stored.
+        One batch is written while the next is consumed (chDB and the HTTP client release the GIL),
+        and offsets are committed in order, on this thread (the consumer is not thread-safe).
+        """
+        self._finish()
+        if self._offsets:
+            batch, offsets = self._batch, self._offsets
+            self._reset()
+            future = self._writer.submit(self._store, batch, retry)
+            self._in_flight = _Write(batch, offsets, time.perf_counter(), future)
+        if wait:
+            self._finish()
+
+    def _store(self, batch: Batch, retry: bool) -> int | None:
+        """On the writer thread: insert ``batch``; the records stored, or None if given up.
 
         With ``retry`` a failing insert is retried with backoff until it succeeds or :meth:`stop`
         is called; without, one failure gives the batch up (it is redelivered, never committed).
         """
-        if not self._offsets:
-            return True
-        t0 = time.perf_counter()
-        batch, offsets = self._batch, self._offsets
         wait = self.batching.retry_s
         while True:
             try:
-                stored = self.store.write_batch(batch)
-                break
+                return self.store.write_batch(batch)
             except StoreError as exc:
                 self.stats.insert_failures += 1
                 self.metrics.insert_failures.inc()
@@ -242,23 +260,30 @@ class Aggregator:
                     extra={"messages": len(batch)},
                 )
                 if not retry or self._stop.wait(wait):
-                    self._reset()
-                    return False
+                    return None
                 wait = min(wait * 2, self.batching.retry_max_s)
-        self._commit(offsets)
+
+    def _finish(self) -> None:
+        """Wait for the batch in flight; commit its offsets if it was stored."""
+        w, self._in_flight = self._in_flight, None
+        if w is None:
+            return
+        stored = w.future.result()
+        if stored is None:
+            return
+        batch = w.batch
+        self._commit(w.offsets)
         self.stats.stored += stored
         self.stats.dead_letters += batch.dead_letters
         self.stats.batches += 1
         self.metrics.stored.inc(stored)
         self.metrics.dead_letters.inc(batch.dead_letters)
         self.metrics.batch_records.observe(len(batch))
-        self.metrics.batch_seconds.observe(time.perf_counter() - t0)
+        self.metrics.batch_seconds.observe(time.perf_counter() - w.t0)
         log.debug(
             "batch stored",
             extra={"records": stored, "dead_letters": batch.dead_letters, "messages": len(batch)},
         )
-        self._reset()
-        return True
 
     def _commit(self, offsets: dict[Any, int]) -> None:
         from kafka.errors import KafkaError
@@ -280,7 +305,7 @@ class Aggregator:
     def _on_revoked(self) -> None:
         # Store what this member holds before its partitions move, so that the next owner starts
         # after it; one attempt only, as the rebalance is waiting (a failure means redelivery).
-        self._flush(retry=False)
+        self._flush(retry=False, wait=True)
 
     def _update_lag(self) -> None:
         for tp in self._consumer.assignment():

@@ -200,6 +200,60 @@ TABLES: dict[str, Table] = {
 JOB_TABLES = ("ranks", "steps", "heartbeats", "windows", "functions")
 """The tables whose rows belong to a job."""
 
+# --- window summaries parsed by ClickHouse ---------------------------------------------------------
+#
+# A window summary is ~300 function rows: checking and serializing them value by value in Python
+# caps one aggregator near 100 summaries/s. Instead the aggregator inserts the wire values as they
+# came (``FORMAT JSONEachRow``) into WINDOW_INPUT, a Null table that stores nothing; two
+# materialized views explode each value into its ``windows`` row and its ``functions`` rows. The
+# engine parses strictly: a value of the wrong type fails the insert, and the constraint below
+# fails it when a field is missing (NULL) or the version or type is wrong. The aggregator then
+# falls back to checking that batch record by record in Python, which dead-letters the bad ones.
+WINDOW_INPUT_NAME = "window_input"
+WINDOW_INPUT_OBJECTS = (WINDOW_INPUT_NAME, "windows_from_input", "functions_from_input")
+"""The input table and its two views."""
+_HEADER = [c for c in WINDOWS.columns if c[0] != "n_functions"]
+_REQUIRED = [name for name, type_ in _HEADER if not type_.startswith("Map")]
+_FUNCTION_ROW = [c for c in FUNCTIONS.columns if c not in _HEADER]
+
+
+def _nullable(name: str, type_: str) -> tuple[str, str]:
+    if name == "rank":
+        type_ = "Int64"  # range-checked below rather than wrapped around by the parser
+    return name, f"Nullable({type_.removeprefix('LowCardinality(').removesuffix(')')})"
+
+
+_INPUT_COLUMNS = [
+    ("v", "Nullable(Int64)"),
+    ("type", "Nullable(String)"),
+    *(_nullable(name, type_) if name in _REQUIRED else (name, type_) for name, type_ in _HEADER),
+    ("functions", f"Array(Tuple({', '.join(t for _, t in _FUNCTION_ROW)}))"),
+]
+_INPUT_CHECK = " AND ".join(
+    [f"v = {SCHEMA_VERSION}", "type = 'window'", "rank BETWEEN 0 AND 2147483647"]
+    + [f"`{name}` IS NOT NULL" for name in _REQUIRED]
+)
+
+
+def _window_input_ddl(database: str) -> list[str]:
+    """The Null input table and the two views that fill ``windows`` and ``functions`` from it."""
+    cols = ",\n    ".join(f"`{name}` {type_}" for name, type_ in _INPUT_COLUMNS)
+    t = f"`{database}`.`{WINDOW_INPUT_NAME}`"
+
+    def header(names: list[str]) -> str:
+        return ", ".join(f"assumeNotNull(`{n}`) AS `{n}`" if n in _REQUIRED else f"`{n}`" for n in names)
+
+    fn = ", ".join(f"f.{i} AS `{name}`" for i, (name, _) in enumerate(_FUNCTION_ROW, 1))
+    return [
+        f"CREATE TABLE IF NOT EXISTS {t} (\n    {cols},\n    CONSTRAINT complete CHECK {_INPUT_CHECK}\n)\n"
+        f"ENGINE = Null\nCOMMENT '{_COMMENT}'",
+        f"CREATE MATERIALIZED VIEW IF NOT EXISTS `{database}`.`{WINDOW_INPUT_OBJECTS[1]}` TO `{database}`.`windows` "
+        f"AS SELECT {header([n for n, _ in _HEADER])}, toInt32(length(functions)) AS n_functions FROM {t}",
+        f"CREATE MATERIALIZED VIEW IF NOT EXISTS `{database}`.`{WINDOW_INPUT_OBJECTS[2]}` TO `{database}`.`functions` "
+        f"AS SELECT {header([n for n, _ in FUNCTIONS.columns if n not in dict(_FUNCTION_ROW)])}, {fn} "
+        f"FROM {t} ARRAY JOIN functions AS f",
+    ]
+
 
 def check_identifier(database: str) -> str:
     """Return ``database`` if it is a plain identifier; it is spliced into SQL, so nothing else is."""
@@ -229,4 +283,6 @@ def ensure_schema(client: Any, database: str = DEFAULT_DATABASE) -> None:
     client.command(f"CREATE DATABASE IF NOT EXISTS `{database}`")
     for table in TABLES.values():
         client.command(table.ddl(database))
+    for ddl in _window_input_ddl(database):
+        client.command(ddl)
     log.debug("schema %s ready in database %s", SCHEMA_VERSION, database)

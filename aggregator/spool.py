@@ -21,8 +21,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from profiler_hook.records import RecordError, decode
-
 from .store import Batch, Store
 
 log = logging.getLogger(__name__)
@@ -56,18 +54,8 @@ class _Pass:
 
     def line(self, source: str, position: int, line: bytes) -> None:
         value = line.rstrip(b"\r\n")
-        if not value.strip():
-            return
-        try:
-            self.batch.add(decode(value))
-        except RecordError as exc:
-            self.batch.dead_letter(source, position, b"", value, str(exc))
-        except Exception as exc:
-            # A bug in decoding must not stall the spool: the same line would fail on every pass.
-            log.warning(
-                "unexpected error decoding %s at %d: %r; kept as a dead letter", source, position, exc
-            )
-            self.batch.dead_letter(source, position, b"", value, f"unexpected {type(exc).__name__}: {exc}")
+        if value.strip():
+            self.batch.add_value(source, position, b"", value)
 
     def advance(self, source: str, offset: int) -> None:
         """Mark ``source`` as read up to ``offset``; flushes when the batch is full."""

@@ -351,6 +351,10 @@ def test_malformed_messages_are_dead_lettered_with_the_reason_and_the_rest_is_st
     good = synthetic("dl", ranks=1, batches=2)
     bad_step = json.loads(encode(good[1])[1])
     bad_step["rows"][0][1] = "yesterday"  # a string where an Int64 goes
+    bad_window = json.loads(encode(good[-1])[1])
+    bad_window["functions"][3][3] = "many"  # a call count
+    no_job = json.loads(encode(good[-1])[1])
+    del no_job["job"]
     oversized = json.dumps({"v": 1, "type": "heartbeat", "stack": "x" * MAX_VALUE_BYTES}).encode()
     bad: list[tuple[bytes | None, bytes | None]] = [
         (b"dl/0", b"\xff\xfenot json"),
@@ -359,6 +363,10 @@ def test_malformed_messages_are_dead_lettered_with_the_reason_and_the_rest_is_st
         (b"dl/0", json.dumps(bad_step).encode()),
         (b"dl/0", oversized),
         (b"dl/0", None),
+        # Window summaries in the hook's encoding are parsed by ClickHouse; a bad one fails that
+        # insert, and the batch is then checked record by record.
+        (b"dl/0", json.dumps(bad_window, separators=(",", ":")).encode()),
+        (b"dl/0", json.dumps(no_job, separators=(",", ":")).encode()),
     ]
     # One partition keyed by one rank: good and bad messages interleave in a known order.
     produce(broker, "dl", [encode(good[0]), *bad[:3], *(encode(r) for r in good[1:]), *bad[3:]])
@@ -380,6 +388,8 @@ def test_malformed_messages_are_dead_lettered_with_the_reason_and_the_rest_is_st
     assert "steps.start_us must be an integer" in by_order[3]
     assert "exceeds the 1048576-byte limit" in by_order[4]
     assert "not JSON" in by_order[5]  # an empty (null) value
+    assert "functions.count must be an integer, got 'many'" in by_order[6]
+    assert "window record lacks field 'job'" in by_order[7]
     raw = letters.set_index(letters["position"].astype(int))["raw"]
     assert raw[min(reasons)] == "\\xff\\xfenot json"  # the raw bytes, invalid UTF-8 escaped
     assert len(raw[sorted(reasons)[4]]) == len(oversized)
