@@ -8,9 +8,10 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
-from . import functions, hangs, stragglers
+from . import communication, functions, hangs, stragglers
 from .data import JobData
 from .findings import Diagnosis, Finding
 
@@ -19,6 +20,7 @@ from .findings import Diagnosis, Finding
 class Settings:
     steps: stragglers.Settings = field(default_factory=stragglers.Settings)
     hangs: hangs.HangSettings = field(default_factory=hangs.HangSettings)
+    comm: communication.CommSettings = field(default_factory=communication.CommSettings)
     job_wide_ratio: float = 1.3
     """All ranks' step time grew by this factor from the first to the last chunks: job-wide."""
     min_confidence: float = 0.3
@@ -78,11 +80,31 @@ def _classify(
     return "compute", name, compute_excess / total, ev
 
 
-def _straggler_finding(st: stragglers.Straggler, data: JobData, hosts: dict[int, str]) -> Finding:
-    peers = [int(r) for r in data.ranks["rank"] if int(r) != st.rank] or sorted(
-        set(data.steps["rank"].astype(int)) - {st.rank}
-    )
-    excess = functions.compare(data.functions, st.rank, peers)
+def _straggler_findings(
+    sts: list[stragglers.Straggler], data: JobData, hosts: dict[int, str]
+) -> list[Finding]:
+    if not sts:
+        return []
+    culprits = [st.rank for st in sts]
+    everyone = data.ranks["rank"] if not data.ranks.empty else data.steps["rank"]
+    ranks = np.unique(everyone.to_numpy(dtype=np.int64))
+    # The peers are the ranks that are not culprits themselves (all others when everybody is one),
+    # evenly spread as functions.pick_peers does, without a Python list of every rank.
+    rest = ranks[~np.isin(ranks, culprits)]
+    rest = rest if rest.size else ranks
+    if rest.size > functions.MAX_PEERS:
+        rest = rest[(np.arange(functions.MAX_PEERS) * (rest.size / functions.MAX_PEERS)).astype(np.int64)]
+    peers = [int(r) for r in rest]
+    fs = data.functions
+    if not fs.empty:  # one pass over the functions of every rank, not one per culprit
+        fs = fs[fs["rank"].isin([*culprits, *peers])]
+    return [_straggler_finding(st, fs, [p for p in peers if p != st.rank], hosts) for st in sts]
+
+
+def _straggler_finding(
+    st: stragglers.Straggler, fs: pd.DataFrame, peers: list[int], hosts: dict[int, str]
+) -> Finding:
+    excess = functions.compare(fs, st.rank, peers)
     cause, fn, explained, ev = _classify(st, excess)
     persistence = st.chunks_flagged / max(st.chunks, 1)
     confidence = round(_effect(st.ratio) * persistence * min(1.0, max(0.5, explained)), 3)
@@ -115,62 +137,131 @@ def _straggler_finding(st: stragglers.Straggler, data: JobData, hosts: dict[int,
     )
 
 
+def _comm_finding(link: communication.SlowLink, hosts: dict[int, str]) -> Finding:
+    host = hosts.get(link.rank, "")
+    return Finding(
+        cause="communication",
+        ranks=[link.rank],
+        hosts=[host] if host else [],
+        function=link.pattern,
+        confidence=round(_effect(link.ratio) * link.windows_flagged / max(link.windows, 1), 3),
+        summary=(
+            f"rank {link.rank}{f' ({host})' if host else ''}: slow network link — it sends "
+            f"{link.gbps:.3g} GB/s in {link.pattern} where its peers send {link.peer_gbps:.3g} GB/s "
+            f"({link.ratio:.2f}x the time per byte); every rank's collectives wait for the slowest link"
+        ),
+        evidence={
+            "metric": "network send time per byte, without the wait for peers",
+            "rank_gbps": round(link.gbps, 3),
+            "peer_median_gbps": round(link.peer_gbps, 3),
+            "ratio": round(link.ratio, 3),
+            "windows_flagged": f"{link.windows_flagged}/{link.windows}",
+        },
+    )
+
+
+_LEVELS = (("nic", ("rank",)), ("host", ("rank", "nic")), ("switch", ("rank", "nic", "host")))
+"""Each topology level and the finding scopes it merges; a NIC only for communication culprits."""
+
+
 def _group_topology(found: list[Finding], ranks: pd.DataFrame) -> list[Finding]:
-    """Culprits that make up a whole host (or switch) become one finding naming it."""
-    for label in ("host", "switch"):
-        if ranks.empty or label not in ranks or ranks[label].nunique() < 2:
+    """Culprits that make up a whole NIC, host or switch become one finding naming it."""
+    for label, below in _LEVELS:
+        if ranks.empty or label not in ranks:
             continue
-        members = ranks.groupby(label)["rank"].apply(lambda s: sorted(int(r) for r in s)).to_dict()
+        cands = [
+            f
+            for f in found
+            if f.scope in below
+            and (f.scope != "rank" or len(f.ranks) == 1)
+            and (label != "nic" or f.cause == "communication")
+        ]
+        if not cands:
+            continue
+        culprit = {r for f in cands for r in f.ranks}
+        lab = ranks[["rank", label]].astype({"rank": "int64", label: str})
+        label_of = dict(lab[lab["rank"].isin(culprit)].itertuples(index=False, name=None))
+        if lab[label].nunique() < 2:
+            continue
         by_key: dict[tuple[str, str], list[Finding]] = defaultdict(list)
-        label_of = dict(zip(ranks["rank"].astype(int), ranks[label].astype(str), strict=False))
-        singles = [f for f in found if len(f.ranks) == 1 and f.scope == "rank"]
-        for f in singles:
-            by_key[(f.cause, label_of.get(f.ranks[0], ""))].append(f)
+        for f in cands:
+            places = {label_of.get(r, "") for r in f.ranks}
+            if len(places) == 1:
+                by_key[(f.cause, places.pop())].append(f)
+        wanted = {w for _, w in by_key if w}
+        mine = lab[lab[label].isin(wanted)]
+        members = {w: sorted(g.tolist()) for w, g in mine.groupby(label)["rank"]}
+        merged_ids: set[int] = set()
+        merged: list[Finding] = []
         for (cause, where), fs in by_key.items():
-            if (
-                not where
-                or len(members.get(where, [])) < 2
-                or sorted(f.ranks[0] for f in fs) != members[where]
-            ):
+            covered = sorted(r for f in fs for r in f.ranks)
+            if not where or len(members.get(where, [])) < 2 or covered != members[where]:
                 continue
-            fn = Counter(f.function for f in fs).most_common(1)[0][0]
-            merged = Finding(
-                cause=cause,
-                ranks=members[where],
-                hosts=sorted({h for f in fs for h in f.hosts}),
-                function=fn,
-                confidence=round(sum(f.confidence for f in fs) / len(fs), 3),
-                summary=f"{label} {where}: all its ranks {members[where]} are {cause} stragglers; look at the {label}",
-                evidence={"per_rank": {f.ranks[0]: f.evidence for f in fs}},
-                scope=label,
+            per_rank: dict[int, Any] = {}
+            for f in fs:
+                per_rank.update(
+                    f.evidence.get("per_rank", {}) if f.scope != "rank" else {f.ranks[0]: f.evidence}
+                )
+            merged_ids.update(id(f) for f in fs)
+            merged.append(
+                Finding(
+                    cause=cause,
+                    ranks=covered,
+                    hosts=sorted({h for f in fs for h in f.hosts}),
+                    function=Counter(f.function for f in fs).most_common(1)[0][0],
+                    confidence=round(sum(f.confidence for f in fs) / len(fs), 3),
+                    summary=(
+                        f"{label} {where}: all its {len(covered)} ranks {_some(covered)} are {cause} "
+                        f"{'culprits' if cause == 'communication' else 'stragglers'}; look at the {label}"
+                    ),
+                    evidence={label: where, "per_rank": per_rank},
+                    scope=label,
+                )
             )
-            found = [f for f in found if f not in fs] + [merged]
+        found = [f for f in found if id(f) not in merged_ids] + merged
     return found
 
 
+def _some(ranks: list[int], n: int = 8) -> str:
+    return str(ranks) if len(ranks) <= n else f"[{', '.join(map(str, ranks[:n]))}, ...]"
+
+
 def _job_wide(data: JobData, s: Settings) -> Finding | None:
-    df = stragglers.prepare(data.steps, s.steps)
-    if df.empty or df["chunk"].nunique() < 3:
+    g = stragglers.grid(data.steps, s.steps, ["dur_us", "own_us"])
+    if g is None or len(np.unique(g.chunk)) < 3:
         return None
-    per = df.groupby(["chunk", "rank"])["dur_us"].median().unstack("rank")
-    base = per.iloc[0]
-    growth = [float((per.iloc[i] / base).median()) for i in (-2, -1)]
-    ratio = min(growth)
-    if ratio < s.job_wide_ratio:
+    last = sorted(np.unique(g.chunk))
+    growth: dict[str, tuple[float, np.ndarray]] = {}
+    for col in ("dur_us", "own_us"):
+        per = stragglers.chunk_medians(g, col, s.steps.chunks)  # rank x chunk
+        with np.errstate(invalid="ignore", divide="ignore"):
+            ratio = min(float(np.nanmedian(per[:, c] / per[:, last[0]])) for c in last[-2:])
+        growth[col] = (ratio, per)
+    # Step time carries every slowdown but also the job's tail (each step waits for its slowest
+    # rank); own time is free of that noise for compute and data slowdowns. Own time alone is not
+    # enough: the job must have become slower too.
+    step_ratio, own_ratio = growth["dur_us"][0], growth["own_us"][0]
+    col = "dur_us"
+    if own_ratio > step_ratio and step_ratio >= 1 + (s.job_wide_ratio - 1) / 2:
+        col = "own_us"
+    ratio, per = growth[col]
+    if not ratio >= s.job_wide_ratio:
         return None
-    ranks = sorted(int(r) for r in per.columns)
+    ranks = [int(r) for r in g.ranks]
+    what = "step time" if col == "dur_us" else "own time per step (outside collectives)"
     return Finding(
         cause="job_wide",
         ranks=ranks,
         hosts=sorted(set(data.hosts().values())),
         function="step",
         confidence=round(_effect(ratio), 3),
-        summary=f"all {len(ranks)} ranks slowed down together: step time {ratio:.2f}x the job's own start",
+        summary=f"all {len(ranks)} ranks slowed down together: {what} {ratio:.2f}x the job's own start",
         evidence={
-            "metric": "median step time, last chunks vs first chunk",
-            "baseline_ms": _ms(float(base.median())),
-            "now_ms": _ms(float(per.iloc[-1].median())),
+            "metric": f"median {what}, last chunks vs first chunk",
+            "baseline_ms": _ms(float(np.nanmedian(per[:, last[0]]))),
+            "now_ms": _ms(float(np.nanmedian(per[:, last[-1]]))),
             "ratio": round(ratio, 3),
+            "step_time_ratio": round(step_ratio, 3),
         },
         scope="job",
     )
@@ -197,12 +288,18 @@ def diagnose(data: JobData, settings: Settings | None = None) -> Diagnosis:
     """Analyze one job's records; findings ranked by confidence (empty for a healthy job)."""
     s = settings or Settings()
     t0 = time.perf_counter()
-    hosts = data.hosts()
     found: list[Finding] = []
     hang = hangs.find(data.heartbeats, s.hangs)
+    sts = stragglers.find(data.steps, s.steps)
+    links = communication.find(data.functions, s.comm)
+    # Host names of the culprits only: a dict of every rank costs 0.1 s at 100,000 ranks.
+    culprits = [*(hang.ranks if hang else []), *(st.rank for st in sts), *(link.rank for link in links)]
+    r = data.ranks
+    hosts = JobData(job=data.job, ranks=r[r["rank"].isin(culprits)]).hosts() if culprits else {}
     if hang is not None:
         found.append(_hang_finding(hang, hosts))
-    found += [_straggler_finding(st, data, hosts) for st in stragglers.find(data.steps, s.steps)]
+    found += _straggler_findings(sts, data, hosts)
+    found += [_comm_finding(link, hosts) for link in links]
     found = _group_topology(found, data.ranks)
     if not found:
         jw = _job_wide(data, s)

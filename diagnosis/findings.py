@@ -23,7 +23,7 @@ class Finding:
     evidence: dict[str, Any] = field(default_factory=dict)
     """Numbers a person can check: the culprit's value, the peer median, the ratio, windows flagged."""
     scope: str = "rank"
-    """``rank``, ``host``, ``switch`` or ``job``: what the culprits have in common."""
+    """``rank``, ``nic``, ``host``, ``switch`` or ``job``: what the culprits have in common."""
 
     def __post_init__(self) -> None:
         if self.cause not in CAUSES:

@@ -40,7 +40,8 @@ class FunctionExcess:
         return self.rank_count >= self.peer_count + 0.5
 
 
-def _pick_peers(peers: list[int]) -> list[int]:
+def pick_peers(peers: list[int]) -> list[int]:
+    """At most ``MAX_PEERS`` of ``peers``, evenly spread."""
     if len(peers) <= MAX_PEERS:
         return peers
     stride = len(peers) / MAX_PEERS
@@ -51,7 +52,7 @@ def compare(functions: pd.DataFrame, rank: int, peers: list[int]) -> list[Functi
     """The culprit's functions, largest excess time per step over the peer median first."""
     if functions.empty or not peers:
         return []
-    peers = _pick_peers(sorted(peers))
+    peers = pick_peers(sorted(peers))
     f = functions[functions["rank"].isin([rank, *peers])]
     windows = set(f.loc[f["rank"] == rank, "window"])
     f = f[f["window"].isin(windows)]

@@ -13,6 +13,9 @@ from typing import Any
 
 import pandas as pd
 
+MAX_LISTED = 64
+"""Up to this many ranks, the evidence lists every rank's last sequence number and step."""
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class HangSettings:
@@ -61,7 +64,8 @@ def find(heartbeats: pd.DataFrame, s: HangSettings | None = None) -> Hang | None
     if not waiting.empty:
         top = waiting.sort_values(by="coll_seq").iloc[-1]
         group, seq = str(top["coll_group"]), int(top["coll_seq"])
-    behind = hb[[_seq(x, group) < seq for x in hb["last_seq"]]] if seq >= 0 else hb.iloc[0:0]
+    last = pd.Series([_seq(x, group) for x in hb["last_seq"]], index=hb.index, dtype="int64")
+    behind = hb[last < seq] if seq >= 0 else hb.iloc[0:0]
     culprits = sorted(set(behind["rank"].astype(int)) | set(silent["rank"].astype(int)))
     if culprits:
         why = (
@@ -73,7 +77,13 @@ def find(heartbeats: pd.DataFrame, s: HangSettings | None = None) -> Hang | None
     else:  # all in the same collective: the transport itself is stuck
         culprits = sorted(stalled["rank"].astype(int))
         why = f"all stalled ranks wait in collective #{seq} of group '{group}'"
-    stacks = {int(r.rank): str(r.stack) for r in hb.itertuples() if int(r.rank) in culprits and r.stack}
+    mine = hb["rank"].isin(culprits)
+    stacks = {
+        int(r): str(st) for r, st in zip(hb.loc[mine, "rank"], hb.loc[mine, "stack"], strict=True) if st
+    }
+    # Every rank's numbers for a small job; at scale the culprits' and how many ranks are where.
+    shown = hb["rank"].isin(culprits) | (len(hb) <= MAX_LISTED)
+    ranks = hb.loc[shown, "rank"].astype(int)
     return Hang(
         ranks=culprits,
         stalled=sorted(stalled["rank"].astype(int)),
@@ -84,7 +94,8 @@ def find(heartbeats: pd.DataFrame, s: HangSettings | None = None) -> Hang | None
         evidence={
             "stalled_for_s": round(float(age.max()), 1),
             "waiting_in": {"group": group, "seq": seq},
-            "last_seq": {int(r.rank): _seq(r.last_seq, group) for r in hb.itertuples()},
-            "last_step": {int(r.rank): int(r.step) for r in hb.itertuples()},
+            "last_seq": dict(zip(ranks, last[shown].astype(int), strict=True)),
+            "last_step": dict(zip(ranks, hb.loc[shown, "step"].astype(int), strict=True)),
+            "ranks_by_last_seq": {int(k): int(v) for k, v in last.value_counts().sort_index().items()},
         },
     )

@@ -63,26 +63,81 @@ class Straggler:
         return self.own_us - self.peer_own_us
 
 
-def prepare(steps: pd.DataFrame, s: Settings) -> pd.DataFrame:
-    """The analyzed steps with derived columns and a chunk number."""
+MAX_PEERS = 4096
+"""Peers whose medians make the peer median (evenly spread): exact enough, and cheap at 100k ranks."""
+
+
+def nanmedian(a: np.ndarray, axis: int) -> np.ndarray:
+    """Median along ``axis`` ignoring NaN, vectorized (numpy's loops over rows in Python)."""
+    if not np.isnan(a).any():
+        return np.median(a, axis=axis)  # a partition, cheaper than the sort below
+    s = np.sort(a, axis=axis)  # NaN sort last
+    n = np.sum(~np.isnan(a), axis=axis, keepdims=True)
+    lo = np.take_along_axis(s, np.maximum((n - 1) // 2, 0), axis=axis)
+    hi = np.take_along_axis(s, np.maximum(n // 2, 0), axis=axis)
+    out = np.where(n > 0, (lo + hi) / 2, np.nan)
+    return np.squeeze(out, axis=axis)
+
+
+@dataclass(frozen=True, slots=True)
+class Grid:
+    """The analyzed steps as rank x step arrays (NaN where a rank has no row for a step)."""
+
+    ranks: np.ndarray
+    chunk: np.ndarray
+    """The chunk number of each step column."""
+    values: dict[str, np.ndarray]
+
+
+def _index(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(sorted distinct values, each value's position among them), like ``np.unique``."""
+    lo, hi = int(values.min()), int(values.max())
+    if hi - lo > 4 * len(values) + 1024:
+        return np.unique(values, return_inverse=True)
+    present = np.zeros(hi - lo + 1, dtype=bool)  # rank numbers are dense: no sort needed
+    present[values - lo] = True
+    position = np.cumsum(present) - 1
+    return np.flatnonzero(present) + lo, position[values - lo]
+
+
+def grid(steps: pd.DataFrame, s: Settings, columns: list[str]) -> Grid | None:
+    """The analyzed steps of ``columns`` (``own_us`` derived): the most recent ``last_steps``
+    after ``warmup_steps``, split into ``chunks`` consecutive chunks."""
     if steps.empty:
-        return steps.assign(own_us=[], chunk=[])
-    lo = int(steps["step"].min()) + s.warmup_steps
-    hi = int(steps["step"].max())
+        return None
+    step = steps["step"].to_numpy(dtype=np.int64)
+    lo = int(step.min()) + s.warmup_steps
+    hi = int(step.max())
     lo = max(lo, hi - s.last_steps + 1)
-    df = steps[(steps["step"] >= lo) & (steps["step"] <= hi)].copy()
-    df["own_us"] = (df["dur_us"] - df["comm_us"]).clip(lower=0)
-    span = max(hi - lo + 1, 1)
-    df["chunk"] = ((df["step"] - lo) * s.chunks // span).clip(upper=s.chunks - 1)
-    return df
+    sel = (step >= lo) & (step <= hi)
+    if not sel.any():
+        return None
+    ranks, ri = _index(steps["rank"].to_numpy(dtype=np.int64)[sel])
+    si = step[sel] - lo
+    span = hi - lo + 1
+    cell = ri * span + si
+    # The store returns rows ordered by rank and step: then the grid is the column, reshaped.
+    dense = len(cell) == len(ranks) * span and bool(np.all(cell == np.arange(len(cell))))
+    values = {}
+    need = set(columns) - {"own_us"} | ({"dur_us", "comm_us"} if "own_us" in columns else set())
+    for c in sorted(need):
+        x = steps[c].to_numpy(dtype=np.float64)[sel]
+        if dense:
+            values[c] = x.reshape(len(ranks), span)
+            continue
+        g = np.full(len(ranks) * span, np.nan)
+        g[cell] = x
+        values[c] = g.reshape(len(ranks), span)
+    if "own_us" in columns:
+        values["own_us"] = np.clip(values["dur_us"] - values["comm_us"], 0, None)
+    chunk = np.minimum(np.arange(span) * s.chunks // max(span, 1), s.chunks - 1)
+    return Grid(ranks=ranks, chunk=chunk, values=values)
 
 
-def robust_z(values: pd.Series, floor_frac: float) -> tuple[pd.Series, float]:
-    """(z-scores, median): median/MAD, the scale never below ``floor_frac`` x median."""
-    med = float(values.median())
-    mad = float((values - med).abs().median()) * 1.4826
-    scale = max(mad, floor_frac * abs(med), 1e-9)
-    return (values - med) / scale, med
+def chunk_medians(g: Grid, column: str, chunks: int) -> np.ndarray:
+    """rank x chunk medians of ``column`` (NaN where a rank has no step in a chunk)."""
+    v = g.values[column]
+    return np.stack([nanmedian(v[:, g.chunk == c], axis=1) for c in range(chunks)], axis=1)
 
 
 def find(steps: pd.DataFrame, s: Settings | None = None) -> list[Straggler]:
@@ -93,51 +148,59 @@ def find(steps: pd.DataFrame, s: Settings | None = None) -> list[Straggler]:
     longer this rank worked than the others on the very same step.
     """
     s = s or Settings()
-    df = prepare(steps, s)
-    if df.empty or df["rank"].nunique() < 3:
+    cols = ["own_us", "data_us", "comm_us", "cpu_us", "nivcsw"]
+    g = grid(steps, s, cols)
+    if g is None or len(g.ranks) < 3:
         return []  # two ranks cannot outvote each other
-    step_med = df.groupby("step")["own_us"].transform("median").clip(lower=1.0)
-    df = df.assign(rel=df["own_us"] / step_med)
-    per = df.groupby(["chunk", "rank"])["rel"].median().reset_index()
-    flagged: dict[int, int] = {}
+    own = g.values["own_us"]
+    step_med = np.clip(nanmedian(own, axis=0), 1.0, None)
+    g.values["rel"] = own / step_med[None, :]
+    per = chunk_medians(g, "rel", s.chunks)
+    flagged = np.zeros(len(g.ranks), dtype=np.int64)
     n_chunks = 0
-    for _, g in per.groupby("chunk"):
-        if len(g) < 3:
+    for c in range(s.chunks):
+        col = per[:, c]
+        valid = ~np.isnan(col)
+        if valid.sum() < 3:
             continue
         n_chunks += 1
-        z, med = robust_z(g["rel"], s.mad_floor)
-        slow = g["rel"] >= s.min_ratio * med
-        if len(g) >= s.z_min_ranks:
-            slow &= z >= s.min_z
-        slow = g[slow]
-        for r in slow["rank"].astype(int):
-            flagged[r] = flagged.get(r, 0) + 1
+        med = float(np.median(col[valid]))
+        mad = float(np.median(np.abs(col[valid] - med))) * 1.4826
+        scale = max(mad, s.mad_floor * abs(med), 1e-9)
+        with np.errstate(invalid="ignore"):
+            slow = col >= s.min_ratio * med
+            if valid.sum() >= s.z_min_ranks:
+                slow &= (col - med) / scale >= s.min_z
+        flagged += slow
     need = max(2, int(np.ceil(s.persistence * n_chunks))) if n_chunks > 1 else 1
-    culprits = sorted(r for r, n in flagged.items() if n >= need)
-    if not culprits:
+    is_culprit = flagged >= need
+    if not is_culprit.any():
         return []
-    cols = ["rel", "own_us", "data_us", "comm_us", "cpu_us", "nivcsw"]
-    med = df.groupby("rank")[cols].median()
-    peers = med.drop(index=culprits, errors="ignore")
-    if peers.empty:
+    peer_idx = np.flatnonzero(~is_culprit)
+    if peer_idx.size == 0:
         return []  # everybody is "slow": that is a job-wide question, not a straggler
-    pm = peers.median()
+    if peer_idx.size > MAX_PEERS:
+        peer_idx = peer_idx[np.linspace(0, peer_idx.size - 1, MAX_PEERS).astype(np.int64)]
+    cul_idx = np.flatnonzero(is_culprit)
+    names = ["rel", *cols]
+    own_med = {c: nanmedian(g.values[c][cul_idx], axis=1) for c in names}
+    pm = {c: float(np.nanmedian(nanmedian(g.values[c][peer_idx], axis=1))) for c in names}
     return [
         Straggler(
-            rank=r,
-            chunks_flagged=flagged[r],
+            rank=int(g.ranks[i]),
+            chunks_flagged=int(flagged[i]),
             chunks=n_chunks,
-            ratio=float(med.at[r, "rel"] / max(pm["rel"], 1e-9)),
-            own_us=float(med.at[r, "own_us"]),
-            peer_own_us=float(pm["own_us"]),
-            data_us=float(med.at[r, "data_us"]),
-            peer_data_us=float(pm["data_us"]),
-            comm_us=float(med.at[r, "comm_us"]),
-            peer_comm_us=float(pm["comm_us"]),
-            cpu_us=float(med.at[r, "cpu_us"]),
-            peer_cpu_us=float(pm["cpu_us"]),
-            nivcsw=float(med.at[r, "nivcsw"]),
-            peer_nivcsw=float(pm["nivcsw"]),
+            ratio=float(own_med["rel"][j] / max(pm["rel"], 1e-9)),
+            own_us=float(own_med["own_us"][j]),
+            peer_own_us=pm["own_us"],
+            data_us=float(own_med["data_us"][j]),
+            peer_data_us=pm["data_us"],
+            comm_us=float(own_med["comm_us"][j]),
+            peer_comm_us=pm["comm_us"],
+            cpu_us=float(own_med["cpu_us"][j]),
+            peer_cpu_us=pm["cpu_us"],
+            nivcsw=float(own_med["nivcsw"][j]),
+            peer_nivcsw=pm["nivcsw"],
         )
-        for r in culprits
+        for j, i in enumerate(cul_idx)
     ]
