@@ -35,6 +35,9 @@ class CommSettings:
     """The robust deviation is never taken below this fraction of the median."""
     persistence: float = 0.5
     """A culprit must be slow in at least this fraction of the windows that saw it."""
+    min_excess_us: float = 20_000.0
+    """...and spend at least this much longer sending in the window than the peers' rate implies.
+    Kernels count TCP busy time in jiffies (1-10 ms), so on a fast link a few ms are noise."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -73,6 +76,7 @@ def find(functions: pd.DataFrame, s: CommSettings | None = None) -> list[SlowLin
             "window": f["window"],
             "name": f["name"].astype(str),
             "t": _per_call_us(f) / f["nbytes"].astype(float),
+            "nbytes": f["nbytes"].astype(float),
         }
     )
     groups = f.groupby(["window", "name"])["t"]
@@ -81,7 +85,7 @@ def find(functions: pd.DataFrame, s: CommSettings | None = None) -> list[SlowLin
     mad = (f["t"] - med).abs().groupby([f["window"], f["name"]]).transform("median") * 1.4826
     scale = np.maximum(np.maximum(mad, s.mad_floor * med), 1e-30)
     ratio = f["t"] / med
-    slow = (ratio >= s.min_ratio) & (n >= 3)
+    slow = (ratio >= s.min_ratio) & (n >= 3) & ((f["t"] - med) * f["nbytes"] >= s.min_excess_us)
     slow &= ((f["t"] - med) / scale >= s.min_z) | (n < s.z_min_ranks)
     f = f.assign(ratio=ratio, slow=slow, peer_t=med)
     suspects = f.loc[f["slow"], ["rank", "name"]].drop_duplicates()
@@ -106,8 +110,8 @@ def find(functions: pd.DataFrame, s: CommSettings | None = None) -> list[SlowLin
                 rank=int(rank),
                 pattern=str(name),
                 ratio=float(r["ratio"]),
-                gbps=1e-3 / float(r["t"]),
-                peer_gbps=1e-3 / float(r["peer_t"]),
+                gbps=1e-3 / max(float(r["t"]), 1e-12),
+                peer_gbps=1e-3 / max(float(r["peer_t"]), 1e-12),
                 windows_flagged=int(r["flagged"]),
                 windows=windows,
             )

@@ -23,7 +23,8 @@ from typing import Any, TypeVar
 
 from .collectives import CollectiveTracker
 from .config import Config, Identity
-from .records import Heartbeat, RankInfo, StepBatch, StepRow, WindowSummary
+from .netstat import Counters, send_pattern, tcp_counters
+from .records import FunctionPattern, Heartbeat, RankInfo, StepBatch, StepRow, WindowSummary
 from .shipper import Shipper
 from .sinks import NullSink, Sink, make_sink
 from .watchdog import Watchdog
@@ -56,6 +57,8 @@ class Hook:
         self._usage = _thread_usage()
         self._prof: Any = None
         self._window: tuple[int, int, int, int] | None = None
+        self._net: Counters = {}
+        """TCP send counters at the window's start."""
         self._summarizers: list[threading.Thread] = []
         self.tracker = CollectiveTracker()
         if not self.enabled:
@@ -199,6 +202,7 @@ class Hook:
         self._prof.start()
         number = (s - cfg.window_offset) // cfg.window_every
         self._window = (number, s, s + cfg.window_steps, time.time_ns())
+        self._net = tcp_counters()
         self.tracker.recording = []
 
     def _maybe_stop_window(self) -> None:
@@ -207,13 +211,14 @@ class Hook:
         prof, (number, lo, hi, t0) = self._prof, self._window
         prof.stop()
         dur_ns = time.time_ns() - t0
+        net = send_pattern(self._net, tcp_counters())
         calls, self.tracker.recording = self.tracker.recording or [], None
         self._prof, self._window = None, None
         origin = self._origin()
         # Reading the events takes tens of milliseconds: do it off the training thread.
         t = threading.Thread(
             target=self._summarize,
-            args=(prof, calls, number, lo, hi, dur_ns, origin),
+            args=(prof, calls, number, lo, hi, dur_ns, origin, net),
             name="rankscope-summarize",
             daemon=True,
         )
@@ -221,7 +226,15 @@ class Hook:
         t.start()
 
     def _summarize(
-        self, prof: Any, calls: list, number: int, lo: int, hi: int, dur_ns: int, origin: dict
+        self,
+        prof: Any,
+        calls: list,
+        number: int,
+        lo: int,
+        hi: int,
+        dur_ns: int,
+        origin: dict,
+        net: FunctionPattern | None,
     ) -> None:
         try:
             from .summarize import summarize
@@ -242,7 +255,7 @@ class Hook:
                     dur_us=dur_ns // 1000,
                     busy=busy,
                     n_events=n,
-                    functions=tuple(functions),
+                    functions=(*functions, net) if net else tuple(functions),
                 )
             )
         except Exception as exc:

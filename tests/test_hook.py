@@ -4,6 +4,7 @@ and real multi-rank gloo jobs."""
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import threading
@@ -248,3 +249,41 @@ def test_hook_in_spawned_gloo_ranks(tmp_path: Path) -> None:
 def test_fault_settings_are_validated() -> None:
     with pytest.raises(ValueError, match="unknown fault"):
         Fault(kind="cosmic-ray")
+
+
+def test_tcp_send_counters_see_a_real_bulk_transfer_and_not_idle_connections() -> None:
+    from profiler_hook.netstat import MIN_BYTES, SEND_PATTERN, send_pattern, tcp_counters
+
+    server = socket.create_server(("127.0.0.1", 0))
+    received = 0
+
+    def read(conn: socket.socket) -> None:
+        nonlocal received
+        with conn:
+            while chunk := conn.recv(1 << 20):
+                received += len(chunk)
+
+    def accept() -> None:
+        for _ in range(2):
+            threading.Thread(target=read, args=(server.accept()[0],), daemon=True).start()
+
+    acceptor = threading.Thread(target=accept, daemon=True)
+    acceptor.start()
+    with (
+        socket.create_connection(server.getsockname()) as idle,
+        socket.create_connection(server.getsockname()) as bulk,
+    ):
+        del idle  # connected, never sends: below MIN_BYTES, left out
+        before = tcp_counters()
+        bulk.sendall(b"x" * (32 << 20))
+        deadline = time.monotonic() + 10
+        while received < 32 << 20 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        p = send_pattern(before, tcp_counters())
+    acceptor.join(10)
+    server.close()
+    assert p is not None and p.name == SEND_PATTERN and p.kind == "collective"
+    assert p.count == 1  # the bulk connection only
+    assert 32 << 20 <= p.nbytes < (32 << 20) + MIN_BYTES
+    assert p.total_us > 0
+    assert send_pattern(before, before) is None
