@@ -25,8 +25,10 @@ Example::
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,11 +74,15 @@ class KafkaSettings:
 class BatchSettings:
     records: int = 5000
     """Write once the batch holds this many messages…"""
+    bytes: int = 64 << 20
+    """…or this many bytes of messages (~1,700 window summaries)…"""
     seconds: float = 1.0
     """…or once its first message is this old."""
     retry_s: float = 0.5
     """First wait before retrying a failed insert; doubles up to ``retry_max_s``."""
     retry_max_s: float = 30.0
+    writers: int = 2
+    """Batches written at once, each through its own connection (one more parses while one waits)."""
 
 
 @dataclass(slots=True)
@@ -120,8 +126,10 @@ class Aggregator:
         self._offsets: dict[Any, int] = {}  # TopicPartition -> next offset to commit
         self._batch_t0 = 0.0
         self._consumer: Any = None
-        self._writer = ThreadPoolExecutor(max_workers=1)
-        self._in_flight: _Write | None = None
+        self._in_flight: deque[_Write] = deque()
+        self._writers = 1
+        self._gave_up = False
+        self._stores: queue.SimpleQueue[Store] = queue.SimpleQueue()
         self._stop = threading.Event()
 
     @property
@@ -145,12 +153,18 @@ class Aggregator:
                 agg._on_revoked()
 
             def on_partitions_assigned(self, assigned: Any) -> None:
+                agg._gave_up = False  # positions restart from the committed offsets
                 log.info("partitions assigned", extra={"partitions": sorted(str(tp) for tp in assigned)})
 
         if stop is not None:
             self._stop = stop
         t0 = time.perf_counter()
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rankscope-writer")
+        reopen = self.store.reopen
+        self._writers = max(1, self.batching.writers) if reopen is not None else 1
+        extra = [reopen() for _ in range(self._writers - 1)] if reopen is not None else []
+        for st in (self.store, *extra):
+            self._stores.put(st)
+        self._writer = ThreadPoolExecutor(max_workers=self._writers, thread_name_prefix="rankscope-writer")
         self._consumer = KafkaConsumer(**self.kafka.consumer_kwargs())
         self._consumer.subscribe([self.kafka.topic], listener=_Listener())
         log.info("aggregator started", extra={"topic": self.kafka.topic, "group": self.kafka.group})
@@ -175,8 +189,8 @@ class Aggregator:
                     self._update_lag()
                 if self._due():
                     self._flush()
-                elif self._in_flight is not None and self._in_flight.future.done():
-                    self._finish()  # commit as soon as the write is done
+                else:
+                    self._finish(wait=False)  # commit what is stored already
                 if idle_exit_s is not None and time.monotonic() - last_message >= idle_exit_s:
                     log.info("no messages for %.1f s; stopping", idle_exit_s)
                     break
@@ -184,6 +198,8 @@ class Aggregator:
         finally:
             # No autocommit: only what was stored above is committed.
             self._writer.shutdown(wait=True)
+            for st in extra:
+                st.close()
             self._consumer.close(autocommit=False)
             self.stats.seconds += time.perf_counter() - t0
             log.info(
@@ -210,8 +226,10 @@ class Aggregator:
 
     def _due(self) -> bool:
         n = len(self._batch)
-        return n >= self.batching.records or (
-            n > 0 and time.monotonic() - self._batch_t0 >= self.batching.seconds
+        return (
+            n >= self.batching.records
+            or self._batch.nbytes >= self.batching.bytes
+            or (n > 0 and time.monotonic() - self._batch_t0 >= self.batching.seconds)
         )
 
     def _take(self, m: Any) -> None:
@@ -226,19 +244,21 @@ class Aggregator:
         self._offsets[TopicPartition(m.topic, m.partition)] = m.offset + 1
 
     def _flush(self, retry: bool = True, wait: bool = False) -> None:
-        """Hand the batch to the writer thread; first commit the batch before it once it is stored.
+        """Hand the batch to a writer thread; commit the batches before it as they are stored.
 
-        One batch is written while the next is consumed (chDB and the HTTP client release the GIL),
-        and offsets are committed in order, on this thread (the consumer is not thread-safe).
+        Batches are written while the next is consumed (chDB and the HTTP client release the GIL),
+        ``writers`` at a time, and their offsets are committed in order, on this thread (the
+        consumer is not thread-safe).
         """
-        self._finish()
+        if len(self._in_flight) >= self._writers:
+            self._finish(wait=True, all_=False)
         if self._offsets:
             batch, offsets = self._batch, self._offsets
             self._reset()
             future = self._writer.submit(self._store, batch, retry)
-            self._in_flight = _Write(batch, offsets, time.perf_counter(), future)
+            self._in_flight.append(_Write(batch, offsets, time.perf_counter(), future))
         if wait:
-            self._finish()
+            self._finish(wait=True)
 
     def _store(self, batch: Batch, retry: bool) -> int | None:
         """On the writer thread: insert ``batch``; the records stored, or None if given up.
@@ -246,10 +266,17 @@ class Aggregator:
         With ``retry`` a failing insert is retried with backoff until it succeeds or :meth:`stop`
         is called; without, one failure gives the batch up (it is redelivered, never committed).
         """
+        store = self._stores.get()  # this thread's connection while it writes
+        try:
+            return self._write(store, batch, retry)
+        finally:
+            self._stores.put(store)
+
+    def _write(self, store: Store, batch: Batch, retry: bool) -> int | None:
         wait = self.batching.retry_s
         while True:
             try:
-                return self.store.write_batch(batch)
+                return store.write_batch(batch)
             except StoreError as exc:
                 self.stats.insert_failures += 1
                 self.metrics.insert_failures.inc()
@@ -263,14 +290,25 @@ class Aggregator:
                     return None
                 wait = min(wait * 2, self.batching.retry_max_s)
 
-    def _finish(self) -> None:
-        """Wait for the batch in flight; commit its offsets if it was stored."""
-        w, self._in_flight = self._in_flight, None
-        if w is None:
-            return
-        stored = w.future.result()
-        if stored is None:
-            return
+    def _finish(self, wait: bool, all_: bool = True) -> None:
+        """Commit the stored batches at the head of the line, in order.
+
+        With ``wait`` wait for every batch in flight (``all_``) or for the oldest one; without,
+        stop at the first that is still being written. A batch given up is not committed.
+        """
+        first = True
+        while self._in_flight and (self._in_flight[0].future.done() or (wait and (all_ or first))):
+            first = False
+            w = self._in_flight.popleft()
+            stored = w.future.result()
+            if stored is None:
+                # Its messages will come again once positions are reset from the committed
+                # offsets (a rebalance, a restart): committing a later batch would skip them.
+                self._gave_up = True
+            elif not self._gave_up:
+                self._committed(w, stored)
+
+    def _committed(self, w: _Write, stored: int) -> None:
         batch = w.batch
         self._commit(w.offsets)
         self.stats.stored += stored

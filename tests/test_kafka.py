@@ -342,7 +342,7 @@ def test_a_failing_insert_is_retried_and_nothing_is_committed_before_it_succeeds
 
         monkeypatch.setattr(store, "write_batch", flaky)
         metrics = Metrics()
-        agg = Aggregator(store, settings(broker, "flaky"), BatchSettings(retry_s=0.1), metrics)
+        agg = Aggregator(store, settings(broker, "flaky"), BatchSettings(retry_s=0.1, writers=1), metrics)
         stats = agg.run(idle_exit_s=4)
         assert stats.insert_failures == metrics.value("insert_failures_total") == 2
         assert stats.stored == len(records)
