@@ -11,10 +11,25 @@ Faults (only on ``Fault.rank``):
                 zero padding that is sliced off again), so the same operators take longer.
 ``dataloader``  slow storage: each batch fetch waits ``delay_ms`` more.
 ``code_path``   the rank runs an extra Python function every step (a gradient audit).
+
+More, for the fault suite (``benchmarks/faults.py``):
+
+``job_wide``    every rank becomes ``factor``× slower (a bad library, config or shared dependency).
+``hang``        the rank blocks for good: before the all-reduce, inside its data loader's fetch, or
+                spinning in a Python function (``hang_at``). The suite stops the job afterwards.
+``host`` ``nic`` ``switch``  applied from outside the job (a CPU hog on the rank's core, a
+                rate-limited network link); in the ranks they only mark the onset.
+
+Every fault starts at ``onset_step`` or, with ``onset_s`` >= 0, at the first step after rank 0 has
+trained that many seconds (rank 0 tells the others through the all-reduce, so all ranks agree on
+the step). ``on_steps``/``off_steps`` make it intermittent. The first faulty step is written to
+``JobSpec.marker_dir`` (``onset-r<rank>``: time and step), which tells the suite when the fault began
+and when to apply the external ones.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -22,27 +37,50 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 FAULTS = ("none", "compute", "dataloader", "code_path")
+"""The faults ``rankscope demo`` offers."""
+SUITE_FAULTS = (*FAULTS, "job_wide", "hang", "host", "nic", "switch")
+"""Every fault kind; the last three are applied from outside the ranks (see the fault suite)."""
+HANG_SITES = ("collective", "dataloader", "python")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Fault:
     kind: str = "none"
     rank: int = 2
+    ranks: tuple[int, ...] = ()
+    """More faulty ranks besides ``rank`` (a host or a switch); ``job_wide`` is on every rank."""
     factor: float = 2.0
-    """compute: how many times more work each layer does on the faulty rank."""
+    """compute, job_wide: how many times more work each layer does on the faulty rank."""
     delay_ms: float = 15.0
     """dataloader: extra wait per batch on the faulty rank."""
+    stall_every: int = 1
+    """dataloader: only every this-many-th batch waits ``delay_ms`` (1: every batch)."""
     audit_rounds: int = 12
     """code_path: how many times the extra function walks the gradients per step."""
+    hang_at: str = "collective"
+    """hang: where the rank blocks, one of ``HANG_SITES``."""
+    onset_step: int = 0
+    """The fault starts at this step (ignored when ``onset_s`` >= 0)."""
+    onset_s: float = -1.0
+    """If >= 0, the fault starts at the first step after rank 0 has trained this many seconds."""
+    on_steps: int = 0
+    """If > 0, the fault is intermittent: on for this many steps, then off for ``off_steps``."""
+    off_steps: int = 0
 
     def __post_init__(self) -> None:
-        if self.kind not in FAULTS:
-            raise ValueError(f"unknown fault {self.kind!r}; choose one of {', '.join(FAULTS)}")
+        if self.kind not in SUITE_FAULTS:
+            raise ValueError(f"unknown fault {self.kind!r}; choose one of {', '.join(SUITE_FAULTS)}")
         if self.factor < 1:
             raise ValueError(f"Fault.factor must be >= 1, got {self.factor}")
+        if self.hang_at not in HANG_SITES:
+            raise ValueError(f"Fault.hang_at must be one of {', '.join(HANG_SITES)}, got {self.hang_at!r}")
+        if self.stall_every < 1 or self.on_steps < 0 or self.off_steps < 0:
+            raise ValueError("Fault.stall_every must be >= 1, Fault.on_steps and Fault.off_steps >= 0")
 
     def on(self, rank: int) -> str:
-        return self.kind if rank == self.rank else "none"
+        if self.kind == "job_wide" or rank == self.rank or rank in self.ranks:
+            return self.kind
+        return "none"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -63,6 +101,19 @@ class JobSpec:
     """If > 0, the hook works only in even blocks of this many steps (an A/B inside one run)."""
     log_dir: str = ""
     """If set, each rank's stderr goes to ``<log_dir>/rank<R>.log``."""
+    switches: int = 0
+    """If > 0, hosts are spread over this many simulated switches (``RANKSCOPE_SWITCH=sw0``, ...)."""
+    master_addr: str = "127.0.0.1"
+    netns: dict[int, str] = field(default_factory=dict)
+    """Rank -> network namespace (a name under /run/netns) the rank joins before connecting."""
+    ifname: dict[int, str] = field(default_factory=dict)
+    """Rank -> network interface gloo binds to (``GLOO_SOCKET_IFNAME``)."""
+    pin_cpu: dict[int, int] = field(default_factory=dict)
+    """Rank -> the one CPU core the rank is pinned to."""
+    marker_dir: str = ""
+    """If set, each faulty rank writes ``onset-r<rank>`` there at its first faulty step."""
+    timeout_s: float = 0.0
+    """If > 0, the process group's timeout (a collective waiting longer fails)."""
     progress: bool = True
     batch_size: int = 64
     hidden: int = 512
@@ -71,6 +122,83 @@ class JobSpec:
 def host_of(rank: int, spec: JobSpec) -> str:
     per_host = max(1, -(-spec.world_size // max(1, spec.hosts)))
     return f"node{rank // per_host}"
+
+
+def switch_of(rank: int, spec: JobSpec) -> str:
+    """The simulated switch of ``rank``'s host ('' without switches)."""
+    if spec.switches <= 0:
+        return ""
+    per_switch = max(1, -(-max(1, spec.hosts) // spec.switches))
+    return f"sw{int(host_of(rank, spec)[4:]) // per_switch}"
+
+
+class FaultClock:
+    """Whether the rank's fault is active at a step: after the onset, in the on-phase of a pattern."""
+
+    def __init__(self, fault: Fault, kind: str, rank: int, marker_dir: str) -> None:
+        self.fault, self.kind, self.rank, self.marker_dir = fault, kind, rank, marker_dir
+        self.onset = fault.onset_step if fault.onset_s < 0 else -1
+        self.step = 0
+        """The step being prepared or run (the data loader fetches its batch before it begins)."""
+        self._marked = False
+
+    def start_at(self, step: int) -> None:
+        """Rank 0 said the onset time has passed: the fault starts at ``step``."""
+        if self.onset < 0:
+            self.onset = step
+
+    def active(self, step: int | None = None) -> bool:
+        step = self.step if step is None else step
+        if self.kind == "none" or self.onset < 0 or step < self.onset:
+            return False
+        f = self.fault
+        if f.on_steps > 0 and (step - self.onset) % (f.on_steps + f.off_steps) >= f.on_steps:
+            return False
+        if not self._marked:
+            self._marked = True
+            self._mark(step)
+        return True
+
+    def _mark(self, step: int) -> None:
+        if not self.marker_dir:
+            return
+        path = os.path.join(self.marker_dir, f"onset-r{self.rank}")
+        with open(path + ".tmp", "w") as fh:
+            json.dump({"time": time.time(), "step": step, "rank": self.rank, "kind": self.kind}, fh)
+        os.replace(path + ".tmp", path)  # readers never see a half-written marker
+
+
+def _join_netns(name: str) -> None:
+    """Move this process into network namespace ``name`` (as ``ip netns exec`` does)."""
+    import ctypes
+
+    clone_newnet = 0x40000000
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, clone_newnet) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns into network namespace {name!r} failed: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+def stuck_in_python(deadline: float) -> int:
+    """The Python-function hang: a retry loop that never succeeds (spins on the CPU)."""
+    n = 0
+    while time.time() < deadline:
+        n += sum(range(1000)) % 7
+    return n
+
+
+def _block(deadline: float) -> None:
+    """Block until ``deadline`` (the hang; the suite stops the job long before)."""
+    while time.time() < deadline:
+        time.sleep(0.5)
+
+
+HANG_S = 3600.0
+"""A hang lasts this long unless the job is stopped first."""
 
 
 def _model(hidden: int) -> Any:
@@ -106,14 +234,22 @@ def audit_gradients(model: Any, rounds: int) -> float:
 
 
 class _SlowCollate:
-    def __init__(self, delay_s: float) -> None:
+    def __init__(self, delay_s: float, clock: FaultClock | None = None) -> None:
         self.delay_s = delay_s
+        self.clock = clock
 
     def __call__(self, batch: list) -> Any:
         from torch.utils.data import default_collate
 
-        if self.delay_s:
-            time.sleep(self.delay_s)  # slow storage: the fetch waits, the CPU is idle
+        clock = self.clock
+        if clock is None:
+            if self.delay_s:
+                time.sleep(self.delay_s)  # slow storage: the fetch waits, the CPU is idle
+        elif clock.kind == "dataloader" and clock.active():
+            if (clock.step - clock.onset) % clock.fault.stall_every == 0:
+                time.sleep(self.delay_s)
+        elif clock.kind == "hang" and clock.fault.hang_at == "dataloader" and clock.active():
+            _block(time.time() + HANG_S)  # a read from storage that never returns
         return default_collate(batch)
 
 
@@ -124,12 +260,29 @@ def run_rank(rank: int, spec: JobSpec) -> dict[str, Any]:
         fd = os.open(os.path.join(spec.log_dir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(fd, 2)
     os.environ["RANKSCOPE_HOST"] = host_of(rank, spec)
+    if spec.switches:
+        os.environ["RANKSCOPE_SWITCH"] = switch_of(rank, spec)
+    if rank in spec.netns:
+        _join_netns(spec.netns[rank])
+    if rank in spec.ifname:
+        os.environ["GLOO_SOCKET_IFNAME"] = spec.ifname[rank]
+    if rank in spec.pin_cpu:
+        os.sched_setaffinity(0, {spec.pin_cpu[rank]})
+    import datetime
+
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    extra: dict[str, Any] = {}
+    if spec.timeout_s > 0:
+        extra["timeout"] = datetime.timedelta(seconds=spec.timeout_s)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{spec.port}", rank=rank, world_size=spec.world_size
+        "gloo",
+        init_method=f"tcp://{spec.master_addr}:{spec.port}",
+        rank=rank,
+        world_size=spec.world_size,
+        **extra,
     )
     hook = None
     if spec.hook is not None:
@@ -158,7 +311,10 @@ def _train(rank: int, spec: JobSpec, hook: Any, fault: str) -> dict[str, Any]:
     data = TensorDataset(torch.randn(8192, 128, generator=g), torch.randint(0, 10, (8192,), generator=g))
     sampler: DistributedSampler = DistributedSampler(data, num_replicas=spec.world_size, rank=rank, seed=0)
     delay = spec.fault.delay_ms / 1e3 if fault == "dataloader" else 0.0
-    loader = DataLoader(data, batch_size=spec.batch_size, sampler=sampler, collate_fn=_SlowCollate(delay))
+    clock = FaultClock(spec.fault, fault, rank, spec.marker_dir)
+    loader = DataLoader(
+        data, batch_size=spec.batch_size, sampler=sampler, collate_fn=_SlowCollate(delay, clock)
+    )
     model = _model(spec.hidden)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     params = list(model.parameters())
@@ -172,18 +328,28 @@ def _train(rank: int, spec: JobSpec, hook: Any, fault: str) -> dict[str, Any]:
             active = hook is not None and (not spec.hook_blocks or (step // spec.hook_blocks) % 2 == 0)
             if active:
                 hook.begin_step(step)
+            faulty = clock.active(step)
             # Every rank takes the same code path; only the faulty one pads (does more work).
-            out = slow_device_forward(model, x, spec.fault.factor if fault == "compute" else 1.0)
+            slow = faulty and fault in ("compute", "job_wide")
+            out = slow_device_forward(model, x, spec.fault.factor if slow else 1.0)
             loss = torch.nn.functional.cross_entropy(out, y)
             opt.zero_grad()
             loss.backward()
-            if fault == "code_path":
+            if faulty and fault == "code_path":
                 audit_gradients(model, spec.fault.audit_rounds)
-            stop = _all_reduce_gradients(params, spec, step, start, rank)
+            if faulty and fault == "hang":
+                if spec.fault.hang_at == "python":
+                    stuck_in_python(time.time() + HANG_S)
+                elif spec.fault.hang_at == "collective":
+                    _block(time.time() + HANG_S)  # e.g. waiting on a lock another thread never frees
+            stop, onset = _all_reduce_gradients(params, spec, step, start, rank)
+            if onset:
+                clock.start_at(step + 1)
             opt.step()
             if active:
                 hook.end_step()
             step += 1
+            clock.step = step
             now = time.perf_counter()
             step_s.append(now)
             if spec.progress and rank == 0 and (now - last_print >= 5 or stop):
@@ -212,16 +378,20 @@ def _train(rank: int, spec: JobSpec, hook: Any, fault: str) -> dict[str, Any]:
     return result
 
 
-def _all_reduce_gradients(params: list, spec: JobSpec, step: int, start: float, rank: int) -> bool:
-    """Average gradients across ranks; the extra last element carries rank 0's stop decision."""
+def _all_reduce_gradients(
+    params: list, spec: JobSpec, step: int, start: float, rank: int
+) -> tuple[bool, bool]:
+    """Average gradients across ranks; two extra elements carry rank 0's stop and onset decisions."""
     import torch
     import torch.distributed as dist
 
-    flat = torch.cat([p.grad.reshape(-1) for p in params] + [torch.zeros(1)])
+    flat = torch.cat([p.grad.reshape(-1) for p in params] + [torch.zeros(2)])
     if rank == 0:
+        elapsed = time.perf_counter() - start
         done = spec.max_steps > 0 and step + 1 >= spec.max_steps
-        done = done or (spec.max_steps <= 0 and time.perf_counter() - start >= spec.seconds)
+        done = done or (spec.max_steps <= 0 and elapsed >= spec.seconds)
         flat[-1] = float(done)
+        flat[-2] = float(0 <= spec.fault.onset_s <= elapsed)
     dist.all_reduce(flat)
     flat /= spec.world_size
     offset = 0
@@ -229,11 +399,12 @@ def _all_reduce_gradients(params: list, spec: JobSpec, step: int, start: float, 
         n = p.numel()
         p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
         offset += n
-    return bool(flat[-1] > 0)
+    return bool(flat[-1] > 0), bool(flat[-2] > 0)
 
 
 def _entry(rank: int, spec_dict: dict[str, Any], results: Any) -> None:
-    spec = JobSpec(**{**spec_dict, "fault": Fault(**spec_dict["fault"])})
+    fault = spec_dict["fault"]
+    spec = JobSpec(**{**spec_dict, "fault": Fault(**{**fault, "ranks": tuple(fault["ranks"])})})
     results.put(run_rank(rank, spec))
 
 
@@ -246,6 +417,54 @@ def launch(spec: JobSpec) -> list[dict[str, Any]]:
     mp.start_processes(_entry, args=(asdict(spec), results), nprocs=spec.world_size, start_method="spawn")
     out = [results.get() for _ in range(spec.world_size)]
     return sorted(out, key=lambda r: r["rank"])
+
+
+class RunningJob:
+    """A job started without waiting for it: ``wait`` for its end with a deadline, or ``stop`` it.
+
+    For jobs that may hang: ``launch`` would wait forever.
+    """
+
+    def __init__(self, spec: JobSpec) -> None:
+        import torch.multiprocessing as mp
+
+        self.spec = spec
+        self._results = mp.get_context("spawn").SimpleQueue()
+        self._ctx = mp.start_processes(
+            _entry,
+            args=(asdict(spec), self._results),
+            nprocs=spec.world_size,
+            start_method="spawn",
+            join=False,
+        )
+
+    @property
+    def pids(self) -> list[int]:
+        return [int(p.pid) for p in self._ctx.processes]
+
+    def wait(self, timeout_s: float) -> list[dict[str, Any]] | None:
+        """Each rank's stats once all ranks ended, or None if they still run after ``timeout_s``.
+
+        Raises torch's ProcessRaisedException / ProcessExitedException if a rank failed.
+        """
+        deadline = time.monotonic() + timeout_s
+        while not self._ctx.join(timeout=0.5):
+            if time.monotonic() >= deadline:
+                return None
+        out = [self._results.get() for _ in range(self.spec.world_size)]
+        return sorted(out, key=lambda r: r["rank"])
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """Terminate every rank still running (SIGTERM, then SIGKILL after ``grace_s``)."""
+        procs = [p for p in self._ctx.processes if p.is_alive()]
+        for p in procs:
+            p.terminate()
+        deadline = time.monotonic() + grace_s
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join(5.0)
 
 
 def free_port() -> int:

@@ -1,0 +1,301 @@
+"""The fault suite: inject real faults into real multi-rank jobs and score the diagnosis.
+
+    python -m benchmarks.faults [--suite full|ci] [--only NAME] [--json PATH] [--keep DIR]
+
+For each scenario in ``benchmarks/scenarios/`` (see :mod:`benchmarks.scenarios`) it trains the
+CPU/gloo workload of ``rankscope demo`` with the hook writing to a spool, injects the fault from
+its onset on, ingests the spool into one embedded ClickHouse store (one job id per scenario), and
+runs ``diagnosis.diagnose`` as a user would. The final diagnosis is scored against the scenario's
+ground truth; the same data cut every ``--probe-s`` seconds after the onset gives the detection
+delay (first finding) and the localization delay (first correct top finding).
+
+Network faults need root, ``ip`` and ``tc``; without them those scenarios are skipped, with the
+reason printed. Every namespace, link and hog process the suite makes is removed afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from aggregator import Store, ingest
+from diagnosis import diagnose
+from rankscope.workload import JobSpec, RunningJob, free_port
+
+from . import scoring
+from .injectors import CpuHog, SlowLink, Unavailable, hog_core
+from .scenarios import Scenario, load_all
+from .timeline import Timeline
+
+HOOK = {"window_every": 300, "window_offset": 50, "heartbeat_s": 2.0}
+"""The demo's hook settings (a profiling window every 300 steps, ~6 s here; a heartbeat every 2 s):
+production defaults would give a 40-s run only one or two windows."""
+PROBE_S = 2.0
+START_S = 120.0
+"""Allowance for spawning the ranks and importing torch on a loaded 2-core machine."""
+
+
+class _OnsetWatch(threading.Thread):
+    """Waits for the first onset marker a faulty rank writes; then switches the external fault on."""
+
+    def __init__(self, marker_dir: Path, injector: Any) -> None:
+        super().__init__(daemon=True, name="onset-watch")
+        self.marker_dir, self.injector = marker_dir, injector
+        self.onset: dict[str, Any] | None = None
+        self.error = ""
+        self._stop = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop.wait(0.05):
+            markers = sorted(self.marker_dir.glob("onset-r*"))
+            if not markers:
+                continue
+            found = [json.loads(p.read_text()) for p in markers if not p.name.endswith(".tmp")]
+            if not found:
+                continue
+            self.onset = min(found, key=lambda m: m["time"])
+            if self.injector is not None:
+                try:
+                    self.injector.start()
+                except Exception as exc:  # reported with the scenario; the job still runs
+                    self.error = f"could not start the fault: {exc}"
+            return
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def _run_job(sc: Scenario, spec: JobSpec, markers: Path) -> tuple[dict[str, Any] | None, str, list[str]]:
+    """Run the job with its external fault; returns (onset marker, error, cleanup errors)."""
+    injector: SlowLink | CpuHog | None = None
+    kind = sc.fault.kind
+    if kind in ("nic", "switch"):
+        injector = SlowLink(sc.faulty_ranks, sc.world_size, sc.rate_mbit)
+    elif kind == "host":
+        injector = CpuHog(hog_core(), sc.hogs, max_s=sc.seconds + START_S)
+    watch = _OnsetWatch(markers, injector)
+    job: RunningJob | None = None
+    error = ""
+    try:
+        if isinstance(injector, SlowLink):
+            spec = replace(spec, **injector.setup())
+        elif isinstance(injector, CpuHog):
+            spec = replace(spec, **injector.setup(sc.fault.rank))
+        job = RunningJob(spec)
+        watch.start()
+        deadline = time.monotonic() + sc.seconds + START_S
+        while True:
+            stats = job.wait(1.0)
+            if stats is not None:
+                break
+            if sc.observe_s and watch.onset and time.time() >= watch.onset["time"] + sc.observe_s:
+                break  # a hung job: stop it once it has been watched long enough
+            if time.monotonic() >= deadline:
+                error = f"job still running {sc.seconds + START_S:.0f} s after start: stopped"
+                break
+    except Unavailable:
+        raise
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    finally:
+        watch.stop()
+        if job is not None:
+            job.stop()
+        cleanup = injector.cleanup() if injector is not None else []
+    return watch.onset, error or watch.error, cleanup
+
+
+def run_scenario(sc: Scenario, store: Store, workdir: Path, probe_s: float = PROBE_S) -> dict[str, Any]:
+    """Run one scenario end to end; returns its record for the report (``skipped`` set if it could not run)."""
+    job = f"faults-{sc.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = workdir / sc.name
+    spool, markers, logs = run_dir / "spool", run_dir / "markers", run_dir / "logs"
+    markers.mkdir(parents=True, exist_ok=True)
+    spec = JobSpec(
+        job=job,
+        world_size=sc.world_size,
+        hosts=sc.hosts,
+        switches=sc.switches,
+        port=free_port(),
+        seconds=sc.seconds,
+        fault=sc.fault,
+        hook={**HOOK, **sc.hook, "spool_dir": str(spool)},
+        log_dir=str(logs),
+        progress=False,
+        marker_dir=str(markers),
+        timeout_s=sc.seconds + START_S + max(sc.observe_s, 60.0),
+    )
+    base: dict[str, Any] = {"name": sc.name, "kind": sc.kind, "about": sc.about, "job": job}
+    t0 = time.perf_counter()
+    try:
+        onset, error, cleanup = _run_job(sc, spec, markers)
+    except Unavailable as exc:
+        return {**base, "skipped": str(exc)}
+    run_s = time.perf_counter() - t0
+    ingest(spool, store)
+    final = diagnose(store.job_data(job))
+    s = scoring.score(sc.truth, final, name=sc.name)
+    timeline = Timeline.load(store, job, spool / job)
+    probes = _probes(timeline, onset, probe_s) if onset else []
+    delays = scoring.delays(sc.truth, probes)
+    healthy_probe_findings = (
+        sum(len(p.diagnosis.findings) for p in _probes(timeline, None, probe_s)) if sc.truth.healthy else 0
+    )
+    return {
+        **base,
+        "ground_truth": scoring.expected(sc.truth),
+        "score": s.to_dict(),
+        "delays": delays.to_dict(),
+        "onset": onset,
+        "steps": int(timeline.steps["step"].max()) + 1 if not timeline.steps.empty else 0,
+        "run_s": round(run_s, 1),
+        "probes": [
+            {"after_s": p.after_s, "after_steps": p.after_steps, "top": _top(p.diagnosis)} for p in probes
+        ],
+        "healthy_probe_findings": healthy_probe_findings,
+        "error": error,
+        "cleanup_errors": cleanup,
+        "diagnosis": final.to_dict(),
+    }
+
+
+def _top(d: Any) -> str:
+    return scoring.describe(d.findings[0]) if d.findings else ""
+
+
+def _probes(timeline: Timeline, onset: dict[str, Any] | None, every_s: float) -> list[scoring.Probe]:
+    """Diagnoses of the data cut every ``every_s`` seconds from onset (or, healthy, from the start)."""
+    end = timeline.end_us
+    if onset is not None:
+        t0_us, step0 = int(onset["time"] * 1e6), int(onset["step"])
+    else:
+        if timeline.steps.empty:
+            return []
+        t0_us, step0 = int(timeline.steps["avail_us"].min()), 0
+    out = []
+    k = 1
+    while t0_us + k * every_s * 1e6 <= end + every_s * 1e6:
+        t = int(t0_us + k * every_s * 1e6)
+        out.append(
+            scoring.Probe(
+                after_s=round(k * every_s, 1),
+                after_steps=max(0, timeline.last_step(t) - step0),
+                diagnosis=diagnose(timeline.at(t)),
+            )
+        )
+        k += 1
+    return out
+
+
+def _fmt_delay(s: float | None, steps: int | None) -> str:
+    return "—" if s is None else f"{s:.0f} s ({steps})"
+
+
+def report(results: list[dict[str, Any]]) -> str:
+    """The markdown tables: one row per scenario, then one per fault kind."""
+    lines = [
+        "| scenario | ground truth | top finding | conf | top ok | detect (steps) | localize (steps) | findings |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        if "skipped" in r:
+            lines.append(f"| {r['name']} | skipped: {r['skipped']} | | | | | | |")
+            continue
+        s, d = r["score"], r["delays"]
+        ok = "healthy" if s["healthy"] and not s["findings"] else ("yes" if s["top_correct"] else "**no**")
+        extra = f" ({r['healthy_probe_findings']} in probes)" if s["healthy"] else ""
+        lines.append(
+            f"| {r['name']} | {r['ground_truth']} | {s['top'] or '—'} | {s['confidence']:.2f} | {ok} | "
+            f"{_fmt_delay(d['detect_s'], d['detect_steps'])} | "
+            f"{_fmt_delay(d['localize_s'], d['localize_steps'])} | {s['findings']}{extra} |"
+        )
+    lines += [
+        "",
+        "| fault kind | runs | top correct | ranks right | false findings | median detect s | median localize s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for kind, k in _by_kind(results).items():
+        lines.append(
+            f"| {kind} | {k['runs']} | {k['top_correct']} | {k['top_located']} | {k['false_findings']} | "
+            f"{k['median_detect_s'] if k['median_detect_s'] is not None else '—'} | "
+            f"{k['median_localize_s'] if k['median_localize_s'] is not None else '—'} |"
+        )
+    return "\n".join(lines)
+
+
+def _scored(results: list[dict[str, Any]]) -> tuple[list[scoring.Score], list[scoring.Delays]]:
+    ran = [r for r in results if "skipped" not in r]
+    scores = [scoring.Score(**r["score"]) for r in ran]
+    delays = [scoring.Delays(**r["delays"]) for r in ran]
+    return scores, delays
+
+
+def _by_kind(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return scoring.by_kind(*_scored(results))
+
+
+def run_suite(scenarios: list[Scenario], workdir: Path, probe_s: float = PROBE_S) -> dict[str, Any]:
+    """Run the scenarios one after another against one embedded store; returns the JSON report."""
+    results = []
+    t0 = time.perf_counter()
+    with Store.embedded(workdir / "store") as store:
+        for i, sc in enumerate(scenarios, 1):
+            print(f"[{i}/{len(scenarios)}] {sc.name}: {sc.about}", flush=True)
+            r = run_scenario(sc, store, workdir, probe_s)
+            results.append(r)
+            if "skipped" in r:
+                print(f"      skipped: {r['skipped']}", flush=True)
+            else:
+                s = r["score"]
+                print(
+                    f"      {r['steps']} steps in {r['run_s']} s; expected {r['ground_truth']}; "
+                    f"top: {s['top'] or 'no finding'}; localized after {r['delays']['localize_s']} s"
+                    + (f"; ERROR {r['error']}" if r["error"] else ""),
+                    flush=True,
+                )
+    scores, delays = _scored(results)
+    return {
+        "suite_seconds": round(time.perf_counter() - t0, 1),
+        "cpus": len(os.sched_getaffinity(0)),
+        "hook": HOOK,
+        "probe_s": probe_s,
+        "totals": scoring.totals(scores, delays),
+        "by_kind": scoring.by_kind(scores, delays),
+        "skipped": {r["name"]: r["skipped"] for r in results if "skipped" in r},
+        "scenarios": results,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.faults", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--suite", choices=("full", "ci"), default="full")
+    ap.add_argument("--only", default="", help="run only the scenarios whose name contains this")
+    ap.add_argument("--json", default="", help="write the report as JSON here")
+    ap.add_argument("--keep", default="", help="keep spools, logs and the store in this directory")
+    ap.add_argument("--probe-s", type=float, default=PROBE_S, help="seconds between probe diagnoses")
+    args = ap.parse_args(argv)
+    scenarios = load_all(args.suite, args.only)
+    if not scenarios:
+        raise SystemExit(f"no scenario in suite {args.suite!r} matches --only {args.only!r}")
+    with tempfile.TemporaryDirectory(prefix="rankscope-faults-") as tmp:
+        workdir = Path(args.keep).resolve() if args.keep else Path(tmp)
+        out = run_suite(scenarios, workdir, args.probe_s)
+    print()
+    print(report(out["scenarios"]))
+    print()
+    print(json.dumps(out["totals"]))
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2, default=str))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,166 @@
+"""Fault scenarios: one readable YAML file each under ``benchmarks/scenarios/``.
+
+Example (``compute-2x-r2.yaml``)::
+
+    about: rank 2's device becomes 2x slower 12 s into the run
+    ci: true                 # part of the reduced suite
+    world_size: 4
+    hosts: 2                 # ranks spread over node0, node1 (RANKSCOPE_HOST)
+    seconds: 40              # rank 0 ends the job after this long
+    fault:                   # rankscope.workload.Fault fields, plus the runner's own:
+      kind: compute
+      rank: 2
+      factor: 2.0
+      onset_s: 12
+    expect:                  # the ground truth a correct top finding names
+      cause: compute
+      ranks: [2]
+
+Runner-only fault fields: ``rate_mbit`` (``nic``/``switch``: the rate-limited link), ``hogs`` (``host``:
+CPU-hog processes sharing the rank's core), ``observe_s`` (stop the job this long after onset: hangs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from rankscope.workload import Fault
+
+from .scoring import GroundTruth
+
+SCENARIO_DIR = Path(__file__).parent / "scenarios"
+_RUNNER_FIELDS = ("rate_mbit", "hogs", "observe_s")
+_TOP_FIELDS = {"about", "ci", "world_size", "hosts", "switches", "seconds", "fault", "expect", "hook"}
+
+
+class ScenarioError(ValueError):
+    """A scenario file that cannot be used; the message names the file and the field."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Scenario:
+    name: str
+    """The file name without ``.yaml``."""
+    about: str = ""
+    ci: bool = False
+    world_size: int = 4
+    hosts: int = 2
+    switches: int = 0
+    seconds: float = 40.0
+    fault: Fault = field(default_factory=Fault)
+    rate_mbit: float = 0.0
+    hogs: int = 1
+    observe_s: float = 0.0
+    hook: dict[str, Any] = field(default_factory=dict)
+    """Hook settings on top of the suite's."""
+    truth: GroundTruth = field(default_factory=lambda: GroundTruth(kind="none"))
+
+    @property
+    def kind(self) -> str:
+        return self.truth.kind
+
+    @property
+    def faulty_ranks(self) -> tuple[int, ...]:
+        f = self.fault
+        if f.kind == "none":
+            return ()
+        if f.kind == "job_wide":
+            return tuple(range(self.world_size))
+        return tuple(sorted({f.rank, *f.ranks}))
+
+
+def kind_of(fault: Fault) -> str:
+    """The fault kind for the report: ``compute``, ``compute-intermittent``, ``hang-python``..."""
+    k = fault.kind
+    if k == "none":
+        return "healthy"
+    if k == "hang":
+        return f"hang-{fault.hang_at}"
+    if fault.on_steps or (k == "dataloader" and fault.stall_every > 1):
+        return f"{k}-intermittent"
+    return k
+
+
+def load(path: str | Path) -> Scenario:
+    """Read and check one scenario file."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ScenarioError(f"{path}: cannot read it: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ScenarioError(f"{path}: expected a mapping of fields, got {type(raw).__name__}")
+    unknown = set(raw) - _TOP_FIELDS
+    if unknown:
+        raise ScenarioError(f"{path}: unknown fields {sorted(unknown)}; known: {sorted(_TOP_FIELDS)}")
+    fault_raw = dict(raw.get("fault") or {"kind": "none"})
+    runner = {k: fault_raw.pop(k) for k in _RUNNER_FIELDS if k in fault_raw}
+    if "ranks" in fault_raw:
+        fault_raw["ranks"] = tuple(fault_raw["ranks"])
+    try:
+        fault = Fault(**fault_raw)
+    except (TypeError, ValueError) as exc:
+        raise ScenarioError(f"{path}: fault: {exc}") from exc
+    exp = dict(raw.get("expect") or {})
+    kind = kind_of(fault)
+    try:
+        truth = GroundTruth(
+            kind=kind,
+            cause=exp.get("cause"),
+            ranks=tuple(exp.get("ranks") or ()),
+            scope=exp.get("scope", "job" if exp.get("cause") == "job_wide" else "rank"),
+            where=str(exp.get("where", "")),
+        )
+        sc = Scenario(
+            name=path.stem,
+            about=str(raw.get("about", "")),
+            ci=bool(raw.get("ci", False)),
+            world_size=int(raw.get("world_size", 4)),
+            hosts=int(raw.get("hosts", 2)),
+            switches=int(raw.get("switches", 0)),
+            seconds=float(raw.get("seconds", 40.0)),
+            fault=fault,
+            rate_mbit=float(runner.get("rate_mbit", 0.0)),
+            hogs=int(runner.get("hogs", 1)),
+            observe_s=float(runner.get("observe_s", 0.0)),
+            hook=dict(raw.get("hook") or {}),
+            truth=truth,
+        )
+    except (TypeError, ValueError) as exc:
+        raise ScenarioError(f"{path}: {exc}") from exc
+    _check(path, sc)
+    return sc
+
+
+def _check(path: Path, sc: Scenario) -> None:
+    if not 2 <= sc.world_size <= 64:
+        raise ScenarioError(f"{path}: world_size must be in 2..64, got {sc.world_size}")
+    bad = [r for r in sc.faulty_ranks if not 0 <= r < sc.world_size]
+    if bad:
+        raise ScenarioError(f"{path}: fault ranks {bad} outside 0..{sc.world_size - 1}")
+    if sc.fault.kind in ("nic", "switch"):
+        if sc.rate_mbit <= 0:
+            raise ScenarioError(f"{path}: fault.rate_mbit must be > 0 for a {sc.fault.kind} fault")
+        if 0 in sc.faulty_ranks:
+            raise ScenarioError(f"{path}: rank 0 hosts the rendezvous and cannot sit behind the slow link")
+    if sc.fault.kind == "hang" and sc.observe_s <= 0:
+        raise ScenarioError(f"{path}: a hang needs fault.observe_s > 0 (when to stop the hung job)")
+    if sc.truth.healthy != (sc.fault.kind == "none"):
+        raise ScenarioError(f"{path}: expect.cause must be given exactly when a fault is injected")
+
+
+def load_all(suite: str = "full", only: str = "", directory: Path = SCENARIO_DIR) -> list[Scenario]:
+    """The scenarios of ``suite`` (``full``: all, ``ci``: those marked ``ci: true``), sorted by name;
+    ``only``: just the ones whose name contains it."""
+    if suite not in ("full", "ci"):
+        raise ScenarioError(f"suite must be 'full' or 'ci', got {suite!r}")
+    out = [load(p) for p in sorted(directory.glob("*.yaml"))]
+    if suite == "ci":
+        out = [s for s in out if s.ci]
+    if only:
+        out = [s for s in out if only in s.name]
+    return out

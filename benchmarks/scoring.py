@@ -1,0 +1,229 @@
+"""Score a diagnosis against the ground truth of an injected fault: right culprit, right cause, how fast.
+
+Pure functions over :class:`diagnosis.Diagnosis`, shared by the real-job fault suite
+(``benchmarks/faults.py``) and any synthetic benchmark::
+
+    truth = GroundTruth(kind="compute", cause="compute", ranks=(2,))
+    s = score(truth, diagnose(data), name="compute-2x-r2")
+    s.top_correct, s.false_findings
+    totals([s, ...])  # top1_accuracy, precision, recall, healthy_false_findings
+
+A finding is *correct* when its cause is the injected one and it names exactly the faulty ranks
+(for a host or switch fault: all the ranks behind it; for a job-wide slowdown: cause ``job_wide``).
+It is *located* when only the ranks are right. Every finding on a healthy run is a false finding.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from diagnosis.findings import CAUSES, Diagnosis, Finding
+
+SCOPES = ("rank", "host", "switch", "job")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GroundTruth:
+    kind: str
+    """The injected fault kind (``none`` for a healthy run); groups scenarios in the report."""
+    cause: str | None = None
+    """The cause a correct finding names; None for a healthy run (no finding is correct)."""
+    ranks: tuple[int, ...] = ()
+    """The faulty ranks (all ranks for a job-wide fault)."""
+    scope: str = "rank"
+    """``rank``, ``host``, ``switch`` or ``job``: what the faulty ranks have in common."""
+    where: str = ""
+    """The host or switch name for scope ``host`` / ``switch``."""
+
+    def __post_init__(self) -> None:
+        if self.cause is not None and self.cause not in CAUSES:
+            raise ValueError(f"GroundTruth.cause must be one of {CAUSES} or None, got {self.cause!r}")
+        if self.scope not in SCOPES:
+            raise ValueError(f"GroundTruth.scope must be one of {SCOPES}, got {self.scope!r}")
+        if self.cause is not None and self.cause != "job_wide" and not self.ranks:
+            raise ValueError("GroundTruth.ranks must name the faulty ranks")
+
+    @property
+    def healthy(self) -> bool:
+        return self.cause is None
+
+
+def located(truth: GroundTruth, f: Finding) -> bool:
+    """The finding names the faulty ranks (whatever its cause)."""
+    if truth.healthy:
+        return False
+    if truth.scope == "job":
+        return f.scope == "job" or (bool(truth.ranks) and set(f.ranks) == set(truth.ranks))
+    return set(f.ranks) == set(truth.ranks)
+
+
+def correct(truth: GroundTruth, f: Finding) -> bool:
+    """The finding names the faulty ranks and the injected cause."""
+    return located(truth, f) and f.cause == truth.cause
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Score:
+    name: str
+    kind: str
+    healthy: bool
+    expected: str
+    """The ground truth in words: ``compute @ ranks [2]``."""
+    findings: int
+    top: str
+    """The top finding in words ('' when there is none)."""
+    top_correct: bool
+    top_located: bool
+    any_correct: bool
+    confidence: float
+    """The top finding's confidence (0 without findings)."""
+    correct_findings: int
+    false_findings: int
+    """Findings that do not match the ground truth (every finding on a healthy run)."""
+    detail: list[dict[str, Any]] = field(default_factory=list)
+    """Every finding: cause, ranks, hosts, scope, function, confidence, summary."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def describe(f: Finding) -> str:
+    where = f"{f.scope} {','.join(f.hosts)}" if f.scope in ("host", "switch") else f"ranks {f.ranks}"
+    if f.scope == "job":
+        where = "job"
+    return f"{f.cause} @ {where}"
+
+
+def expected(truth: GroundTruth) -> str:
+    if truth.healthy:
+        return "no finding"
+    where = f"{truth.scope} {truth.where} " if truth.where else ""
+    return f"{truth.cause} @ {where}ranks {list(truth.ranks)}" if truth.ranks else f"{truth.cause} @ job"
+
+
+def score(truth: GroundTruth, diagnosis: Diagnosis, *, name: str = "") -> Score:
+    """How the diagnosis of one run compares to the fault injected into it."""
+    fs = diagnosis.findings
+    top = fs[0] if fs else None
+    ok = [correct(truth, f) for f in fs]
+    return Score(
+        name=name or diagnosis.job,
+        kind=truth.kind,
+        healthy=truth.healthy,
+        expected=expected(truth),
+        findings=len(fs),
+        top=describe(top) if top else "",
+        top_correct=bool(top is not None and ok[0]),
+        top_located=bool(top is not None and located(truth, top)),
+        any_correct=any(ok),
+        confidence=float(top.confidence) if top else 0.0,
+        correct_findings=sum(ok),
+        false_findings=len(fs) - sum(ok),
+        detail=[
+            {
+                "cause": f.cause,
+                "ranks": list(f.ranks),
+                "hosts": list(f.hosts),
+                "scope": f.scope,
+                "function": f.function,
+                "confidence": f.confidence,
+                "summary": f.summary,
+            }
+            for f in fs
+        ],
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Delays:
+    """Time from fault onset until the diagnosis first saw something / named the culprit."""
+
+    detect_s: float | None = None
+    """First time after onset with any finding (None: never within the run)."""
+    detect_steps: int | None = None
+    localize_s: float | None = None
+    """First time after onset at which the top finding was correct (ranks and cause)."""
+    localize_steps: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Probe:
+    """The diagnosis of the data as it stood ``after_s`` seconds (``after_steps`` steps) after onset."""
+
+    after_s: float
+    after_steps: int
+    diagnosis: Diagnosis
+
+
+def delays(truth: GroundTruth, probes: Sequence[Probe]) -> Delays:
+    """Detection and localization delay from diagnoses of the data cut at increasing times."""
+    if truth.healthy:
+        return Delays()
+    detect = next((p for p in probes if p.diagnosis.findings), None)
+    localize = next(
+        (p for p in probes if p.diagnosis.findings and correct(truth, p.diagnosis.findings[0])), None
+    )
+    return Delays(
+        detect_s=detect.after_s if detect else None,
+        detect_steps=detect.after_steps if detect else None,
+        localize_s=localize.after_s if localize else None,
+        localize_steps=localize.after_steps if localize else None,
+    )
+
+
+def _ratio(num: int, den: int) -> float | None:
+    return round(num / den, 4) if den else None
+
+
+def _median(values: Iterable[float | None]) -> float | None:
+    xs = [v for v in values if v is not None]
+    return round(statistics.median(xs), 2) if xs else None
+
+
+def totals(scores: Sequence[Score], timings: Sequence[Delays] | None = None) -> dict[str, Any]:
+    """Suite totals: ``top1_accuracy`` (fault runs whose top finding is right), ``precision`` (right
+    findings / all findings, healthy runs included), ``recall`` (fault runs with a right finding
+    anywhere in the list), ``healthy_false_findings`` (findings on healthy runs, all wrong)."""
+    faults = [s for s in scores if not s.healthy]
+    healthy = [s for s in scores if s.healthy]
+    all_findings = sum(s.findings for s in scores)
+    out: dict[str, Any] = {
+        "scenarios": len(scores),
+        "fault_scenarios": len(faults),
+        "healthy_scenarios": len(healthy),
+        "top1_accuracy": _ratio(sum(s.top_correct for s in faults), len(faults)),
+        "top1_located": _ratio(sum(s.top_located for s in faults), len(faults)),
+        "precision": _ratio(sum(s.correct_findings for s in scores), all_findings),
+        "recall": _ratio(sum(s.any_correct for s in faults), len(faults)),
+        "healthy_false_findings": sum(s.findings for s in healthy),
+    }
+    if timings is not None:
+        ts = [t for s, t in zip(scores, timings, strict=True) if not s.healthy]
+        out["median_detect_s"] = _median(t.detect_s for t in ts)
+        out["median_localize_s"] = _median(t.localize_s for t in ts)
+    return out
+
+
+def by_kind(scores: Sequence[Score], timings: Sequence[Delays]) -> dict[str, dict[str, Any]]:
+    """Per fault kind: runs, top findings right, located, median delays, false findings."""
+    groups: dict[str, list[tuple[Score, Delays]]] = defaultdict(list)
+    for s, t in zip(scores, timings, strict=True):
+        groups[s.kind].append((s, t))
+    return {
+        kind: {
+            "runs": len(g),
+            "top_correct": sum(s.top_correct for s, _ in g),
+            "top_located": sum(s.top_located for s, _ in g),
+            "false_findings": sum(s.false_findings for s, _ in g),
+            "median_detect_s": _median(t.detect_s for _, t in g),
+            "median_localize_s": _median(t.localize_s for _, t in g),
+        }
+        for kind, g in sorted(groups.items())
+    }
