@@ -20,8 +20,7 @@ from profiler_hook.records import SCHEMA_VERSION as WIRE_VERSION
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 2
-"""2: functions.name and functions.stack became LowCardinality (ingest CPU -10%)."""
+SCHEMA_VERSION = 1
 DEFAULT_DATABASE = "rankscope"
 _COMMENT = f"rankscope schema {SCHEMA_VERSION}"
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -158,9 +157,8 @@ FUNCTIONS = Table(
         # The window record's time: the version, so a re-sent window replaces its functions as a whole.
         _TIME,
         ("kind", "LowCardinality(String)"),
-        # Few distinct function names and call stacks per job: dictionary-encoded, sorted faster.
-        ("name", "LowCardinality(String)"),
-        ("stack", "LowCardinality(String)"),
+        ("name", "String"),
+        ("stack", "String"),
         ("count", "Int64"),
         ("total_us", "Float64"),
         ("mean_us", "Float64"),
