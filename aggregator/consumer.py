@@ -165,11 +165,11 @@ class Aggregator:
         for st in (self.store, *extra):
             self._stores.put(st)
         self._writer = ThreadPoolExecutor(max_workers=self._writers, thread_name_prefix="rankscope-writer")
-        self._consumer = KafkaConsumer(**self.kafka.consumer_kwargs())
-        self._consumer.subscribe([self.kafka.topic], listener=_Listener())
-        log.info("aggregator started", extra={"topic": self.kafka.topic, "group": self.kafka.group})
-        last_message = time.monotonic()
         try:
+            self._consumer = KafkaConsumer(**self.kafka.consumer_kwargs())
+            self._consumer.subscribe([self.kafka.topic], listener=_Listener())
+            log.info("aggregator started", extra={"topic": self.kafka.topic, "group": self.kafka.group})
+            last_message = time.monotonic()
             while not self._stop.is_set():
                 try:
                     polled = self._consumer.poll(
@@ -200,7 +200,8 @@ class Aggregator:
             self._writer.shutdown(wait=True)
             for st in extra:
                 st.close()
-            self._consumer.close(autocommit=False)
+            if self._consumer is not None:
+                self._consumer.close(autocommit=False)
             self.stats.seconds += time.perf_counter() - t0
             log.info(
                 "aggregator stopped",

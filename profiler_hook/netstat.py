@@ -21,6 +21,7 @@ Example::
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 import struct
@@ -41,8 +42,13 @@ Counters = dict[tuple[int, str], tuple[int, int]]
 """(fd, peer address) -> (bytes acknowledged, µs busy sending less µs blocked on the receiver)."""
 
 
-def tcp_counters() -> Counters:
-    """Send counters of this process's established TCP connections (empty where unsupported)."""
+def tcp_counters(loopback: bool = False) -> Counters:
+    """Send counters of this process's established TCP connections (empty where unsupported).
+
+    Loopback connections are left out unless ``loopback``: they never touch a NIC, and their "send
+    time" is CPU time of this host, which scheduling noise moves (ranks on one host that talk over
+    loopback would otherwise look like slow links).
+    """
     out: Counters = {}
     tcp_info: int = getattr(socket, "TCP_INFO", -1)  # Linux only
     try:
@@ -64,7 +70,9 @@ def tcp_counters() -> Counters:
             if len(info) < _CHRONO.size + 168 or info[0] != _ESTABLISHED:
                 continue
             peer = s.getpeername()
-        except OSError:
+            if not loopback and ipaddress.ip_address(peer[0].split("%")[0]).is_loopback:
+                continue
+        except (OSError, ValueError):
             continue
         finally:
             s.close()  # the duplicate only

@@ -242,13 +242,9 @@ def test_a_hooked_multi_rank_job_is_stored_exactly_once_by_rankscope_aggregate(
     with Store.embedded(tmp_path / "db") as store:
         assert_stored_once(store, "kj", records)
         assert store.counts("kj")["windows"] == 3 * 2  # windows at steps 10, 50 and 90 on both ranks
-        # Every window carries the rank's own TCP send rate (gloo's all-reduce traffic).
+        # The ranks talk over loopback, which never touches a NIC: no send-rate pattern.
         fns = store.functions("kj")
-        net = fns[fns["name"] == "net_send@tcp"]
-        assert sorted(zip(net["rank"], net["window"], strict=True)) == [
-            (r, w) for r in (0, 1) for w in range(3)
-        ]
-        assert (net["nbytes"] >= 64 << 10).all()
+        assert not (fns["name"] == "net_send@tcp").any()
         steps = store.steps("kj")
         assert sorted(zip(steps["rank"], steps["step"], strict=True)) == [
             (r, s) for r in (0, 1) for s in range(100)
