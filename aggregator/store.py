@@ -225,6 +225,16 @@ class Batch:
             self.window_values.append((source, position, key, value))
             self.records += 1
             return
+        self._add_decoded(source, position, key, value)
+
+    def check_windows(self) -> None:
+        """Check the window values record by record in Python instead: rows, or dead letters."""
+        values, self.window_values = self.window_values, []
+        self.records -= len(values)
+        for source, position, key, value in values:
+            self._add_decoded(source, position, key, value)
+
+    def _add_decoded(self, source: str, position: str | int, key: bytes, value: bytes) -> None:
         try:
             self.add(decode(value))
         except RecordError as exc:
@@ -236,16 +246,6 @@ class Batch:
                 "unexpected error decoding %s at %s: %r; kept as a dead letter", source, position, exc
             )
             self.dead_letter(source, position, key, value, f"unexpected {type(exc).__name__}: {exc}")
-
-    def check_windows(self) -> None:
-        """Check the window values record by record in Python instead: rows, or dead letters."""
-        values, self.window_values = self.window_values, []
-        self.records -= len(values)
-        for source, position, key, value in values:
-            try:
-                self.add(decode(value))
-            except RecordError as exc:
-                self.dead_letter(source, position, key, value, str(exc))
 
     def add(self, record: Record) -> None:
         """Take one record's rows; raises RecordError (taking nothing) if a value does not fit."""
