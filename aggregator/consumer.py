@@ -33,6 +33,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from profiler_hook.sinks import api_version_kwargs
+
 from .metrics import Metrics
 from .store import Batch, Store, StoreError
 
@@ -65,8 +67,7 @@ class KafkaSettings:
             "max_partition_fetch_bytes": 8 << 20,
             **self.options,
         }
-        if self.api_version:
-            kw["api_version"] = tuple(int(x) for x in self.api_version.split("."))
+        kw.update(api_version_kwargs(self.api_version))
         return kw
 
 

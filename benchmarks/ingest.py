@@ -29,6 +29,7 @@ from pathlib import Path
 from aggregator import Store
 from aggregator.consumer import Aggregator, BatchSettings, KafkaSettings
 from profiler_hook.records import FunctionPattern, WindowSummary, encode
+from profiler_hook.sinks import api_version_kwargs
 
 KINDS = (
     ("op", 0.45),
@@ -80,7 +81,7 @@ def produce(bootstrap: str, topic: str, n: int, functions: int, api_version: str
     """Send the summaries as the hook does (gzip, key job/rank); returns the bytes of values sent."""
     from kafka import KafkaProducer
 
-    kw = {"api_version": tuple(int(x) for x in api_version.split("."))} if api_version else {}
+    kw = api_version_kwargs(api_version)
     producer = KafkaProducer(
         bootstrap_servers=bootstrap, compression_type="gzip", linger_ms=50, batch_size=1 << 20, **kw
     )
@@ -131,7 +132,7 @@ def read_only(bootstrap: str, topic: str, n: int, api_version: str) -> dict[str,
     """Time a bare consumer reading the ``n`` messages (broker + client + gunzip): the ceiling."""
     from kafka import KafkaConsumer
 
-    kw = {"api_version": tuple(int(x) for x in api_version.split("."))} if api_version else {}
+    kw = api_version_kwargs(api_version)
     consumer = KafkaConsumer(
         topic,
         bootstrap_servers=bootstrap,

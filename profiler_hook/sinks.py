@@ -58,6 +58,11 @@ class SpoolSink:
         os.close(self._fd)
 
 
+def api_version_kwargs(version: str) -> dict[str, Any]:
+    """kafka-python's ``api_version`` argument for ``"0.9"``-style text; none for "" (probe the broker)."""
+    return {"api_version": tuple(int(x) for x in version.split("."))} if version else {}
+
+
 class KafkaSink:
     """Produces each record to a Kafka topic (kafka-python, ``pip install rankscope[kafka]``).
 
@@ -84,8 +89,7 @@ class KafkaSink:
             "max_block_ms": 1000,
             **cfg.kafka_options,
         }
-        if cfg.kafka_api_version:
-            self._kwargs["api_version"] = tuple(int(x) for x in cfg.kafka_api_version.split("."))
+        self._kwargs.update(api_version_kwargs(cfg.kafka_api_version))
 
     def _ok(self, _meta: Any) -> None:
         self.delivered += 1
