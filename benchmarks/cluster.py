@@ -16,7 +16,7 @@ Healthy variation: each rank's speed differs a little (sigma 1.5%) and drifts sl
 the run), the whole job drifts (2%), every step has machine-wide noise (3%) and per-rank jitter
 (3%), 0.1% of rank-steps spike 1.1-1.5x, each function in a window has its own jitter (3%), and each
 rank's network send time per byte its own (3%). Scale: 60 steps of step rows per rank and one
-profiling window of 5 steps with 32 functions per rank (production windows hold a few hundred
+profiling window of 5 steps with 33 patterns per rank (production windows hold a few hundred
 functions; the per-rank work of the diagnosis grows with that number).
 
 What a fault changes — only signals a real cluster shows:
@@ -30,6 +30,11 @@ What a fault changes — only signals a real cluster shows:
   per-rank transfer measurement — bytes over the time spent sending them, as NCCL's profiler
   plugin reports per proxy step, recorded here as the ``net_send@world`` collective pattern —
   points at the culprits.
+* ``contention``: a noisy neighbour on one host takes CPU from its 8 ranks. Their compute keeps
+  its pace (a thread waking from a sleep preempts the intruder), but the threads that drive the
+  transfers queue for a CPU: every rank's collective takes longer and no rank's own time grows.
+  Only the ranks' CPU wait — the run-queue time of their threads, the hook's ``cpu_wait@sched``
+  pattern (healthy: ~1 ms per step, sigma 30%) — points at the host.
 * ``job_wide``: every rank's compute slows from the onset step on (a software or storage change).
 * ``hang``: one rank stops before collective #K; the others enter it and wait. Heartbeats only.
 """
@@ -51,23 +56,37 @@ import pyarrow as pa
 from diagnosis import Diagnosis, JobData, diagnose
 from diagnosis.data import HEARTBEAT_FIELDS, STEP_FIELDS
 
-FAULTS = ("none", "compute", "host", "nic", "switch", "dataloader", "job_wide", "hang")
+FAULTS = ("none", "compute", "host", "contention", "nic", "switch", "dataloader", "job_wide", "hang")
 CAUSE = {
     "compute": "compute",
     "host": "compute",
     "nic": "communication",
     "switch": "communication",
     "dataloader": "dataloader",
+    "contention": "host_contention",
     "job_wide": "job_wide",
     "hang": "hang",
 }
-SCOPE = {"host": "host", "nic": "nic", "switch": "switch", "job_wide": "job"}
-MAGNITUDE = {"compute": 1.3, "host": 1.3, "nic": 2.5, "switch": 1.8, "dataloader": 25_000.0, "job_wide": 1.5}
-"""Default fault sizes: slowdown factors; for ``dataloader`` the extra data wait in us per step."""
+SCOPE = {"host": "host", "contention": "host", "nic": "nic", "switch": "switch", "job_wide": "job"}
+MAGNITUDE = {
+    "compute": 1.3,
+    "host": 1.3,
+    "contention": 1.5,
+    "nic": 2.5,
+    "switch": 1.8,
+    "dataloader": 25_000.0,
+    "job_wide": 1.5,
+}
+"""Default fault sizes: slowdown factors (of the collectives' transfers for ``contention``); for
+``dataloader`` the extra data wait in us per step."""
 
 COMPUTE_US = 80_000.0
 DATA_US = 2_000.0
 TRANSFER_US = 15_000.0
+CPU_WAIT_US = 1_000.0
+"""Healthy run-queue wait of a rank's threads per step."""
+QUEUED_THREADS = 3
+"""Threads of a contended rank whose queueing delays its transfers (and each waits that long)."""
 GRAD_BYTES = 2 * 10**9
 """Gradient bytes all-reduced per step (1B parameters in bf16)."""
 BUCKETS = 20
@@ -144,7 +163,7 @@ def _culprits(spec: ClusterSpec, lay: _Layout, rng: np.random.Generator) -> tupl
     n, f = spec.ranks, spec.fault
     if f in ("compute", "dataloader", "hang"):
         return np.array([int(rng.integers(n))]), "rank", ""
-    if f == "host":
+    if f in ("host", "contention"):
         h = int(rng.integers(lay.host[-1] + 1))
         return np.flatnonzero(lay.host == h), "host", f"node{h:05d}"
     if f == "nic":
@@ -200,9 +219,13 @@ def _steps(
     # Each rank's network send time per byte; the ring moves as fast as its slowest link.
     send = rng.lognormal(0.0, 0.03, n)
     link = np.ones(s)
+    cpu_wait = CPU_WAIT_US * rng.lognormal(0.0, 0.3, (n, s))
     if f in ("nic", "switch"):
         send[culprits] *= mag
         link[after] = mag
+    elif f == "contention":
+        link[after] = mag
+        cpu_wait[culprits, after] += QUEUED_THREADS * (mag - 1) * TRANSFER_US
     own = compute + data
     end = own.max(axis=0) + TRANSFER_US * link * rng.lognormal(0.0, 0.02, s)
     comm = end[None, :] - own
@@ -215,6 +238,7 @@ def _steps(
         "cpu_us": compute * 0.97 * rng.lognormal(0.0, 0.01, (n, s)),
         "nivcsw": rng.poisson(3.0, (n, s)),
         "compute": compute,
+        "cpu_wait": cpu_wait,
     }
     return arrays, send, end + 300.0
 
@@ -262,37 +286,40 @@ def _tiled_strings(values: list[str], n: int) -> pd.Series:
 def _functions(
     spec: ClusterSpec, arrays: dict[str, np.ndarray], send: np.ndarray, rng: np.random.Generator
 ) -> pd.DataFrame:
-    """One profiling window's function patterns: 32 functions per rank, ordered by rank."""
+    """One profiling window's patterns: 33 per rank (31 functions, the CPU wait, the send rate), by rank."""
     n = spec.ranks
     lo, hi = spec.window
     w = hi - lo
     compute = arrays["compute"][:, lo:hi].sum(axis=1)
     data = arrays["data_us"][:, lo:hi].sum(axis=1)
     comm = arrays["comm_us"][:, lo:hi].sum(axis=1)
+    cpu_wait = arrays["cpu_wait"][:, lo:hi].sum(axis=1)
     k = len(_KERNELS)
     # The kernels share the GPU time; CPU-side operators and the Python frames that launch them.
     share = rng.dirichlet(np.full(k, 2.0))
     names = [*_KERNELS, *_OPS, *(p for p, _ in _PYTHON), _LOADER, "Memcpy HtoD (Pinned -> Device)"]
-    names += ["all_reduce@world", "net_send@world"]
+    names += ["all_reduce@world", "net_send@world", "cpu_wait@sched"]
     kinds = ["kernel"] * k + ["op"] * len(_OPS) + ["python"] * len(_PYTHON) + ["dataloader", "memcpy"]
-    kinds += ["collective", "collective"]
-    stacks = [""] * (k + len(_OPS)) + [c for _, c in _PYTHON] + ["", "", "", ""]
-    per_step = np.array([4.0] * k + [40.0] * len(_OPS) + [1.0, 1.0, 1.0, 2.0, BUCKETS, BUCKETS * 8])
+    kinds += ["collective", "collective", "sched"]
+    stacks = [""] * (k + len(_OPS)) + [c for _, c in _PYTHON] + ["", "", "", "", ""]
+    threads = 24 / w  # the pattern's count is the process's threads, not executions
+    per_step = np.array([4.0] * k + [40.0] * len(_OPS) + [1.0, 1.0, 1.0, 2.0, BUCKETS, BUCKETS * 8, threads])
     nf = len(names)
     total = np.empty((n, nf))
     total[:, :k] = compute[:, None] * share[None, :]
     total[:, k : k + len(_OPS)] = 0.02 * COMPUTE_US * w / len(_OPS)
     total[:, k + len(_OPS)] = 0.4 * compute
     total[:, k + len(_OPS) + 1] = 0.55 * compute
-    total[:, -4] = data
-    total[:, -3] = 500.0 * w
-    total[:, -2] = comm
+    total[:, -5] = data
+    total[:, -4] = 500.0 * w
+    total[:, -3] = comm
     sent = 2 * GRAD_BYTES * w
-    total[:, -1] = TRANSFER_US * w * send
+    total[:, -2] = TRANSFER_US * w * send
     total *= rng.lognormal(0.0, 0.03, (n, nf))
+    total[:, -1] = cpu_wait  # its own noise already
     count = np.broadcast_to(per_step * w, (n, nf))
     nbytes = np.zeros(nf, dtype=np.int64)
-    nbytes[-2:] = [GRAD_BYTES * w, sent]
+    nbytes[-3:-1] = [GRAD_BYTES * w, sent]
     mean = total / count
     return pd.DataFrame(
         {

@@ -1,6 +1,6 @@
 """The fault suite: inject real faults into real multi-rank jobs and score the diagnosis.
 
-    python -m benchmarks.faults [--suite full|ci] [--only NAME] [--json PATH] [--keep DIR]
+    python -m benchmarks.faults [--suite full|ci] [--only NAME ...] [--json PATH] [--keep DIR]
 
 For each scenario in ``benchmarks/scenarios/`` (see :mod:`benchmarks.scenarios`) it trains the
 CPU/gloo workload of ``rankscope demo`` with the hook writing to a spool, injects the fault from
@@ -276,7 +276,12 @@ def run_suite(scenarios: list[Scenario], workdir: Path, probe_s: float = PROBE_S
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.faults", description=__doc__.split("\n\n")[0])
     ap.add_argument("--suite", choices=("full", "ci"), default="full")
-    ap.add_argument("--only", default="", help="run only the scenarios whose name contains this")
+    ap.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        help="run only the scenarios whose name contains this (repeatable)",
+    )
     ap.add_argument("--json", default="", help="write the report as JSON here")
     ap.add_argument("--keep", default="", help="keep spools, logs and the store in this directory")
     ap.add_argument("--probe-s", type=float, default=PROBE_S, help="seconds between probe diagnoses")

@@ -22,6 +22,7 @@ CPU-hog processes sharing the rank's core), ``observe_s`` (stop the job this lon
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -153,14 +154,14 @@ def _check(path: Path, sc: Scenario) -> None:
         raise ScenarioError(f"{path}: expect.cause must be given exactly when a fault is injected")
 
 
-def load_all(suite: str = "full", only: str = "", directory: Path = SCENARIO_DIR) -> list[Scenario]:
+def load_all(suite: str = "full", only: Sequence[str] = (), directory: Path = SCENARIO_DIR) -> list[Scenario]:
     """The scenarios of ``suite`` (``full``: all, ``ci``: those marked ``ci: true``), sorted by name;
-    ``only``: just the ones whose name contains it."""
+    ``only``: just the ones whose name contains one of these."""
     if suite not in ("full", "ci"):
         raise ScenarioError(f"suite must be 'full' or 'ci', got {suite!r}")
     out = [load(p) for p in sorted(directory.glob("*.yaml"))]
     if suite == "ci":
         out = [s for s in out if s.ci]
     if only:
-        out = [s for s in out if only in s.name]
+        out = [s for s in out if any(o in s.name for o in only)]
     return out

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from . import communication, functions, hangs, stragglers
+from . import communication, contention, functions, hangs, stragglers
 from .data import JobData
 from .findings import Diagnosis, Finding
 
@@ -21,6 +21,7 @@ class Settings:
     steps: stragglers.Settings = field(default_factory=stragglers.Settings)
     hangs: hangs.HangSettings = field(default_factory=hangs.HangSettings)
     comm: communication.CommSettings = field(default_factory=communication.CommSettings)
+    contention: contention.ContentionSettings = field(default_factory=contention.ContentionSettings)
     job_wide_ratio: float = 1.3
     """All ranks' step time grew by this factor from the first to the last chunks: job-wide."""
     min_confidence: float = 0.3
@@ -37,10 +38,12 @@ def _effect(ratio: float) -> float:
 
 
 def _classify(
-    st: stragglers.Straggler, excess: list[functions.FunctionExcess]
+    st: stragglers.Straggler, excess: list[functions.FunctionExcess], waits: contention.Contended | None
 ) -> tuple[str, str, float, dict[str, Any]]:
     """(cause, function, share of the excess it explains, evidence) for one straggler."""
     total = max(st.excess_us, 1.0)
+    if waits is not None and waits.wait_us - waits.peer_wait_us >= 0.5 * total:
+        return "host_contention", CPU_WAIT, 1.0, _wait_evidence(waits)
     data_excess = st.data_us - st.peer_data_us
     if data_excess >= 0.5 * total:
         fn = functions.top_of_kind(excess, "dataloader")
@@ -80,8 +83,42 @@ def _classify(
     return "compute", name, compute_excess / total, ev
 
 
+CPU_WAIT = "(threads waiting for a CPU)"
+
+
+def _wait_evidence(c: contention.Contended) -> dict[str, Any]:
+    return {
+        "cpu_wait_ms_per_step": _ms(c.wait_us),
+        "peer_cpu_wait_ms_per_step": _ms(c.peer_wait_us),
+        "wait_ratio": round(c.ratio, 3),
+        "step_ms": _ms(c.step_us),
+        "windows_flagged": f"{c.windows_flagged}/{c.windows}",
+    }
+
+
+def _contention_finding(c: contention.Contended, hosts: dict[int, str]) -> Finding:
+    host = hosts.get(c.rank, "")
+    return Finding(
+        cause="host_contention",
+        ranks=[c.rank],
+        hosts=[host] if host else [],
+        function=CPU_WAIT,
+        confidence=round(_effect(1 + c.step_share) * c.windows_flagged / max(c.windows, 1), 3),
+        summary=(
+            f"rank {c.rank}{f' ({host})' if host else ''}: CPU contention — its threads wait "
+            f"{_ms(c.wait_us)} ms per step for a CPU where its peers' wait {_ms(c.peer_wait_us)} ms "
+            f"(the step takes {_ms(c.step_us)} ms); its collectives' and data threads fall behind "
+            f"and every rank waits for them. Look for other processes on its cores"
+        ),
+        evidence={"metric": "run-queue wait of the rank's threads per step (schedstat)", **_wait_evidence(c)},
+    )
+
+
 def _straggler_findings(
-    sts: list[stragglers.Straggler], data: JobData, hosts: dict[int, str]
+    sts: list[stragglers.Straggler],
+    data: JobData,
+    hosts: dict[int, str],
+    waits: dict[int, contention.Contended],
 ) -> list[Finding]:
     if not sts:
         return []
@@ -98,14 +135,21 @@ def _straggler_findings(
     fs = data.functions
     if not fs.empty:  # one pass over the functions of every rank, not one per culprit
         fs = fs[fs["rank"].isin([*culprits, *peers])]
-    return [_straggler_finding(st, fs, [p for p in peers if p != st.rank], hosts) for st in sts]
+    return [
+        _straggler_finding(st, fs, [p for p in peers if p != st.rank], hosts, waits.get(st.rank))
+        for st in sts
+    ]
 
 
 def _straggler_finding(
-    st: stragglers.Straggler, fs: pd.DataFrame, peers: list[int], hosts: dict[int, str]
+    st: stragglers.Straggler,
+    fs: pd.DataFrame,
+    peers: list[int],
+    hosts: dict[int, str],
+    waits: contention.Contended | None,
 ) -> Finding:
     excess = functions.compare(fs, st.rank, peers)
-    cause, fn, explained, ev = _classify(st, excess)
+    cause, fn, explained, ev = _classify(st, excess, waits)
     persistence = st.chunks_flagged / max(st.chunks, 1)
     confidence = round(_effect(st.ratio) * persistence * min(1.0, max(0.5, explained)), 3)
     host = hosts.get(st.rank, "")
@@ -292,14 +336,23 @@ def diagnose(data: JobData, settings: Settings | None = None) -> Diagnosis:
     hang = hangs.find(data.heartbeats, s.hangs)
     sts = stragglers.find(data.steps, s.steps)
     links = communication.find(data.functions, s.comm)
+    waits = {c.rank: c for c in contention.find(data.functions, data.steps, s.contention)}
     # Host names of the culprits only: a dict of every rank costs 0.1 s at 100,000 ranks.
-    culprits = [*(hang.ranks if hang else []), *(st.rank for st in sts), *(link.rank for link in links)]
+    culprits = [
+        *(hang.ranks if hang else []),
+        *(st.rank for st in sts),
+        *(link.rank for link in links),
+        *waits,
+    ]
     r = data.ranks
     hosts = JobData(job=data.job, ranks=r[r["rank"].isin(culprits)]).hosts() if culprits else {}
     if hang is not None:
         found.append(_hang_finding(hang, hosts))
-    found += _straggler_findings(sts, data, hosts)
+    found += _straggler_findings(sts, data, hosts, waits)
     found += [_comm_finding(link, hosts) for link in links]
+    # A contended rank need not work longer itself: the threads that queue may be the collectives'.
+    straggling = {st.rank for st in sts}
+    found += [_contention_finding(c, hosts) for r, c in waits.items() if r not in straggling]
     found = _group_topology(found, data.ranks)
     if not found:
         jw = _job_wide(data, s)

@@ -6,9 +6,12 @@ step or collective time therefore points at the wrong ranks. What a rank spends 
 collectives — its own time, ``dur - comm`` — is what separates the culprit: it is the largest on
 the rank everybody waits for.
 
-Per chunk of consecutive steps, each rank's own time relative to the other ranks' on the same
-steps is compared across ranks with a robust z-score (median / MAD). A rank that stands out in most chunks is a straggler; the
-part of its own time that exceeds its peers (data wait, or compute) gives the first cause.
+Per chunk of consecutive steps, each rank's mean own time relative to the other ranks' on the
+same steps is compared across ranks with a robust z-score (median / MAD). A rank that stands out in
+most chunks is a straggler; the part of its own time that exceeds its peers (data wait, or compute)
+gives the first cause. Means, not medians, over the steps of a chunk: the job loses the sum of the
+extra time, and a rank slow on every 20th step or in bursts holds the job back as much as its mean
+says, while its median step looks healthy. Across ranks the statistics stay robust (medians).
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ class Settings:
     chunks: int = 6
     """The analyzed steps are split into this many consecutive chunks."""
     min_ratio: float = 1.10
-    """A rank's own time must exceed the step's median by this factor to count as slow in a chunk."""
+    """A rank's mean own time (per step, relative to the step's median) must exceed the ranks' median
+    by this factor to count as slow in a chunk."""
     min_z: float = 3.5
     """...and by this many robust standard deviations."""
     z_min_ranks: int = 8
@@ -45,9 +49,10 @@ class Straggler:
     chunks_flagged: int
     chunks: int
     ratio: float
-    """Median over steps of (own time / that step's median own time), relative to the peers'."""
+    """Mean over steps of (own time / that step's median own time), relative to the peers'."""
     own_us: float
-    """The rank's median own time per step (step time minus time inside collectives)."""
+    """The rank's mean own time per step (step time minus time inside collectives); the other
+    values are means per step too, the peers' the median over the peers."""
     peer_own_us: float
     data_us: float
     peer_data_us: float
@@ -134,6 +139,19 @@ def grid(steps: pd.DataFrame, s: Settings, columns: list[str]) -> Grid | None:
     return Grid(ranks=ranks, chunk=chunk, values=values)
 
 
+def nanmean_rows(a: np.ndarray) -> np.ndarray:
+    """Mean of each row ignoring NaN (NaN for a row without values), without numpy's warning."""
+    ok = ~np.isnan(a)
+    n = ok.sum(axis=1)
+    return np.where(n > 0, np.where(ok, a, 0.0).sum(axis=1) / np.maximum(n, 1), np.nan)
+
+
+def chunk_means(g: Grid, column: str, chunks: int) -> np.ndarray:
+    """rank x chunk means of ``column`` (NaN where a rank has no step in a chunk)."""
+    v = g.values[column]
+    return np.stack([nanmean_rows(v[:, g.chunk == c]) for c in range(chunks)], axis=1)
+
+
 def chunk_medians(g: Grid, column: str, chunks: int) -> np.ndarray:
     """rank x chunk medians of ``column`` (NaN where a rank has no step in a chunk)."""
     v = g.values[column]
@@ -155,7 +173,7 @@ def find(steps: pd.DataFrame, s: Settings | None = None) -> list[Straggler]:
     own = g.values["own_us"]
     step_med = np.clip(nanmedian(own, axis=0), 1.0, None)
     g.values["rel"] = own / step_med[None, :]
-    per = chunk_medians(g, "rel", s.chunks)
+    per = chunk_means(g, "rel", s.chunks)
     flagged = np.zeros(len(g.ranks), dtype=np.int64)
     n_chunks = 0
     for c in range(s.chunks):
@@ -183,23 +201,23 @@ def find(steps: pd.DataFrame, s: Settings | None = None) -> list[Straggler]:
         peer_idx = peer_idx[np.linspace(0, peer_idx.size - 1, MAX_PEERS).astype(np.int64)]
     cul_idx = np.flatnonzero(is_culprit)
     names = ["rel", *cols]
-    own_med = {c: nanmedian(g.values[c][cul_idx], axis=1) for c in names}
-    pm = {c: float(np.nanmedian(nanmedian(g.values[c][peer_idx], axis=1))) for c in names}
+    own_mean = {c: nanmean_rows(g.values[c][cul_idx]) for c in names}
+    pm = {c: float(np.nanmedian(nanmean_rows(g.values[c][peer_idx]))) for c in names}
     return [
         Straggler(
             rank=int(g.ranks[i]),
             chunks_flagged=int(flagged[i]),
             chunks=n_chunks,
-            ratio=float(own_med["rel"][j] / max(pm["rel"], 1e-9)),
-            own_us=float(own_med["own_us"][j]),
+            ratio=float(own_mean["rel"][j] / max(pm["rel"], 1e-9)),
+            own_us=float(own_mean["own_us"][j]),
             peer_own_us=pm["own_us"],
-            data_us=float(own_med["data_us"][j]),
+            data_us=float(own_mean["data_us"][j]),
             peer_data_us=pm["data_us"],
-            comm_us=float(own_med["comm_us"][j]),
+            comm_us=float(own_mean["comm_us"][j]),
             peer_comm_us=pm["comm_us"],
-            cpu_us=float(own_med["cpu_us"][j]),
+            cpu_us=float(own_mean["cpu_us"][j]),
             peer_cpu_us=pm["cpu_us"],
-            nivcsw=float(own_med["nivcsw"][j]),
+            nivcsw=float(own_mean["nivcsw"][j]),
             peer_nivcsw=pm["nivcsw"],
         )
         for j, i in enumerate(cul_idx)

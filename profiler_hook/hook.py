@@ -25,6 +25,7 @@ from .collectives import CollectiveTracker
 from .config import Config, Identity
 from .netstat import Counters, send_pattern, tcp_counters
 from .records import FunctionPattern, Heartbeat, RankInfo, StepBatch, StepRow, WindowSummary
+from .schedstat import Waits, run_queue_wait, wait_pattern
 from .shipper import Shipper
 from .sinks import NullSink, Sink, make_sink
 from .watchdog import Watchdog
@@ -37,9 +38,11 @@ def _now_us() -> int:
     return time.time_ns() // 1000
 
 
-def _thread_usage() -> tuple[int, int]:
+def _usage() -> tuple[int, int]:
+    """CPU µs of the calling (training) thread, and involuntary context switches of the whole
+    process: CPU contention shows in any of its threads (the collectives' and data workers' too)."""
     ru = resource.getrusage(resource.RUSAGE_THREAD)
-    return int((ru.ru_utime + ru.ru_stime) * 1e6), ru.ru_nivcsw
+    return int((ru.ru_utime + ru.ru_stime) * 1e6), resource.getrusage(resource.RUSAGE_SELF).ru_nivcsw
 
 
 class Hook:
@@ -54,11 +57,13 @@ class Hook:
         self._mark_ns = time.perf_counter_ns()
         self._epoch_offset_ns = time.time_ns() - self._mark_ns
         self._data_ns = 0
-        self._usage = _thread_usage()
+        self._usage = _usage()
         self._prof: Any = None
         self._window: tuple[int, int, int, int] | None = None
         self._net: Counters = {}
         """TCP send counters at the window's start."""
+        self._waits: Waits = {}
+        """The threads' CPU wait at the window's start."""
         self._summarizers: list[threading.Thread] = []
         self.tracker = CollectiveTracker()
         if not self.enabled:
@@ -131,7 +136,7 @@ class Hook:
         try:
             now = time.perf_counter_ns()
             comm_ns, n_coll, first_ns = self.tracker.take_step()
-            cpu_us, nivcsw = _thread_usage()
+            cpu_us, nivcsw = _usage()
             self._rows.append(
                 StepRow(
                     step=self.step_num,
@@ -202,7 +207,7 @@ class Hook:
         self._prof.start()
         number = (s - cfg.window_offset) // cfg.window_every
         self._window = (number, s, s + cfg.window_steps, time.time_ns())
-        self._net = tcp_counters()
+        self._net, self._waits = tcp_counters(), run_queue_wait()
         self.tracker.recording = []
 
     def _maybe_stop_window(self) -> None:
@@ -211,14 +216,18 @@ class Hook:
         prof, (number, lo, hi, t0) = self._prof, self._window
         prof.stop()
         dur_ns = time.time_ns() - t0
-        net = send_pattern(self._net, tcp_counters())
+        extra = [
+            p
+            for p in (send_pattern(self._net, tcp_counters()), wait_pattern(self._waits, run_queue_wait()))
+            if p
+        ]
         calls, self.tracker.recording = self.tracker.recording or [], None
         self._prof, self._window = None, None
         origin = self._origin()
         # Reading the events takes tens of milliseconds: do it off the training thread.
         t = threading.Thread(
             target=self._summarize,
-            args=(prof, calls, number, lo, hi, dur_ns, origin, net),
+            args=(prof, calls, number, lo, hi, dur_ns, origin, extra),
             name="rankscope-summarize",
             daemon=True,
         )
@@ -234,7 +243,7 @@ class Hook:
         hi: int,
         dur_ns: int,
         origin: dict,
-        net: FunctionPattern | None,
+        extra: list[FunctionPattern],
     ) -> None:
         try:
             from .summarize import summarize
@@ -255,7 +264,7 @@ class Hook:
                     dur_us=dur_ns // 1000,
                     busy=busy,
                     n_events=n,
-                    functions=(*functions, net) if net else tuple(functions),
+                    functions=(*functions, *extra),
                 )
             )
         except Exception as exc:

@@ -50,7 +50,7 @@ class StepRow(NamedTuple):
     cpu_us: int
     """CPU time of the rank's main thread during the step."""
     nivcsw: int
-    """Involuntary context switches of the main thread during the step (CPU contention)."""
+    """Involuntary context switches of the rank's process (all threads) during the step: CPU contention."""
 
 
 STEP_COLUMNS = StepRow._fields
@@ -60,7 +60,8 @@ class FunctionPattern(NamedTuple):
     """How one function executed during a profiling window on one rank."""
 
     kind: str
-    """``op`` (CPU operator), ``kernel`` (GPU kernel), ``collective``, ``memcpy``, ``dataloader``, ``python``."""
+    """``op`` (CPU operator), ``kernel`` (GPU kernel), ``collective``, ``memcpy``, ``dataloader``,
+    ``python``, ``sched`` (the process's threads waiting for a CPU)."""
     name: str
     stack: str
     """For Python functions, the calling functions (outermost first, `` > ``-separated); else ''."""
@@ -80,7 +81,7 @@ class FunctionPattern(NamedTuple):
 
 
 FUNCTION_COLUMNS = FunctionPattern._fields
-KINDS = ("op", "kernel", "collective", "memcpy", "dataloader", "python")
+KINDS = ("op", "kernel", "collective", "memcpy", "dataloader", "python", "sched")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

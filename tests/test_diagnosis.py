@@ -30,7 +30,8 @@ def synthetic(
 ) -> JobData:
     """A synchronous job: each step every rank does its own work, then all wait for the slowest.
 
-    ``slow[rank]`` adds to that rank's ``compute_us``, ``data_us``, ``nivcsw`` or scales ``cpu``.
+    ``slow[rank]`` adds to that rank's ``compute_us``, ``data_us``, ``nivcsw`` or scales ``cpu``;
+    with ``on`` and ``off`` (steps), only in bursts: ``on`` steps slow, then ``off`` steps not.
     ``growth`` makes every rank's work grow linearly to that factor by the last step (job-wide).
     """
     rng = np.random.default_rng(seed)
@@ -42,6 +43,8 @@ def synthetic(
         work = {}
         for r in range(ranks):
             extra = slow.get(r, {})
+            if "on" in extra and s % (extra["on"] + extra["off"]) >= extra["on"]:
+                extra = {}
             data = 300 * rng.lognormal(0, 0.1) + extra.get("data_us", 0)
             compute = base * rng.lognormal(0, 0.04) + extra.get("compute_us", 0)
             work[r] = (data, compute, extra)
@@ -139,6 +142,59 @@ def test_code_path_straggler_names_the_extra_function() -> None:
     f = only(diagnose(data).findings)
     assert (f.cause, f.ranks, f.function) == ("code_path", [6], "train.py(50): audit_gradients")
     assert f.evidence["calls_per_step"] == 1.0 and f.evidence["peer_calls_per_step"] == 0.0
+
+
+def test_intermittent_stalls_and_bursts_are_stragglers_though_their_median_step_is_healthy() -> None:
+    # A 20 ms data-loader stall on every 20th step: the median step of rank 4 is its peers'.
+    f = only(diagnose(synthetic(slow={4: {"data_us": 20_000, "on": 1, "off": 19}})).findings)
+    assert (f.cause, f.ranks) == ("dataloader", [4])
+    assert f.evidence["data_wait_ms"] == pytest.approx(1.3, abs=0.2)  # mean per step: 20 ms / 20 + 0.3
+    # Compute 1.5x slower in bursts of 25 steps, 25 steps apart.
+    f = only(diagnose(synthetic(slow={2: {"compute_us": 2500, "on": 25, "off": 25}})).findings)
+    assert (f.cause, f.ranks) == ("compute", [2])
+    assert f.evidence["ratio"] == pytest.approx(1.23, abs=0.05)
+
+
+def sched_windows(
+    wait_ms: dict[int, float], base_ms: float = 1.0, ranks: int = 8, windows: int = 4
+) -> pd.DataFrame:
+    """``cpu_wait@sched`` window rows: ~``base_ms`` of CPU wait per step, or ``wait_ms[rank]``."""
+    return pd.DataFrame(
+        [
+            {
+                "rank": r,
+                "window": w,
+                "step_lo": 50 + 50 * w,
+                "step_hi": 60 + 50 * w,
+                "kind": "sched",
+                "name": "cpu_wait@sched",
+                "stack": "",
+                "count": 12,
+                "total_us": 10 * 1000 * wait_ms.get(r, base_ms * (1.0 + 0.02 * r)),
+                "mean_us": 0.0,
+            }
+            for w in range(windows)
+            for r in range(ranks)
+        ]
+    )
+
+
+def test_a_rank_whose_threads_queue_for_the_cpu_is_named_though_it_works_no_longer() -> None:
+    data = synthetic()  # no rank works longer: the contended rank's collective threads fall behind
+    f = only(diagnose(replace(data, functions=sched_windows({3: 4.0}))).findings)
+    assert (f.cause, f.ranks, f.hosts, f.function) == (
+        "host_contention",
+        [3],
+        ["node1"],
+        "(threads waiting for a CPU)",
+    )
+    assert f.evidence["cpu_wait_ms_per_step"] == 4.0 and f.evidence["windows_flagged"] == "4/4"
+    # A wait that stands out (3x) but is a small part of a ~5.3 ms step cannot hold the job back.
+    assert diagnose(replace(data, functions=sched_windows({3: 0.6}, base_ms=0.2))).findings == []
+    # A straggler whose extra own time is CPU wait is contended, not a slow device.
+    data = synthetic(slow={5: {"compute_us": 1500}})
+    f = only(diagnose(replace(data, functions=sched_windows({5: 3.0}))).findings)
+    assert (f.cause, f.ranks) == ("host_contention", [5])
 
 
 def test_host_contention_from_preemption_signals() -> None:

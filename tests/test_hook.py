@@ -4,6 +4,7 @@ and real multi-rank gloo jobs."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -288,3 +289,47 @@ def test_tcp_send_counters_see_a_real_bulk_transfer_and_not_idle_connections() -
     assert 32 << 20 <= p.nbytes < (32 << 20) + MIN_BYTES
     assert p.total_us > 0
     assert send_pattern(before, before) is None
+
+
+_WAIT_PROBE = """
+import json, os, sys, time
+from profiler_hook.schedstat import run_queue_wait, wait_pattern
+os.sched_setaffinity(0, {int(sys.argv[1])})
+sys.stdin.readline()  # the hogs run on this core now
+before, wall, cpu = run_queue_wait(), time.perf_counter(), time.thread_time()
+while time.thread_time() - cpu < 0.2:  # never sleeps: off the CPU only while waiting for it
+    pass
+p = wait_pattern(before, run_queue_wait())
+wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+print(json.dumps({"wait_s": p.total_us / 1e6, "wall_s": wall, "cpu_s": cpu, "pattern": [p.kind, p.name, p.count]}))
+"""
+
+
+def test_cpu_wait_is_the_time_a_thread_queued_behind_hogs_on_its_core() -> None:
+    from profiler_hook.schedstat import WAIT_PATTERN
+
+    core = max(os.sched_getaffinity(0))
+    probe = subprocess.Popen(
+        [sys.executable, "-c", _WAIT_PROBE, str(core)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    hogs = []
+    try:
+        for _ in range(2):
+            hogs.append(subprocess.Popen([sys.executable, "-c", "while True: pass"]))
+            os.sched_setaffinity(hogs[-1].pid, {core})
+        assert probe.stdin is not None and probe.stdout is not None
+        probe.stdin.write("go\n")
+        probe.stdin.flush()
+        out = json.loads(probe.stdout.readline())
+    finally:
+        for p in [*hogs, probe]:
+            p.kill()
+            p.wait()
+    assert out["pattern"] == ["sched", WAIT_PATTERN, 1]
+    # A thread that never sleeps is either on the CPU or waiting for it: wait = wall - CPU time.
+    # Sharing the core with two hogs, it gets about a third of it and waits about two thirds.
+    assert out["wait_s"] == pytest.approx(out["wall_s"] - out["cpu_s"], rel=0.2)
+    assert out["wait_s"] >= 0.5 * out["wall_s"]

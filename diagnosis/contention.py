@@ -1,0 +1,131 @@
+"""Which ranks' CPUs are contended, from their threads' run-queue wait in the profiling windows.
+
+A process sharing a rank's cores (another job, a preprocessing daemon, a runaway logger) need not
+slow the training thread: a thread waking from a sleep preempts a busy intruder at once. The
+threads that move the collectives' data and load batches are the ones that queue, and then every
+peer waits for this rank inside the collectives — step time grows everywhere, own time nowhere.
+The hook's ``cpu_wait@sched`` pattern is the time the rank's threads spent runnable but waiting
+for a CPU during the window (``profiler_hook.schedstat``). Per window each rank's wait per step is
+compared with the other ranks' (median / MAD); a rank that waits much longer in most windows, by a
+share of the step time that matters, is contended.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+WAIT_KIND, WAIT_PATTERN = "sched", "cpu_wait@sched"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ContentionSettings:
+    min_ratio: float = 1.5
+    """A rank's CPU wait per step must exceed the peers' median by this factor..."""
+    min_step_share: float = 0.1
+    """...and by this share of the window's median step time (summed over threads: a wait that
+    short cannot be what holds the job back)..."""
+    min_z: float = 5.0
+    """...and by this many robust standard deviations (from ``z_min_ranks`` ranks on)."""
+    z_min_ranks: int = 8
+    mad_floor: float = 0.05
+    """The robust deviation is never taken below this fraction of the median."""
+    persistence: float = 0.5
+    """A contended rank must stand out in at least this fraction of the windows that saw it."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Contended:
+    rank: int
+    wait_us: float
+    """The rank's CPU wait per step, all threads (median over the windows)."""
+    peer_wait_us: float
+    step_us: float
+    """The job's median step time in those windows."""
+    ratio: float
+    windows_flagged: int
+    windows: int
+
+    @property
+    def step_share(self) -> float:
+        """The extra wait as a share of the step time."""
+        return (self.wait_us - self.peer_wait_us) / max(self.step_us, 1.0)
+
+
+def _window_step_us(functions: pd.DataFrame, steps: pd.DataFrame) -> pd.Series:
+    """Median step time over all ranks of each window's steps, indexed by window."""
+    spans = functions[["window", "step_lo", "step_hi"]].drop_duplicates("window")
+    if steps.empty:
+        return pd.Series(np.nan, index=spans["window"])
+    per_step = steps.groupby("step")["dur_us"].median()
+    return pd.Series(
+        [
+            float(per_step.loc[lo : max(lo, hi - 1)].median())
+            for lo, hi in zip(spans["step_lo"], spans["step_hi"], strict=True)
+        ],
+        index=spans["window"],
+    )
+
+
+def find(
+    functions: pd.DataFrame, steps: pd.DataFrame, s: ContentionSettings | None = None
+) -> list[Contended]:
+    """Ranks whose threads persistently wait for a CPU much longer than their peers'."""
+    s = s or ContentionSettings()
+    if functions.empty:
+        return []
+    f = functions[(functions["kind"] == WAIT_KIND) & (functions["name"] == WAIT_PATTERN)]
+    if f.empty:
+        return []
+    step_us = _window_step_us(f, steps)
+    f = pd.DataFrame(
+        {
+            "rank": f["rank"].astype(np.int64),
+            "window": f["window"],
+            "w": f["total_us"].astype(float) / (f["step_hi"] - f["step_lo"]).clip(lower=1),
+        }
+    )
+    f["step_us"] = f["window"].map(step_us)
+    by_window = f.groupby("window")["w"]
+    med = by_window.transform("median")
+    n = by_window.transform("size")
+    mad = (f["w"] - med).abs().groupby(f["window"]).transform("median") * 1.4826
+    scale = np.maximum(np.maximum(mad, s.mad_floor * med), 1e-9)
+    slow = (f["w"] >= s.min_ratio * med) & (n >= 3) & (f["w"] - med >= s.min_step_share * f["step_us"])
+    slow &= ((f["w"] - med) / scale >= s.min_z) | (n < s.z_min_ranks)
+    f = f.assign(slow=slow, peer=med, ratio=f["w"] / med.clip(lower=1.0))
+    suspects = f.loc[f["slow"], "rank"].unique()
+    if suspects.size == 0:
+        return []
+    per = (
+        f[f["rank"].isin(suspects)]
+        .groupby("rank")
+        .agg(
+            flagged=("slow", "sum"),
+            windows=("slow", "size"),
+            w=("w", "median"),
+            peer=("peer", "median"),
+            ratio=("ratio", "median"),
+            step_us=("step_us", "median"),
+        )
+    )
+    out = []
+    for rank, r in per.iterrows():
+        windows = int(r["windows"])
+        need = max(2, int(np.ceil(s.persistence * windows))) if windows > 1 else 1
+        if int(r["flagged"]) < need:
+            continue
+        out.append(
+            Contended(
+                rank=int(rank),
+                wait_us=float(r["w"]),
+                peer_wait_us=float(r["peer"]),
+                step_us=float(r["step_us"]),
+                ratio=float(r["ratio"]),
+                windows_flagged=int(r["flagged"]),
+                windows=windows,
+            )
+        )
+    return out

@@ -1,0 +1,61 @@
+"""CPU contention of the rank's process: how long its threads waited for a CPU (Linux schedstat).
+
+A noisy neighbour on a rank's cores (another job, a data-preprocessing daemon, a runaway logger)
+need not show in the training thread at all: the scheduler lets a thread that wakes from a sleep
+run at once, so compute keeps its pace while the threads doing the collectives' and the data
+loader's work queue behind the intruder — and every peer then waits for this rank inside the
+collectives. The kernel counts, per thread, the time it was runnable but waiting for a CPU
+(``/proc/<pid>/task/<tid>/schedstat``, second field, ns). Summed over the process's threads and
+compared across ranks on the same steps, it names the rank whose host or cores are contended.
+
+Reading is ~10 µs per thread and happens only at a profiling window's start and end.
+
+Example::
+
+    before = run_queue_wait()
+    ...  # the window's steps
+    pattern = wait_pattern(before, run_queue_wait())
+"""
+
+from __future__ import annotations
+
+import os
+
+from .records import FunctionPattern
+
+WAIT_PATTERN = "cpu_wait@sched"
+"""The name of the pattern in a window summary."""
+WAIT_KIND = "sched"
+
+Waits = dict[int, int]
+"""Thread id -> ns it has spent runnable but waiting for a CPU."""
+
+
+def run_queue_wait() -> Waits:
+    """Run-queue wait of each of this process's threads (empty where the kernel has no schedstat)."""
+    out: Waits = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat", "rb") as f:
+                out[int(tid)] = int(f.read().split()[1])
+        except (OSError, ValueError, IndexError):
+            continue  # the thread ended meanwhile, or no schedstat
+    return out
+
+
+def wait_pattern(before: Waits, after: Waits) -> FunctionPattern | None:
+    """The window's CPU wait as one pattern: ``total_us`` over all threads, ``count`` threads.
+
+    Threads started during the window count from zero; threads that ended are left out."""
+    if not before or not after:
+        return None
+    wait_ns = sum(max(ns - before.get(tid, 0), 0) for tid, ns in after.items())
+    total = round(wait_ns / 1e3, 1)
+    mean = round(total / len(after), 2)
+    return FunctionPattern(
+        WAIT_KIND, WAIT_PATTERN, "", len(after), total, mean, mean, mean, mean, 0.0, 0.0, 0.0, 0
+    )
