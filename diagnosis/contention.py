@@ -22,8 +22,9 @@ WAIT_KIND, WAIT_PATTERN = "sched", "cpu_wait@sched"
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ContentionSettings:
-    min_ratio: float = 1.5
-    """A rank's CPU wait per step must exceed the peers' median by this factor..."""
+    min_ratio: float = 1.4
+    """A rank's CPU wait per step must exceed the ranks' median by this factor (healthy 4-rank jobs
+    on 2 oversubscribed cores reach 1.33x in single windows)..."""
     min_step_share: float = 0.1
     """...and by this share of the window's median step time (summed over threads: a wait that
     short cannot be what holds the job back)..."""
@@ -33,7 +34,8 @@ class ContentionSettings:
     mad_floor: float = 0.05
     """The robust deviation is never taken below this fraction of the median."""
     persistence: float = 0.5
-    """A contended rank must stand out in at least this fraction of the windows that saw it."""
+    """A contended rank must stand out in at least this fraction of the windows since the first
+    in which it did (contention starts when the intruder does), and in two at least."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -99,22 +101,22 @@ def find(
     suspects = f.loc[f["slow"], "rank"].unique()
     if suspects.size == 0:
         return []
-    per = (
-        f[f["rank"].isin(suspects)]
-        .groupby("rank")
-        .agg(
-            flagged=("slow", "sum"),
-            windows=("slow", "size"),
-            w=("w", "median"),
-            peer=("peer", "median"),
-            ratio=("ratio", "median"),
-            step_us=("step_us", "median"),
-        )
+    seen = f.groupby("rank")["window"].nunique()
+    f = f[f["rank"].isin(suspects)]
+    first = f[f["slow"]].groupby("rank")["window"].min()
+    f = f[f["window"] >= f["rank"].map(first)]
+    per = f.groupby("rank").agg(
+        flagged=("slow", "sum"),
+        windows=("slow", "size"),
+        w=("w", "median"),
+        peer=("peer", "median"),
+        ratio=("ratio", "median"),
+        step_us=("step_us", "median"),
     )
     out = []
     for rank, r in per.iterrows():
         windows = int(r["windows"])
-        need = max(2, int(np.ceil(s.persistence * windows))) if windows > 1 else 1
+        need = max(2, int(np.ceil(s.persistence * windows))) if seen[rank] > 1 else 1
         if int(r["flagged"]) < need:
             continue
         out.append(
