@@ -30,7 +30,7 @@ from diagnosis import diagnose
 from rankscope.workload import JobSpec, RunningJob, free_port
 
 from . import scoring
-from .injectors import CpuHog, SlowLink, Unavailable, hog_core
+from .injectors import CpuHog, Fabric, Unavailable, hog_core
 from .scenarios import Scenario, load_all
 from .timeline import Timeline
 
@@ -74,17 +74,17 @@ class _OnsetWatch(threading.Thread):
 
 def _run_job(sc: Scenario, spec: JobSpec, markers: Path) -> tuple[dict[str, Any] | None, str, list[str]]:
     """Run the job with its external fault; returns (onset marker, error, cleanup errors)."""
-    injector: SlowLink | CpuHog | None = None
+    injector: Fabric | CpuHog | None = None
     kind = sc.fault.kind
     if kind in ("nic", "switch"):
-        injector = SlowLink(sc.faulty_ranks, sc.world_size, sc.rate_mbit)
+        injector = Fabric(spec, kind, sc.faulty_ranks, sc.rate_mbit)
     elif kind == "host":
         injector = CpuHog(hog_core(), sc.hogs, max_s=sc.seconds + START_S)
     watch = _OnsetWatch(markers, injector)
     job: RunningJob | None = None
     error = ""
     try:
-        if isinstance(injector, SlowLink):
+        if isinstance(injector, Fabric):
             spec = replace(spec, **injector.setup())
         elif isinstance(injector, CpuHog):
             spec = replace(spec, **injector.setup(sc.fault.rank))

@@ -4,12 +4,13 @@ Both are set up before the job starts, switched on when the job reaches the faul
 faulty rank writes a marker file), and always torn down in ``cleanup`` — also when the job or the
 setup failed half-way.
 
-A slow NIC (``nic``) or a slow switch uplink (``switch``): the faulty ranks join a network namespace
-of their own, connected to the machine's namespace by a veth pair. Every rank binds gloo to an
-address on that pair (``GLOO_SOCKET_IFNAME``): ranks outside bind to the outer end (their traffic to
-each other stays on loopback), ranks inside to the inner end, whose default route leads out through
-the pair. At onset, ``tc qdisc ... tbf`` limits both directions of the pair, so everything the ranks
-inside exchange with the others crosses one slow link. (netem is not available here.)
+A slow NIC (``nic``) or a slow switch uplink (``switch``) needs a network like a cluster's, so
+``Fabric`` builds one: each simulated host is a network namespace with one NIC — a veth pair whose
+outer end is a port of its switch, a Linux bridge — and each switch has an uplink, another veth
+pair, to a spine bridge (one bridge and no spine without switches). Every rank joins its host's
+namespace and binds gloo to the NIC (``GLOO_SOCKET_IFNAME``); ranks of one host talk over the host's
+own address, as GPUs of one host would over NVLink. At onset, ``tc qdisc ... tbf`` limits both
+directions of the faulty host's NIC or the faulty switch's uplink. (netem is not available here.)
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import subprocess
 import sys
 import time
 from typing import Any
+
+from rankscope.workload import JobSpec, host_of, switch_of
 
 _SEQ = itertools.count()
 """Numbers the links this process makes, so that a link left behind never blocks the next."""
@@ -46,67 +49,99 @@ def network_unavailable() -> str:
     return ""
 
 
-class SlowLink:
-    """Ranks behind one veth pair that is rate-limited to ``rate_mbit`` at onset."""
+class Fabric:
+    """Hosts, switches and links for a job's ranks; one NIC or one uplink is rate-limited at onset."""
 
-    def __init__(self, ranks: tuple[int, ...], world_size: int, rate_mbit: float) -> None:
+    def __init__(self, spec: JobSpec, kind: str, ranks: tuple[int, ...], rate_mbit: float) -> None:
         why = network_unavailable()
         if why:
             raise Unavailable(why)
-        tag = f"{os.getpid() % 100000}{next(_SEQ) % 100}"
-        self.ranks, self.world_size, self.rate_mbit = ranks, world_size, rate_mbit
-        self.netns = f"rsfault{tag}"
-        self.outer, self.inner = f"rsf{tag}o", f"rsf{tag}i"
+        if kind not in ("nic", "switch"):
+            raise ValueError(f"a fabric fault is 'nic' or 'switch', got {kind!r}")
+        tag = f"rsf{os.getpid() % 100000}{next(_SEQ) % 100}"
+        self.rate_mbit = rate_mbit
+        world = range(spec.world_size)
+        host_names = sorted({host_of(r, spec) for r in world}, key=lambda h: int(h[4:]))
+        host = {r: host_names.index(host_of(r, spec)) for r in world}
+        switch_names = sorted({switch_of(r, spec) for r in world} - {""}, key=lambda w: int(w[2:]))
+        self.switch_of_host = {
+            host[r]: (switch_names.index(switch_of(r, spec)) if switch_names else 0) for r in world
+        }
+        self.netns = {h: f"{tag}h{h}" for h in self.switch_of_host}
+        self.nic = {h: (f"{tag}h{h}o", f"{tag}h{h}i") for h in self.switch_of_host}
+        self.bridge = {k: f"{tag}b{k}" for k in set(self.switch_of_host.values())}
+        self.spine = f"{tag}sp" if switch_names else ""
+        self.uplink = {k: (f"{tag}u{k}a", f"{tag}u{k}b") for k in self.bridge} if switch_names else {}
         octet = 100 + os.getpid() % 150
-        self.outer_ip, self.inner_ip = f"10.213.{octet}.1", f"10.213.{octet}.2"
-        self._made_ns = self._made_link = self._limited = False
+        self.ip = {h: f"10.213.{octet}.{h + 1}" for h in self.switch_of_host}
+        self.rank_host = host
+        faulty = {host[r] for r in ranks}
+        if kind == "nic":
+            self.slow = [self.nic[h] for h in sorted(faulty)]
+        else:
+            self.slow = [self.uplink[k] for k in sorted({self.switch_of_host[h] for h in faulty})]
+            if not self.slow:
+                raise ValueError("a switch fault needs switches (the scenario's 'switches')")
+        self._made: list[tuple[str, ...]] = []
+        """What to delete, in order of creation: ('link', name) or ('netns', name)."""
+        self._limited: list[tuple[str, str]] = []
 
     def setup(self) -> dict[str, Any]:
-        """Create the namespace and the link; returns the JobSpec fields that route the ranks over it."""
+        """Build the network; returns the JobSpec fields that put the ranks on it."""
         try:
-            _run("ip", "netns", "add", self.netns)
+            _run("ip", "netns", "add", self.netns[0])
         except RuntimeError as exc:
             raise Unavailable(f"cannot create a network namespace: {exc}") from exc
-        self._made_ns = True
-        _run("ip", "link", "add", self.outer, "type", "veth", "peer", "name", self.inner)
-        self._made_link = True
-        _run("ip", "link", "set", self.inner, "netns", self.netns)
-        _run("ip", "addr", "add", f"{self.outer_ip}/24", "dev", self.outer)
-        _run("ip", "link", "set", self.outer, "up")
-        ns = ("ip", "netns", "exec", self.netns)
-        _run(*ns, "ip", "addr", "add", f"{self.inner_ip}/24", "dev", self.inner)
-        _run(*ns, "ip", "link", "set", self.inner, "up")
-        _run(*ns, "ip", "link", "set", "lo", "up")
-        _run(*ns, "ip", "route", "add", "default", "via", self.outer_ip)
+        self._made.append(("netns", self.netns[0]))
+        for name in [*self.bridge.values(), *([self.spine] if self.spine else [])]:
+            _run("ip", "link", "add", name, "type", "bridge")
+            self._made.append(("link", name))
+            _run("ip", "link", "set", name, "up")
+        for k, (a, b) in self.uplink.items():
+            _run("ip", "link", "add", a, "type", "veth", "peer", "name", b)
+            self._made.append(("link", a))
+            for end, bridge in ((a, self.bridge[k]), (b, self.spine)):
+                _run("ip", "link", "set", end, "master", bridge)
+                _run("ip", "link", "set", end, "up")
+        for h, (outer, inner) in self.nic.items():
+            if h:
+                _run("ip", "netns", "add", self.netns[h])
+                self._made.append(("netns", self.netns[h]))
+            _run("ip", "link", "add", outer, "type", "veth", "peer", "name", inner)
+            self._made.append(("link", outer))
+            _run("ip", "link", "set", inner, "netns", self.netns[h])
+            _run("ip", "link", "set", outer, "master", self.bridge[self.switch_of_host[h]])
+            _run("ip", "link", "set", outer, "up")
+            ns = ("ip", "netns", "exec", self.netns[h])
+            _run(*ns, "ip", "addr", "add", f"{self.ip[h]}/24", "dev", inner)
+            _run(*ns, "ip", "link", "set", inner, "up")
+            _run(*ns, "ip", "link", "set", "lo", "up")
         return {
-            "master_addr": self.outer_ip,
-            "netns": {r: self.netns for r in self.ranks},
-            "ifname": {r: self.inner if r in self.ranks else self.outer for r in range(self.world_size)},
+            "master_addr": self.ip[self.rank_host[0]],
+            "netns": {r: self.netns[h] for r, h in self.rank_host.items()},
+            "ifname": {r: self.nic[h][1] for r, h in self.rank_host.items()},
         }
 
     def start(self) -> None:
-        """Rate-limit both directions of the link (tbf shapes what leaves each end)."""
+        """Rate-limit both directions of the faulty links (tbf shapes what leaves each end)."""
         rate = f"{self.rate_mbit:g}mbit"
         burst = f"{max(32, int(self.rate_mbit * 1e6 / 8 / 250 / 1024))}kb"  # >= rate / HZ
         args = ("root", "tbf", "rate", rate, "burst", burst, "latency", "50ms")
-        _run("tc", "qdisc", "add", "dev", self.outer, *args)
-        _run("ip", "netns", "exec", self.netns, "tc", "qdisc", "add", "dev", self.inner, *args)
-        self._limited = True
+        inner_ns = {inner: self.netns[h] for h, (_, inner) in self.nic.items()}
+        for pair in self.slow:
+            for end in pair:
+                where = ("ip", "netns", "exec", inner_ns[end]) if end in inner_ns else ()
+                _run(*where, "tc", "qdisc", "add", "dev", end, *args)
 
     def cleanup(self) -> list[str]:
-        """Remove the qdiscs, the link and the namespace; returns what could not be removed."""
+        """Remove the links (and their qdiscs), bridges and namespaces; returns what could not be removed."""
         errors = []
-        if self._made_link:
-            try:  # deleting one end deletes the pair, and its qdiscs with it
-                _run("ip", "link", "del", self.outer)
-            except RuntimeError as exc:
-                errors.append(str(exc))
-        if self._made_ns:
+        for what, name in reversed(self._made):  # deleting one end of a veth deletes the pair
             try:
-                _run("ip", "netns", "del", self.netns)
+                _run("ip", what, "del", name)
             except RuntimeError as exc:
                 errors.append(str(exc))
-        self._made_ns = self._made_link = self._limited = False
+        self._made = []
         return errors
 
 

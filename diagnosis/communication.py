@@ -11,6 +11,14 @@ profiler plugin reports per proxy step. Such patterns are ``collective`` rows na
 Per window and pattern each rank's time per byte is compared with the other ranks' (median /
 MAD); a rank that is slower in most windows is a communication culprit. The diagnosis then names
 the NIC, host or switch when the culprits make up a whole one.
+
+Where the pattern names its link's endpoints (the hook's ``net_send@tcp``, one pattern per pair
+of addresses, ``stack`` = ``"<local IP>><peer IP>"``), the links are compared instead, and the
+culprit is found as in network tomography: a slow NIC slows every link through it, in both
+directions, and no other. Ranks that merely send *into* the slow NIC have one slow link among
+healthy ones. So per window the slow links are found, and the smallest group of ranks — the
+ranks behind one address, a NIC, a host, a switch — whose links to the rest of the job carry all
+of them, most of its links being slow, is the culprit.
 """
 
 from __future__ import annotations
@@ -38,6 +46,8 @@ class CommSettings:
     min_excess_us: float = 20_000.0
     """...and spend at least this much longer sending in the window than the peers' rate implies.
     Kernels count TCP busy time in jiffies (1-10 ms), so on a fast link a few ms are noise."""
+    cut_share: float = 0.5
+    """Links with endpoints: more than this share of a culprit group's links to the rest must be slow."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -61,8 +71,11 @@ def _per_call_us(f: pd.DataFrame) -> pd.Series:
     return f["total_us"].astype(float)
 
 
-def find(functions: pd.DataFrame, s: CommSettings | None = None) -> list[SlowLink]:
-    """Ranks whose network send time per byte persistently exceeds their peers'."""
+def find(
+    functions: pd.DataFrame, s: CommSettings | None = None, ranks: pd.DataFrame | None = None
+) -> list[SlowLink]:
+    """Ranks whose network send time per byte persistently exceeds their peers'; ``ranks`` (rank,
+    nic, host, switch) lets links with endpoints be grouped by topology."""
     s = s or CommSettings()
     if functions.empty or "nbytes" not in functions:
         return []
@@ -70,6 +83,17 @@ def find(functions: pd.DataFrame, s: CommSettings | None = None) -> list[SlowLin
     f = f[f["name"].astype(str).str.startswith(TRANSFER_PREFIX) & (f["nbytes"] > 0) & (f["count"] > 0)]
     if f.empty:
         return []
+    pair = (
+        f["stack"].astype(str).str.contains(">", regex=False) if "stack" in f else pd.Series(False, f.index)
+    )
+    out = _per_rank(f[~pair], s) if not pair.all() else []
+    if pair.any():
+        out += _tomography(f[pair], s, ranks)
+    return out
+
+
+def _per_rank(f: pd.DataFrame, s: CommSettings) -> list[SlowLink]:
+    """Each rank's one transfer measurement per window against the other ranks'."""
     f = pd.DataFrame(
         {
             "rank": f["rank"].astype(np.int64),
@@ -116,4 +140,102 @@ def find(functions: pd.DataFrame, s: CommSettings | None = None) -> list[SlowLin
                 windows=windows,
             )
         )
+    return out
+
+
+def _slow_links(f: pd.DataFrame, s: CommSettings) -> pd.DataFrame:
+    """One row per rank, window and link (local > peer address) with its time per byte ``t``, the
+    window's healthy time per byte ``base`` and whether the link is ``slow``.
+
+    The healthy baseline is the lower quartile of the window's links: a slow NIC in a ring slows
+    two links (in and out), up to half of a small job's; the median would move with them."""
+    local_peer = f["stack"].astype(str).str.split(">", n=1, expand=True)
+    d = pd.DataFrame(
+        {
+            "rank": f["rank"].astype(np.int64),
+            "window": f["window"],
+            "local": local_peer[0],
+            "peer": local_peer[1],
+            "t": _per_call_us(f) / f["nbytes"].astype(float),
+            "nbytes": f["nbytes"].astype(float),
+        }
+    )
+    by_window = d.groupby("window")["t"]
+    base = by_window.transform(lambda t: t.quantile(0.25))
+    med = by_window.transform("median")
+    n = by_window.transform("size")
+    mad = (d["t"] - med).abs().groupby(d["window"]).transform("median") * 1.4826
+    scale = np.maximum(np.maximum(mad, s.mad_floor * med), 1e-30)
+    slow = (d["t"] >= s.min_ratio * base) & (n >= 3) & ((d["t"] - base) * d["nbytes"] >= s.min_excess_us)
+    slow &= ((d["t"] - med) / scale >= s.min_z) | (n < s.z_min_ranks)
+    return d.assign(base=base, slow=slow)
+
+
+def _groups(d: pd.DataFrame, ranks: pd.DataFrame | None) -> list[frozenset[int]]:
+    """Candidate culprits, smallest first: the ranks behind each address, then each NIC, host and
+    switch of the ranks table."""
+    out = set(d.groupby("local")["rank"].agg(frozenset))
+    if ranks is not None and not ranks.empty:
+        r = ranks[ranks["rank"].isin(d["rank"].unique())]
+        for level in ("nic", "host", "switch"):
+            if level in r:
+                labeled = r[r[level].astype(str) != ""]
+                out |= set(labeled.groupby(level)["rank"].agg(lambda x: frozenset(int(v) for v in x)))
+    return sorted(out, key=lambda g: (len(g), sorted(g)))
+
+
+def _tomography(f: pd.DataFrame, s: CommSettings, ranks: pd.DataFrame | None) -> list[SlowLink]:
+    """The smallest groups of ranks whose links to the rest carry all slow links, in most windows."""
+    d = _slow_links(f, s)
+    if not d["slow"].any():
+        return []
+    behind = d.groupby("local")["rank"].agg(frozenset).to_dict()
+    src = [behind[a] for a in d["local"]]
+    dst = [behind.get(a, frozenset()) for a in d["peer"]]  # a peer that never sent: outside every group
+    groups = _groups(d, ranks)
+    flagged: dict[frozenset[int], list[int]] = {}
+    seen: dict[frozenset[int], list[int]] = {}
+    windows = d["window"].to_numpy()
+    slow = d["slow"].to_numpy()
+    for g in groups:
+        cross = np.array([bool(a & g) != bool(b & g) for a, b in zip(src, dst, strict=True)])
+        for w in np.unique(windows[cross]):
+            in_w = windows == w
+            seen.setdefault(g, []).append(int(w))
+            slow_w, cross_w = slow & in_w, cross & in_w
+            if (
+                slow_w.any()
+                and not (slow_w & ~cross_w).any()
+                and (slow_w & cross_w).sum() > s.cut_share * cross_w.sum()
+            ):
+                flagged.setdefault(g, []).append(int(w))
+    # Per window only the smallest groups that explain it; then persistence since the first.
+    smallest: dict[int, int] = {}
+    for g, ws in flagged.items():
+        for w in ws:
+            smallest[w] = min(smallest.get(w, len(g)), len(g))
+    out = []
+    n_windows = d["window"].nunique()
+    for g, ws in flagged.items():
+        mine = [w for w in ws if len(g) == smallest[w]]
+        if not mine:
+            continue
+        since = [w for w in seen[g] if w >= mine[0]]
+        need = max(2, int(np.ceil(s.persistence * len(since)))) if n_windows > 1 else 1
+        if len(mine) < need:
+            continue
+        rows = d[d["window"].isin(mine) & d["slow"]]
+        t, base = float(rows["t"].median()), float(rows["base"].median())
+        out += [
+            SlowLink(
+                rank=r,
+                pattern=str(f["name"].iloc[0]),
+                ratio=t / max(base, 1e-30),
+                gbps=1e-3 / max(t, 1e-12),
+                peer_gbps=1e-3 / max(base, 1e-12),
+                windows_flagged=len(mine),
+                windows=len(since),
+            )
+            for r in sorted(g)
+        ]
     return out

@@ -42,8 +42,18 @@ def _classify(
 ) -> tuple[str, str, float, dict[str, Any]]:
     """(cause, function, share of the excess it explains, evidence) for one straggler."""
     total = max(st.excess_us, 1.0)
-    if waits is not None and waits.wait_us - waits.peer_wait_us >= 0.5 * total:
-        return "host_contention", CPU_WAIT, 1.0, _wait_evidence(waits)
+    # Starved: the rank got a smaller share of the CPU for its own time than its peers. (A rank with
+    # more work queues longer on a busy host too, behind its own threads, at the same share.)
+    own_eff = st.cpu_us / max(st.own_us, 1.0)
+    peer_eff = st.peer_cpu_us / max(st.peer_own_us, 1.0)
+    starved = own_eff <= 0.8 * peer_eff
+    if starved and waits is not None and waits.wait_us - waits.peer_wait_us >= 0.5 * total:
+        ev = {
+            **_wait_evidence(waits),
+            "cpu_share_of_own_time": round(own_eff, 3),
+            "peer_cpu_share_of_own_time": round(peer_eff, 3),
+        }
+        return "host_contention", CPU_WAIT, 1.0, ev
     data_excess = st.data_us - st.peer_data_us
     if data_excess >= 0.5 * total:
         fn = functions.top_of_kind(excess, "dataloader")
@@ -59,9 +69,7 @@ def _classify(
             "function_peer_ms_per_step": _ms(extra.peer_us),
         }
         return "code_path", extra.name, extra.excess_us / total, ev
-    own_eff = st.cpu_us / max(st.own_us, 1.0)
-    peer_eff = st.peer_cpu_us / max(st.peer_own_us, 1.0)
-    if st.nivcsw >= 2 * st.peer_nivcsw + 5 and own_eff <= 0.8 * peer_eff:
+    if starved and st.nivcsw >= 2 * st.peer_nivcsw + 5:
         ev = {
             "involuntary_switches_per_step": st.nivcsw,
             "peer_involuntary_switches_per_step": st.peer_nivcsw,
@@ -335,7 +343,7 @@ def diagnose(data: JobData, settings: Settings | None = None) -> Diagnosis:
     found: list[Finding] = []
     hang = hangs.find(data.heartbeats, s.hangs)
     sts = stragglers.find(data.steps, s.steps)
-    links = communication.find(data.functions, s.comm)
+    links = communication.find(data.functions, s.comm, data.ranks)
     waits = {c.rank: c for c in contention.find(data.functions, data.steps, s.contention)}
     # Host names of the culprits only: a dict of every rank costs 0.1 s at 100,000 ranks.
     culprits = [

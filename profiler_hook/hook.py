@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 from .collectives import CollectiveTracker
 from .config import Config, Identity
-from .netstat import Counters, send_pattern, tcp_counters
+from .netstat import Counters, send_patterns, tcp_counters
 from .records import FunctionPattern, Heartbeat, RankInfo, StepBatch, StepRow, WindowSummary
 from .schedstat import Waits, run_queue_wait, wait_pattern
 from .shipper import Shipper
@@ -216,11 +216,9 @@ class Hook:
         prof, (number, lo, hi, t0) = self._prof, self._window
         prof.stop()
         dur_ns = time.time_ns() - t0
-        extra = [
-            p
-            for p in (send_pattern(self._net, tcp_counters()), wait_pattern(self._waits, run_queue_wait()))
-            if p
-        ]
+        extra = send_patterns(self._net, tcp_counters())
+        if (waits := wait_pattern(self._waits, run_queue_wait())) is not None:
+            extra.append(waits)
         calls, self.tracker.recording = self.tracker.recording or [], None
         self._prof, self._window = None, None
         origin = self._origin()

@@ -16,7 +16,7 @@ Example::
 
     before = tcp_counters()
     ...  # the window's steps
-    pattern = send_pattern(before, tcp_counters())
+    patterns = send_patterns(before, tcp_counters())
 """
 
 from __future__ import annotations
@@ -38,16 +38,16 @@ _ESTABLISHED = 1
 _BYTES_ACKED = struct.Struct("<Q")  # at offset 120
 _CHRONO = struct.Struct("<QQQ")  # busy, rwnd_limited, sndbuf_limited (µs) at offset 168, Linux 4.10+
 
-Counters = dict[tuple[int, str], tuple[int, int]]
-"""(fd, peer address) -> (bytes acknowledged, µs busy sending less µs blocked on the receiver)."""
+Counters = dict[tuple[int, str, str], tuple[int, int]]
+"""(fd, local IP, peer IP:port) -> (bytes acknowledged, µs busy sending less µs blocked on the receiver)."""
 
 
 def tcp_counters(loopback: bool = False) -> Counters:
     """Send counters of this process's established TCP connections (empty where unsupported).
 
-    Loopback connections are left out unless ``loopback``: they never touch a NIC, and their "send
-    time" is CPU time of this host, which scheduling noise moves (ranks on one host that talk over
-    loopback would otherwise look like slow links).
+    Connections within the host (to a loopback address or to the host's own address) are left out
+    unless ``loopback``: they never touch a NIC, and their "send time" is CPU time of this host,
+    which scheduling noise moves (ranks on one host would otherwise look like slow links).
     """
     out: Counters = {}
     tcp_info: int = getattr(socket, "TCP_INFO", -1)  # Linux only
@@ -69,8 +69,8 @@ def tcp_counters(loopback: bool = False) -> Counters:
             info = s.getsockopt(socket.IPPROTO_TCP, tcp_info, _TCP_INFO_LEN)
             if len(info) < _CHRONO.size + 168 or info[0] != _ESTABLISHED:
                 continue
-            peer = s.getpeername()
-            if not loopback and ipaddress.ip_address(peer[0].split("%")[0]).is_loopback:
+            peer, local = s.getpeername(), s.getsockname()[0]
+            if not loopback and (ipaddress.ip_address(peer[0].split("%")[0]).is_loopback or peer[0] == local):
                 continue
         except (OSError, ValueError):
             continue
@@ -78,22 +78,40 @@ def tcp_counters(loopback: bool = False) -> Counters:
             s.close()  # the duplicate only
         (acked,) = _BYTES_ACKED.unpack_from(info, 120)
         busy, rwnd, _sndbuf = _CHRONO.unpack_from(info, 168)
-        out[(fd, f"{peer[0]}:{peer[1]}")] = (acked, busy - rwnd)
+        out[(fd, local, f"{peer[0]}:{peer[1]}")] = (acked, busy - rwnd)
     return out
 
 
-def send_pattern(before: Counters, after: Counters) -> FunctionPattern | None:
-    """The window's network sends as one pattern: bytes and send time over its bulk connections."""
-    nbytes = send_us = conns = 0
+def send_patterns(before: Counters, after: Counters) -> list[FunctionPattern]:
+    """The window's network sends, one pattern per pair of hosts: bytes and send time over the bulk
+    connections from this host's address to the peer's. The pair is the pattern's ``stack``,
+    ``"<local IP>><peer IP>"``: which links are slow, and which endpoint they share, names the NIC."""
+    pairs: dict[str, list[int]] = {}
     for key, (acked, busy) in after.items():
         if key not in before:
             continue
         d_bytes, d_us = acked - before[key][0], busy - before[key][1]
         if d_bytes >= MIN_BYTES:  # d_us may be 0: busy time is counted in jiffies
-            nbytes, send_us, conns = nbytes + d_bytes, send_us + d_us, conns + 1
-    if not conns:
-        return None
-    mean = round(send_us / conns, 2)
-    return FunctionPattern(
-        "collective", SEND_PATTERN, "", conns, float(send_us), mean, mean, mean, mean, 0.0, 0.0, 0.0, nbytes
-    )
+            sums = pairs.setdefault(f"{key[1]}>{key[2].rsplit(':', 1)[0]}", [0, 0, 0])
+            sums[0], sums[1], sums[2] = sums[0] + d_bytes, sums[1] + d_us, sums[2] + 1
+    out = []
+    for pair, (nbytes, us, conns) in sorted(pairs.items()):
+        mean = round(us / conns, 2)
+        out.append(
+            FunctionPattern(
+                "collective",
+                SEND_PATTERN,
+                pair,
+                conns,
+                float(us),
+                mean,
+                mean,
+                mean,
+                mean,
+                0.0,
+                0.0,
+                0.0,
+                nbytes,
+            )
+        )
+    return out

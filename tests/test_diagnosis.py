@@ -191,10 +191,60 @@ def test_a_rank_whose_threads_queue_for_the_cpu_is_named_though_it_works_no_long
     assert f.evidence["cpu_wait_ms_per_step"] == 4.0 and f.evidence["windows_flagged"] == "4/4"
     # A wait that stands out (3x) but is a small part of a ~5.3 ms step cannot hold the job back.
     assert diagnose(replace(data, functions=sched_windows({3: 0.6}, base_ms=0.2))).findings == []
-    # A straggler whose extra own time is CPU wait is contended, not a slow device.
-    data = synthetic(slow={5: {"compute_us": 1500}})
-    f = only(diagnose(replace(data, functions=sched_windows({5: 3.0}))).findings)
+    # A straggler whose extra own time is CPU wait, not CPU work, is contended, not a slow device.
+    waits = sched_windows({5: 3.0})
+    f = only(diagnose(replace(synthetic(slow={5: {"compute_us": 1500, "cpu": 0.5}}), functions=waits)).findings)
     assert (f.cause, f.ranks) == ("host_contention", [5])
+    # With the extra time spent computing, the wait is its threads queueing behind its own work.
+    f = only(diagnose(replace(synthetic(slow={5: {"compute_us": 1500}}), functions=waits)).findings)
+    assert (f.cause, f.ranks) == ("compute", [5])
+
+
+def ring_links(hosts: int, slow_ms_per_mb: dict[tuple[int, int], float], windows: int = 3) -> pd.DataFrame:
+    """``net_send@tcp`` rows of a ring over ``hosts`` hosts (one rank each, address 10.0.0.<rank>):
+    each rank sends 8 MB per window to the next, 1 ms per MB, or ``slow_ms_per_mb[(src, dst)]``."""
+    rows = []
+    for w in range(windows):
+        for r in range(hosts):
+            nxt = (r + 1) % hosts
+            ms = slow_ms_per_mb.get((r, nxt), 1.0 + 0.03 * ((r + w) % 3))
+            rows.append(
+                {
+                    "rank": r,
+                    "window": w,
+                    "step_lo": 50 + 50 * w,
+                    "step_hi": 55 + 50 * w,
+                    "kind": "collective",
+                    "name": "net_send@tcp",
+                    "stack": f"10.0.0.{r}>10.0.0.{nxt}",
+                    "count": 1,
+                    "total_us": 8 * ms * 1000,
+                    "mean_us": 8 * ms * 1000,
+                    "p50_us": 8 * ms * 1000,
+                    "nbytes": 8 << 20,
+                }
+            )
+    return pd.DataFrame(rows)
+
+
+def test_a_slow_nic_is_the_endpoint_its_slow_links_share_not_the_rank_sending_into_it() -> None:
+    # Rank 3's NIC is slow both ways: its link out (3 -> 0) and the link into it (2 -> 3) are slow.
+    links = ring_links(4, {(2, 3): 6.0, (3, 0): 6.0})
+    data = replace(synthetic(ranks=4, hosts_of=4), functions=links)
+    f = only(diagnose(data).findings)
+    assert (f.cause, f.ranks, f.hosts) == ("communication", [3], ["node3"])
+    assert f.evidence["windows_flagged"] == "3/3" and f.evidence["ratio"] > 4
+    # Healthy links: nothing.
+    assert diagnose(replace(data, functions=ring_links(4, {}))).findings == []
+
+
+def test_a_slow_switch_uplink_is_the_switch_whose_links_to_the_rest_are_slow() -> None:
+    # Six hosts, two per switch; sw1's uplink (hosts 2 and 3) is slow: 1 -> 2 and 3 -> 4 cross it.
+    links = ring_links(6, {(1, 2): 5.0, (3, 4): 5.0})
+    data = synthetic(ranks=6, hosts_of=6)
+    ranks = data.ranks.assign(switch=[f"sw{r // 2}" for r in range(6)])
+    f = only(diagnose(replace(data, ranks=ranks, functions=links)).findings)
+    assert (f.cause, f.scope, f.ranks, f.evidence["switch"]) == ("communication", "switch", [2, 3], "sw1")
 
 
 def test_host_contention_from_preemption_signals() -> None:

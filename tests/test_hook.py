@@ -253,7 +253,7 @@ def test_fault_settings_are_validated() -> None:
 
 
 def test_tcp_send_counters_see_a_real_bulk_transfer_and_not_idle_connections() -> None:
-    from profiler_hook.netstat import MIN_BYTES, SEND_PATTERN, send_pattern, tcp_counters
+    from profiler_hook.netstat import MIN_BYTES, SEND_PATTERN, send_patterns, tcp_counters
 
     server = socket.create_server(("127.0.0.1", 0))
     received = 0
@@ -281,14 +281,16 @@ def test_tcp_send_counters_see_a_real_bulk_transfer_and_not_idle_connections() -
         deadline = time.monotonic() + 10
         while received < 32 << 20 and time.monotonic() < deadline:
             time.sleep(0.01)
-        p = send_pattern(before, tcp_counters(loopback=True))
+        ps = send_patterns(before, tcp_counters(loopback=True))
     acceptor.join(10)
     server.close()
-    assert p is not None and p.name == SEND_PATTERN and p.kind == "collective"
+    assert len(ps) == 1, ps
+    p = ps[0]
+    assert (p.name, p.kind, p.stack) == (SEND_PATTERN, "collective", "127.0.0.1>127.0.0.1")  # host > peer
     assert p.count == 1  # the bulk connection only
     assert 32 << 20 <= p.nbytes < (32 << 20) + MIN_BYTES
     assert p.total_us > 0
-    assert send_pattern(before, before) is None
+    assert send_patterns(before, before) == []
 
 
 _WAIT_PROBE = """
