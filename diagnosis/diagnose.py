@@ -47,6 +47,7 @@ def _classify(
     own_eff = st.cpu_us / max(st.own_us, 1.0)
     peer_eff = st.peer_cpu_us / max(st.peer_own_us, 1.0)
     starved = own_eff <= 0.8 * peer_eff
+    ev: dict[str, Any]
     if starved and waits is not None and waits.wait_us - waits.peer_wait_us >= 0.5 * total:
         ev = {
             **_wait_evidence(waits),
@@ -57,7 +58,7 @@ def _classify(
     data_excess = st.data_us - st.peer_data_us
     if data_excess >= 0.5 * total:
         fn = functions.top_of_kind(excess, "dataloader")
-        ev: dict[str, Any] = {"data_wait_ms": _ms(st.data_us), "peer_data_wait_ms": _ms(st.peer_data_us)}
+        ev = {"data_wait_ms": _ms(st.data_us), "peer_data_wait_ms": _ms(st.peer_data_us)}
         return "dataloader", fn.name if fn else "DataLoader.__next__", data_excess / total, ev
     extra = functions.top_extra(excess)
     if extra is not None and extra.excess_us >= 0.3 * total:

@@ -193,7 +193,9 @@ def test_a_rank_whose_threads_queue_for_the_cpu_is_named_though_it_works_no_long
     assert diagnose(replace(data, functions=sched_windows({3: 0.6}, base_ms=0.2))).findings == []
     # A straggler whose extra own time is CPU wait, not CPU work, is contended, not a slow device.
     waits = sched_windows({5: 3.0})
-    f = only(diagnose(replace(synthetic(slow={5: {"compute_us": 1500, "cpu": 0.5}}), functions=waits)).findings)
+    f = only(
+        diagnose(replace(synthetic(slow={5: {"compute_us": 1500, "cpu": 0.5}}), functions=waits)).findings
+    )
     assert (f.cause, f.ranks) == ("host_contention", [5])
     # With the extra time spent computing, the wait is its threads queueing behind its own work.
     f = only(diagnose(replace(synthetic(slow={5: {"compute_us": 1500}}), functions=waits)).findings)
