@@ -34,6 +34,12 @@ class Config:
     """Steps profiled in each window."""
     window_offset: int = 20
     """First window starts at this step (skips start-up), then every ``window_every`` steps."""
+    trigger_ratio: float = 1.5
+    """A window also starts when the last 10 steps' median duration reaches this multiple of the
+    90 before (a slowdown began: profile it now, not at the next scheduled window); 0: never."""
+    trigger_align: int = 50
+    """A triggered window starts at the next multiple of this many steps, so that every rank of the
+    job — all see the same step times — profiles the same steps."""
     with_stack: bool = True
     """Record Python functions (by call stack) in profiling windows."""
     max_functions: int = 300
@@ -62,6 +68,11 @@ class Config:
             raise ValueError(
                 f"Config.window_steps ({self.window_steps}) must be smaller than "
                 f"Config.window_every ({self.window_every})"
+            )
+        if (self.trigger_ratio and self.trigger_ratio <= 1) or self.trigger_align < 1:
+            raise ValueError(
+                f"Config.trigger_ratio must be 0 or > 1 and Config.trigger_align >= 1, got "
+                f"{self.trigger_ratio} and {self.trigger_align}"
             )
         if self.sink not in ("spool", "kafka", "none"):
             raise ValueError(f"Config.sink must be 'spool', 'kafka' or 'none', got {self.sink!r}")

@@ -16,8 +16,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import resource
+import statistics
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
 
@@ -32,6 +34,10 @@ from .watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+TRIGGER_HISTORY = 100
+"""Step durations the slowdown trigger keeps: the last 10 against the 90 before."""
+TRIGGER_COOLDOWN = 4
+"""After a triggered window, no other is triggered for this many ``trigger_align`` steps."""
 
 
 def _now_us() -> int:
@@ -65,6 +71,10 @@ class Hook:
         self._waits: Waits = {}
         """The threads' CPU wait at the window's start."""
         self._summarizers: list[threading.Thread] = []
+        self._durs: deque[int] = deque(maxlen=TRIGGER_HISTORY)
+        """The last steps' durations (ns), for the slowdown trigger."""
+        self._trigger_at = self._triggered = -(10**9)
+        """The step a triggered window starts at; the step that triggered the last one."""
         self.tracker = CollectiveTracker()
         if not self.enabled:
             self.shipper = Shipper(NullSink(), 1)
@@ -151,6 +161,9 @@ class Hook:
                 )
             )
             self._usage = (cpu_us, nivcsw)
+            self._durs.append(now - self._mark_ns)
+            if self.step_num % 10 == 0:
+                self._maybe_trigger()
             self._mark_ns, self._data_ns = now, 0
             self._maybe_stop_window()
             if time.perf_counter() - self._last_flush >= self.cfg.flush_s:
@@ -194,19 +207,31 @@ class Hook:
             self._rows = []
         self._last_flush = time.perf_counter()
 
+    def _maybe_trigger(self) -> None:
+        """Schedule a window when the step time jumped (checked every 10th step: cheap)."""
+        cfg, s = self.cfg, self.step_num
+        if not cfg.trigger_ratio or len(self._durs) < TRIGGER_HISTORY or self._trigger_at >= s:
+            return
+        if self._prof is not None or s - self._triggered < TRIGGER_COOLDOWN * cfg.trigger_align:
+            return
+        d = list(self._durs)
+        if statistics.median(d[-10:]) >= cfg.trigger_ratio * statistics.median(d[:-10]):
+            self._trigger_at = -(-(s + 2) // cfg.trigger_align) * cfg.trigger_align
+            self._triggered = s
+
     def _maybe_start_window(self) -> None:
         cfg, s = self.cfg, self.step_num
-        if not cfg.window_every or s < cfg.window_offset or self._prof is not None:
+        if self._prof is not None or s < cfg.window_offset:
             return
-        if (s - cfg.window_offset) % cfg.window_every:
+        scheduled = bool(cfg.window_every) and (s - cfg.window_offset) % cfg.window_every == 0
+        if not scheduled and s != self._trigger_at:
             return
         from torch.profiler import ProfilerActivity, profile
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if _cuda() else [])
         self._prof = profile(activities=activities, with_stack=cfg.with_stack, record_shapes=False)
         self._prof.start()
-        number = (s - cfg.window_offset) // cfg.window_every
-        self._window = (number, s, s + cfg.window_steps, time.time_ns())
+        self._window = (s, s, s + cfg.window_steps, time.time_ns())
         self._net, self._waits = tcp_counters(), run_queue_wait()
         self.tracker.recording = []
 

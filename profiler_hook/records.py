@@ -140,7 +140,7 @@ class Heartbeat(_Base):
 class WindowSummary(_Base):
     TYPE: ClassVar[str] = "window"
     window: int
-    """Window number; the same steps on every rank get the same number."""
+    """The window's id: its first step (``step_lo``), the same on every rank."""
     step_lo: int
     step_hi: int
     """Steps ``step_lo <= s < step_hi`` were profiled."""

@@ -71,6 +71,8 @@ def test_config_rejects_bad_settings_naming_the_field() -> None:
         Config(sink="carrier-pigeon")
     with pytest.raises(ValueError, match="queue_size"):
         Config(queue_size=0)
+    with pytest.raises(ValueError, match="trigger_ratio"):
+        Config(trigger_ratio=0.9)
 
 
 def audit(model: torch.nn.Module) -> float:
@@ -163,6 +165,37 @@ def test_a_full_queue_drops_and_counts_instead_of_blocking() -> None:
     assert hook.shipper.sent == len(sink.got)
 
 
+class _ListSink:
+    def __init__(self) -> None:
+        self.got: list[bytes] = []
+
+    def send(self, key: bytes, value: bytes) -> None:
+        self.got.append(value)
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_slowdown_triggers_a_window_at_the_same_aligned_step_on_every_rank() -> None:
+    """No scheduled windows: the first one comes when the steps got 3x slower, at a multiple of 50."""
+    windows = []
+    for rank in range(2):  # two ranks of a job see the same step times
+        sink = _ListSink()
+        hook = Hook(
+            Config(window_every=0, trigger_ratio=1.5, trigger_align=50, with_stack=False),
+            Identity(rank=rank, local_rank=rank, world_size=2, host="h"),
+            sink,
+        )
+        for step in range(330):
+            with hook.step():
+                time.sleep(0.001 if step < 230 else 0.003)
+        hook.close()
+        summaries = [r for r in map(decode, sink.got) if isinstance(r, WindowSummary)]
+        windows.append([(w.window, w.step_lo, w.step_hi) for w in summaries])
+    # The slowdown begins at step 230; the trigger looks every 10th step at the last 10 steps.
+    assert windows[0] == windows[1] == [(250, 250, 255)]
+
+
 def test_disabled_hook_is_a_no_op(tmp_path: Path) -> None:
     hook = profiler_hook.attach(enable=False, spool_dir=str(tmp_path), rank=0, world_size=1)
     _steps(hook, 5)
@@ -241,7 +274,7 @@ def test_hook_in_spawned_gloo_ranks(tmp_path: Path) -> None:
         last = [r for r in rs if isinstance(r, Heartbeat)][-1]
         assert last.last_seq == {"world": 101}  # 100 all-reduces + the final barrier, on every rank
     # Windows cover the same steps on every rank: that is what makes ranks comparable.
-    assert windows[0] == [(0, 10, 14), (1, 50, 54), (2, 90, 94)]
+    assert windows[0] == [(10, 10, 14), (50, 50, 54), (90, 90, 94)]  # id = first step
     assert all(w == windows[0] for w in windows.values())
     hosts = {r.rank: r.host for rs in recs.values() for r in rs if isinstance(r, profiler_hook.RankInfo)}
     assert hosts == {0: "node0", 1: "node0", 2: "node1", 3: "node1"}
