@@ -76,7 +76,7 @@ def _run_job(sc: Scenario, spec: JobSpec, markers: Path) -> tuple[dict[str, Any]
     """Run the job with its external fault; returns (onset marker, error, cleanup errors)."""
     injector: Fabric | CpuHog | None = None
     kind = sc.fault.kind
-    if kind in ("nic", "switch"):
+    if sc.network:
         injector = Fabric(spec, kind, sc.faulty_ranks, sc.rate_mbit)
     elif kind == "host":
         injector = CpuHog(hog_core(), sc.hogs, max_s=sc.seconds + START_S)

@@ -50,14 +50,14 @@ def network_unavailable() -> str:
 
 
 class Fabric:
-    """Hosts, switches and links for a job's ranks; one NIC or one uplink is rate-limited at onset."""
+    """Hosts, switches and links for a job's ranks; with a ``nic`` or ``switch`` fault one NIC or
+    one uplink is rate-limited at onset (any other ``kind``: a healthy network)."""
 
     def __init__(self, spec: JobSpec, kind: str, ranks: tuple[int, ...], rate_mbit: float) -> None:
         why = network_unavailable()
         if why:
             raise Unavailable(why)
-        if kind not in ("nic", "switch"):
-            raise ValueError(f"a fabric fault is 'nic' or 'switch', got {kind!r}")
+
         tag = f"rsf{os.getpid() % 100000}{next(_SEQ) % 100}"
         self.rate_mbit = rate_mbit
         world = range(spec.world_size)
@@ -76,9 +76,11 @@ class Fabric:
         self.ip = {h: f"10.213.{octet}.{h + 1}" for h in self.switch_of_host}
         self.rank_host = host
         faulty = {host[r] for r in ranks}
+        self.slow: list[tuple[str, str]] = []
+        """The veth pairs limited at onset: the faulty hosts' NICs or their switches' uplinks."""
         if kind == "nic":
             self.slow = [self.nic[h] for h in sorted(faulty)]
-        else:
+        elif kind == "switch":
             self.slow = [self.uplink[k] for k in sorted({self.switch_of_host[h] for h in faulty})]
             if not self.slow:
                 raise ValueError("a switch fault needs switches (the scenario's 'switches')")

@@ -35,7 +35,18 @@ from .scoring import GroundTruth
 
 SCENARIO_DIR = Path(__file__).parent / "scenarios"
 _RUNNER_FIELDS = ("rate_mbit", "hogs", "observe_s")
-_TOP_FIELDS = {"about", "ci", "world_size", "hosts", "switches", "seconds", "fault", "expect", "hook"}
+_TOP_FIELDS = {
+    "about",
+    "ci",
+    "world_size",
+    "hosts",
+    "switches",
+    "network",
+    "seconds",
+    "fault",
+    "expect",
+    "hook",
+}
 
 
 class ScenarioError(ValueError):
@@ -51,6 +62,9 @@ class Scenario:
     world_size: int = 4
     hosts: int = 2
     switches: int = 0
+    network: bool = False
+    """Run the ranks on a simulated cluster network (a namespace per host, bridges per switch);
+    ``nic`` and ``switch`` faults always do."""
     seconds: float = 40.0
     fault: Fault = field(default_factory=Fault)
     rate_mbit: float = 0.0
@@ -123,6 +137,7 @@ def load(path: str | Path) -> Scenario:
             world_size=int(raw.get("world_size", 4)),
             hosts=int(raw.get("hosts", 2)),
             switches=int(raw.get("switches", 0)),
+            network=bool(raw.get("network", False)) or fault.kind in ("nic", "switch"),
             seconds=float(raw.get("seconds", 40.0)),
             fault=fault,
             rate_mbit=float(runner.get("rate_mbit", 0.0)),

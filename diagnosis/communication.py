@@ -17,8 +17,8 @@ of addresses, ``stack`` = ``"<local IP>><peer IP>"``), the links are compared in
 culprit is found as in network tomography: a slow NIC slows every link through it, in both
 directions, and no other. Ranks that merely send *into* the slow NIC have one slow link among
 healthy ones. So per window the slow links are found, and the smallest group of ranks — the
-ranks behind one address, a NIC, a host, a switch — whose links to the rest of the job carry all
-of them, most of its links being slow, is the culprit.
+ranks behind one address, a NIC, a host, a switch — whose links to the rest of the job carry most
+of their extra send time, most of its links being slow, is the culprit.
 """
 
 from __future__ import annotations
@@ -47,7 +47,10 @@ class CommSettings:
     """...and spend at least this much longer sending in the window than the peers' rate implies.
     Kernels count TCP busy time in jiffies (1-10 ms), so on a fast link a few ms are noise."""
     cut_share: float = 0.5
-    """Links with endpoints: more than this share of a culprit group's links to the rest must be slow."""
+    """Links with endpoints: more than this share of a culprit group's links to the rest must be slow..."""
+    coverage: float = 0.75
+    """...and they must carry at least this share of the window's extra send time over slow links
+    (a link behind a slow one can back up and look slow too, a little)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -185,27 +188,35 @@ def _groups(d: pd.DataFrame, ranks: pd.DataFrame | None) -> list[frozenset[int]]
 
 
 def _tomography(f: pd.DataFrame, s: CommSettings, ranks: pd.DataFrame | None) -> list[SlowLink]:
-    """The smallest groups of ranks whose links to the rest carry all slow links, in most windows."""
+    """The smallest groups of ranks whose links to the rest carry the slow links, in most windows."""
     d = _slow_links(f, s)
     if not d["slow"].any():
         return []
-    behind = d.groupby("local")["rank"].agg(frozenset).to_dict()
-    src = [behind[a] for a in d["local"]]
-    dst = [behind.get(a, frozenset()) for a in d["peer"]]  # a peer that never sent: outside every group
-    groups = _groups(d, ranks)
-    flagged: dict[frozenset[int], list[int]] = {}
-    seen: dict[frozenset[int], list[int]] = {}
+    # An address stands for the ranks behind it, which share a host and so every group above it:
+    # one of them is enough to place a link's end.
+    first = d.groupby("local")["rank"].min()
+    src = first.loc[d["local"]].to_numpy()
+    dst = d["peer"].map(first).fillna(-1).to_numpy(dtype=np.int64)  # a peer that never sent: outside
     windows = d["window"].to_numpy()
     slow = d["slow"].to_numpy()
-    for g in groups:
-        cross = np.array([bool(a & g) != bool(b & g) for a, b in zip(src, dst, strict=True)])
+    extra = np.where(slow, (d["t"] - d["base"]) * d["nbytes"], 0.0)
+    suspects = set(src[slow]) | set(dst[slow])  # only groups touching a slow link can explain one
+    flagged: dict[frozenset[int], list[int]] = {}
+    seen: dict[frozenset[int], list[int]] = {}
+    crossing: dict[frozenset[int], np.ndarray] = {}
+    for g in _groups(d, ranks):
+        if not suspects & g:
+            continue
+        members = np.fromiter(g, dtype=np.int64)
+        cross = np.isin(src, members) != np.isin(dst, members)
+        crossing[g] = cross
         for w in np.unique(windows[cross]):
             in_w = windows == w
             seen.setdefault(g, []).append(int(w))
             slow_w, cross_w = slow & in_w, cross & in_w
             if (
                 slow_w.any()
-                and not (slow_w & ~cross_w).any()
+                and extra[slow_w & cross_w].sum() >= s.coverage * extra[slow_w].sum()
                 and (slow_w & cross_w).sum() > s.cut_share * cross_w.sum()
             ):
                 flagged.setdefault(g, []).append(int(w))
@@ -224,7 +235,7 @@ def _tomography(f: pd.DataFrame, s: CommSettings, ranks: pd.DataFrame | None) ->
         need = max(2, int(np.ceil(s.persistence * len(since)))) if n_windows > 1 else 1
         if len(mine) < need:
             continue
-        rows = d[d["window"].isin(mine) & d["slow"]]
+        rows = d[np.isin(windows, mine) & slow & crossing[g]]
         t, base = float(rows["t"].median()), float(rows["base"].median())
         out += [
             SlowLink(
