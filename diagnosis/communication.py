@@ -226,13 +226,14 @@ def _tomography(f: pd.DataFrame, s: CommSettings, ranks: pd.DataFrame | None) ->
         for w in ws:
             smallest[w] = min(smallest.get(w, len(g)), len(g))
     out = []
-    n_windows = d["window"].nunique()
     for g, ws in flagged.items():
         mine = [w for w in ws if len(g) == smallest[w]]
         if not mine:
             continue
         since = [w for w in seen[g] if w >= mine[0]]
-        need = max(2, int(np.ceil(s.persistence * len(since)))) if n_windows > 1 else 1
+        # Two windows at least, even when there is one so far: a job's first window (connections
+        # still warming up) can show one rank's links slow.
+        need = max(2, int(np.ceil(s.persistence * len(since))))
         if len(mine) < need:
             continue
         rows = d[np.isin(windows, mine) & slow & crossing[g]]

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from benchmarks import scoring
+from benchmarks.injectors import Fabric, Unavailable
 from benchmarks.scenarios import ScenarioError, load, load_all
 from diagnosis.findings import Diagnosis, Finding
+from rankscope.workload import JobSpec
 
 
 def _finding(cause: str, ranks: list[int], confidence: float = 0.8, scope: str = "rank") -> Finding:
@@ -113,3 +117,70 @@ def test_reduced_suite_on_real_jobs(tmp_path: Path) -> None:
     totals = out["totals"]
     assert totals["healthy_false_findings"] == 0
     assert set(totals) >= {"top1_accuracy", "precision", "recall", "healthy_false_findings"}
+
+
+_RECEIVE = """
+import socket, sys
+server = socket.create_server((sys.argv[1], 0))
+print(server.getsockname()[1], flush=True)
+conn, _ = server.accept()
+while conn.recv(1 << 20):
+    pass
+"""
+_SEND = """
+import socket, sys, time
+with socket.create_connection((sys.argv[1], int(sys.argv[2]))) as s:
+    t = time.perf_counter()
+    s.sendall(b"x" * (4 << 20))
+    s.shutdown(socket.SHUT_WR)
+    s.recv(1)  # the receiver closes once it has read everything
+    print(time.perf_counter() - t)
+"""
+
+
+def _transfer_s(fabric: Fabric, src_host: int, dst_host: int) -> float:
+    """Seconds to move 4 MB from one simulated host to another, through the fabric."""
+    ns, ip = fabric.netns, fabric.ip
+    rx = subprocess.Popen(
+        ["ip", "netns", "exec", ns[dst_host], sys.executable, "-c", _RECEIVE, ip[dst_host]],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert rx.stdout is not None
+        port = rx.stdout.readline().strip()
+        out = subprocess.run(
+            ["ip", "netns", "exec", ns[src_host], sys.executable, "-c", _SEND, ip[dst_host], port],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        return float(out.stdout)
+    finally:
+        rx.kill()
+        rx.wait()
+
+
+def test_the_fabric_limits_only_the_faulty_switch_uplink_and_leaves_nothing_behind() -> None:
+    # Six hosts on three switches (two each); sw1's uplink is limited to 16 Mbit/s (2 MB/s) at onset.
+    spec = JobSpec(job="fabric", world_size=6, hosts=6, switches=3)
+    try:
+        fabric = Fabric(spec, "switch", (2, 3), 16)
+    except Unavailable as exc:
+        pytest.skip(str(exc))
+    try:
+        fields = fabric.setup()
+        assert fields["ifname"][2] != fields["ifname"][3] and fields["netns"][0] != fields["netns"][1]
+        assert _transfer_s(fabric, 1, 2) < 1.0  # fast before onset
+        fabric.start()
+        assert _transfer_s(fabric, 1, 2) > 1.2  # 4 MB at 2 MB/s: sw0 -> sw1 crosses the slow uplink
+        assert _transfer_s(fabric, 2, 3) < 1.0  # within sw1: not through its uplink
+        assert _transfer_s(fabric, 0, 5) < 1.0  # sw0 -> sw2: through the spine, not sw1's uplink
+    finally:
+        errors = fabric.cleanup()
+    assert errors == []
+    left = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True).stdout
+    assert not [n for n in fabric.netns.values() if n in left]
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    assert not [n for n in fabric.netns.values() if n in namespaces]
