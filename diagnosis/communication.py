@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from .findings import needed
+
 TRANSFER_PREFIX = "net_send@"
 """Collective patterns that time the network transfer alone."""
 
@@ -129,8 +131,7 @@ def _per_rank(f: pd.DataFrame, s: CommSettings) -> list[SlowLink]:
     out = []
     for (rank, name), r in per.iterrows():
         windows = int(r["windows"])
-        need = max(2, int(np.ceil(s.persistence * windows))) if windows > 1 else 1
-        if int(r["flagged"]) < need:
+        if int(r["flagged"]) < needed(windows, s.persistence):
             continue
         out.append(
             SlowLink(
@@ -233,8 +234,7 @@ def _tomography(f: pd.DataFrame, s: CommSettings, ranks: pd.DataFrame | None) ->
         since = [w for w in seen[g] if w >= mine[0]]
         # Two windows at least, even when there is one so far: a job's first window (connections
         # still warming up) can show one rank's links slow.
-        need = max(2, int(np.ceil(s.persistence * len(since))))
-        if len(mine) < need:
+        if len(mine) < needed(len(since), s.persistence, one_of_one=False):
             continue
         rows = d[np.isin(windows, mine) & slow & crossing[g]]
         t, base = float(rows["t"].median()), float(rows["base"].median())

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from .findings import needed
+
 WAIT_KIND, WAIT_PATTERN = "sched", "cpu_wait@sched"
 
 
@@ -116,8 +118,7 @@ def find(
     out = []
     for rank, r in per.iterrows():
         windows = int(r["windows"])
-        need = max(2, int(np.ceil(s.persistence * windows))) if seen[rank] > 1 else 1
-        if int(r["flagged"]) < need:
+        if int(r["flagged"]) < needed(windows, s.persistence, one_of_one=seen[rank] <= 1):
             continue
         out.append(
             Contended(

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from .findings import needed
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Settings:
@@ -190,8 +192,7 @@ def find(steps: pd.DataFrame, s: Settings | None = None) -> list[Straggler]:
             if valid.sum() >= s.z_min_ranks:
                 slow &= (col - med) / scale >= s.min_z
         flagged += slow
-    need = max(2, int(np.ceil(s.persistence * n_chunks))) if n_chunks > 1 else 1
-    is_culprit = flagged >= need
+    is_culprit = flagged >= needed(n_chunks, s.persistence)
     if not is_culprit.any():
         return []
     peer_idx = np.flatnonzero(~is_culprit)
