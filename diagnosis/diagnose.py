@@ -23,7 +23,10 @@ class Settings:
     comm: communication.CommSettings = field(default_factory=communication.CommSettings)
     contention: contention.ContentionSettings = field(default_factory=contention.ContentionSettings)
     job_wide_ratio: float = 1.3
-    """All ranks' step time grew by this factor from the first to the last chunks: job-wide."""
+    """All ranks' step time grew by this factor from the first to the last chunks: job-wide..."""
+    job_wide_step_ratio: float = 1.05
+    """...or all ranks' own time grew by ``job_wide_ratio`` while step time grew by this factor at least
+    (where collectives dominate the step, waiting absorbs part of everybody's slower work)."""
     min_confidence: float = 0.3
     """Findings below this confidence are not reported."""
 
@@ -292,10 +295,10 @@ def _job_wide(data: JobData, s: Settings) -> Finding | None:
         growth[col] = (ratio, per)
     # Step time carries every slowdown but also the job's tail (each step waits for its slowest
     # rank); own time is free of that noise for compute and data slowdowns. Own time alone is not
-    # enough: the job must have become slower too.
+    # enough: the job must have become measurably slower too.
     step_ratio, own_ratio = growth["dur_us"][0], growth["own_us"][0]
     col = "dur_us"
-    if own_ratio > step_ratio and step_ratio >= 1 + (s.job_wide_ratio - 1) / 2:
+    if own_ratio > step_ratio and step_ratio >= s.job_wide_step_ratio:
         col = "own_us"
     ratio, per = growth[col]
     if not ratio >= s.job_wide_ratio:
