@@ -29,7 +29,7 @@ class Config:
     stall_s: float = 10.0
     """A rank with no progress for this long is stalled: its heartbeat carries its Python stack."""
     window_every: int = 1000
-    """A profiling window starts every this many steps (0: never profile)."""
+    """A profiling window starts every this many steps (0: never profile, not even when triggered)."""
     window_steps: int = 5
     """Steps profiled in each window."""
     window_offset: int = 20

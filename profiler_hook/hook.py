@@ -210,7 +210,11 @@ class Hook:
     def _maybe_trigger(self) -> None:
         """Schedule a window when the step time jumped (checked every 10th step: cheap)."""
         cfg, s = self.cfg, self.step_num
-        if not cfg.trigger_ratio or len(self._durs) < TRIGGER_HISTORY or self._trigger_at >= s:
+        if (
+            not (cfg.trigger_ratio and cfg.window_every)
+            or len(self._durs) < TRIGGER_HISTORY
+            or self._trigger_at >= s
+        ):
             return
         if self._prof is not None or s - self._triggered < TRIGGER_COOLDOWN * cfg.trigger_align:
             return
@@ -221,9 +225,9 @@ class Hook:
 
     def _maybe_start_window(self) -> None:
         cfg, s = self.cfg, self.step_num
-        if self._prof is not None or s < cfg.window_offset:
+        if self._prof is not None or not cfg.window_every:
             return
-        scheduled = bool(cfg.window_every) and (s - cfg.window_offset) % cfg.window_every == 0
+        scheduled = s >= cfg.window_offset and (s - cfg.window_offset) % cfg.window_every == 0
         if not scheduled and s != self._trigger_at:
             return
         from torch.profiler import ProfilerActivity, profile

@@ -176,19 +176,25 @@ class _ListSink:
         pass
 
 
-def test_a_slowdown_triggers_a_window_at_the_same_aligned_step_on_every_rank() -> None:
-    """No scheduled windows: the first one comes when the steps got 3x slower, at a multiple of 50."""
+def test_a_slowdown_triggers_a_window_at_the_same_aligned_step_on_every_rank(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No scheduled window yet: the first one comes when the steps got 3x slower, at a multiple of 50."""
+    clock = [0]  # the hook times steps with perf_counter_ns: a clock the test moves, not the machine
+    monkeypatch.setattr(time, "perf_counter_ns", lambda: clock[0])
     windows = []
     for rank in range(2):  # two ranks of a job see the same step times
         sink = _ListSink()
         hook = Hook(
-            Config(window_every=0, trigger_ratio=1.5, trigger_align=50, with_stack=False),
+            Config(
+                window_every=1000, window_offset=1000, trigger_ratio=1.5, trigger_align=50, with_stack=False
+            ),
             Identity(rank=rank, local_rank=rank, world_size=2, host="h"),
             sink,
         )
         for step in range(330):
             with hook.step():
-                time.sleep(0.001 if step < 230 else 0.003)
+                clock[0] += (1 if step < 230 else 3) * 1_000_000  # 1 ms steps, then 3 ms
         hook.close()
         summaries = [r for r in map(decode, sink.got) if isinstance(r, WindowSummary)]
         windows.append([(w.window, w.step_lo, w.step_hi) for w in summaries])
