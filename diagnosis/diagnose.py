@@ -24,9 +24,11 @@ class Settings:
     contention: contention.ContentionSettings = field(default_factory=contention.ContentionSettings)
     job_wide_ratio: float = 1.3
     """All ranks' step time grew by this factor from the first to the last chunks: job-wide..."""
+    job_wide_own_ratio: float = 1.5
     job_wide_step_ratio: float = 1.05
-    """...or all ranks' own time grew by ``job_wide_ratio`` while step time grew by this factor at least
-    (where collectives dominate the step, waiting absorbs part of everybody's slower work)."""
+    """...or all ranks' own time grew by ``job_wide_own_ratio`` while step time grew by
+    ``job_wide_step_ratio`` at least (where collectives dominate the step, waiting absorbs part of
+    everybody's slower work; own time alone drifts up to ~1.3x on a healthy, oversubscribed host)."""
     min_confidence: float = 0.3
     """Findings below this confidence are not reported."""
 
@@ -298,7 +300,10 @@ def _job_wide(data: JobData, s: Settings) -> Finding | None:
     # enough: the job must have become measurably slower too.
     step_ratio, own_ratio = growth["dur_us"][0], growth["own_us"][0]
     col = "dur_us"
-    if own_ratio > step_ratio and step_ratio >= s.job_wide_step_ratio:
+    step_grew = step_ratio >= 1 + (s.job_wide_ratio - 1) / 2
+    if own_ratio > step_ratio and (
+        step_grew or (step_ratio >= s.job_wide_step_ratio and own_ratio >= s.job_wide_own_ratio)
+    ):
         col = "own_us"
     ratio, per = growth[col]
     if not ratio >= s.job_wide_ratio:
