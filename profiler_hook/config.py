@@ -35,8 +35,8 @@ class Config:
     window_offset: int = 20
     """First window starts at this step (skips start-up), then every ``window_every`` steps."""
     trigger_ratio: float = 1.5
-    """A window also starts when the last 10 steps' median duration reaches this multiple of the
-    90 before (a slowdown began: profile it now, not at the next scheduled window); 0: never."""
+    """A window also starts when the last 20 steps' median duration reaches this multiple of the
+    80 before (a slowdown began: profile it now, not at the next scheduled window); 0: never."""
     trigger_align: int = 50
     """A triggered window starts at the next multiple of this many steps, so that every rank of the
     job — all see the same step times — profiles the same steps."""

@@ -35,9 +35,12 @@ from .watchdog import Watchdog
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 TRIGGER_HISTORY = 100
-"""Step durations the slowdown trigger keeps: the last 10 against the 90 before."""
-TRIGGER_COOLDOWN = 4
-"""After a triggered window, no other is triggered for this many ``trigger_align`` steps."""
+"""Step durations the slowdown trigger keeps: the last ``TRIGGER_RECENT`` against the ones before."""
+TRIGGER_RECENT = 20
+"""Half of these steps must be slow: a burst of a few slow steps (a busy neighbour for a moment)
+does not trigger, and so cannot hold back, by its cooldown, the window a lasting slowdown needs."""
+TRIGGER_COOLDOWN = 2
+"""After a trigger, no other for this many ``trigger_align`` steps."""
 
 
 def _now_us() -> int:
@@ -219,7 +222,8 @@ class Hook:
         if self._prof is not None or s - self._triggered < TRIGGER_COOLDOWN * cfg.trigger_align:
             return
         d = list(self._durs)
-        if statistics.median(d[-10:]) >= cfg.trigger_ratio * statistics.median(d[:-10]):
+        recent, before = d[-TRIGGER_RECENT:], d[:-TRIGGER_RECENT]
+        if statistics.median(recent) >= cfg.trigger_ratio * statistics.median(before):
             self._trigger_at = -(-(s + 2) // cfg.trigger_align) * cfg.trigger_align
             self._triggered = s
 

@@ -198,7 +198,8 @@ def test_a_slowdown_triggers_a_window_at_the_same_aligned_step_on_every_rank(
         hook.close()
         summaries = [r for r in map(decode, sink.got) if isinstance(r, WindowSummary)]
         windows.append([(w.window, w.step_lo, w.step_hi) for w in summaries])
-    # The slowdown begins at step 230; the trigger looks every 10th step at the last 10 steps.
+    # The slowdown begins at step 230; the trigger looks every 10th step at the last 20 steps, half
+    # of them slow at step 240, and starts the window at the next multiple of 50 after 241.
     assert windows[0] == windows[1] == [(250, 250, 255)]
 
 
