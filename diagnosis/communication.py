@@ -175,16 +175,18 @@ def _slow_links(f: pd.DataFrame, s: CommSettings) -> pd.DataFrame:
     return d.assign(base=base, slow=slow)
 
 
-def _groups(d: pd.DataFrame, ranks: pd.DataFrame | None) -> list[frozenset[int]]:
-    """Candidate culprits, smallest first: the ranks behind each address, then each NIC, host and
-    switch of the ranks table."""
-    out = set(d.groupby("local")["rank"].agg(frozenset))
+def _groups(d: pd.DataFrame, ranks: pd.DataFrame | None, suspects: set[int]) -> list[frozenset[int]]:
+    """Candidate culprits holding a suspect rank, smallest first: the ranks behind each address,
+    then each NIC, host and switch of the ranks table."""
+    behind = d[d["local"].isin(d.loc[d["rank"].isin(suspects), "local"])]
+    out = set(behind.groupby("local")["rank"].agg(frozenset))
     if ranks is not None and not ranks.empty:
         r = ranks[ranks["rank"].isin(d["rank"].unique())]
         for level in ("nic", "host", "switch"):
             if level in r:
                 labeled = r[r[level].astype(str) != ""]
-                out |= set(labeled.groupby(level)["rank"].agg(lambda x: frozenset(int(v) for v in x)))
+                mine = labeled[labeled[level].isin(labeled.loc[labeled["rank"].isin(suspects), level])]
+                out |= set(mine.groupby(level)["rank"].agg(lambda x: frozenset(int(v) for v in x)))
     return sorted(out, key=lambda g: (len(g), sorted(g)))
 
 
@@ -201,13 +203,11 @@ def _tomography(f: pd.DataFrame, s: CommSettings, ranks: pd.DataFrame | None) ->
     windows = d["window"].to_numpy()
     slow = d["slow"].to_numpy()
     extra = np.where(slow, (d["t"] - d["base"]) * d["nbytes"], 0.0)
-    suspects = set(src[slow]) | set(dst[slow])  # only groups touching a slow link can explain one
+    suspects = {int(r) for r in (*src[slow], *dst[slow]) if r >= 0}  # only groups touching a slow link
     flagged: dict[frozenset[int], list[int]] = {}
     seen: dict[frozenset[int], list[int]] = {}
     crossing: dict[frozenset[int], np.ndarray] = {}
-    for g in _groups(d, ranks):
-        if not suspects & g:
-            continue
+    for g in _groups(d, ranks, suspects):
         members = np.fromiter(g, dtype=np.int64)
         cross = np.isin(src, members) != np.isin(dst, members)
         crossing[g] = cross
