@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from .findings import needed
+from .robust import needed, spread
 
 TRANSFER_PREFIX = "net_send@"
 """Collective patterns that time the network transfer alone."""
@@ -108,11 +108,7 @@ def _per_rank(f: pd.DataFrame, s: CommSettings) -> list[SlowLink]:
             "nbytes": f["nbytes"].astype(float),
         }
     )
-    groups = f.groupby(["window", "name"])["t"]
-    med = groups.transform("median")
-    n = groups.transform("size")
-    mad = (f["t"] - med).abs().groupby([f["window"], f["name"]]).transform("median") * 1.4826
-    scale = np.maximum(np.maximum(mad, s.mad_floor * med), 1e-30)
+    med, scale, n = spread(f["t"], [f["window"], f["name"]], s.mad_floor, 1e-30)
     ratio = f["t"] / med
     slow = (ratio >= s.min_ratio) & (n >= 3) & ((f["t"] - med) * f["nbytes"] >= s.min_excess_us)
     slow &= ((f["t"] - med) / scale >= s.min_z) | (n < s.z_min_ranks)
@@ -164,12 +160,8 @@ def _slow_links(f: pd.DataFrame, s: CommSettings) -> pd.DataFrame:
             "nbytes": f["nbytes"].astype(float),
         }
     )
-    by_window = d.groupby("window")["t"]
-    base = by_window.transform(lambda t: t.quantile(0.25))
-    med = by_window.transform("median")
-    n = by_window.transform("size")
-    mad = (d["t"] - med).abs().groupby(d["window"]).transform("median") * 1.4826
-    scale = np.maximum(np.maximum(mad, s.mad_floor * med), 1e-30)
+    base = d.groupby("window")["t"].transform(lambda t: t.quantile(0.25))
+    med, scale, n = spread(d["t"], d["window"], s.mad_floor, 1e-30)
     slow = (d["t"] >= s.min_ratio * base) & (n >= 3) & ((d["t"] - base) * d["nbytes"] >= s.min_excess_us)
     slow &= ((d["t"] - med) / scale >= s.min_z) | (n < s.z_min_ranks)
     return d.assign(base=base, slow=slow)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from .findings import needed
+from .robust import needed, spread
 
 WAIT_KIND, WAIT_PATTERN = "sched", "cpu_wait@sched"
 
@@ -92,11 +92,7 @@ def find(
         }
     )
     f["step_us"] = f["window"].map(step_us)
-    by_window = f.groupby("window")["w"]
-    med = by_window.transform("median")
-    n = by_window.transform("size")
-    mad = (f["w"] - med).abs().groupby(f["window"]).transform("median") * 1.4826
-    scale = np.maximum(np.maximum(mad, s.mad_floor * med), 1e-9)
+    med, scale, n = spread(f["w"], f["window"], s.mad_floor, 1e-9)
     slow = (f["w"] >= s.min_ratio * med) & (n >= 3) & (f["w"] - med >= s.min_step_share * f["step_us"])
     slow &= ((f["w"] - med) / scale >= s.min_z) | (n < s.z_min_ranks)
     f = f.assign(slow=slow, peer=med, ratio=f["w"] / med.clip(lower=1.0))

@@ -369,7 +369,7 @@ def diagnose(data: JobData, settings: Settings | None = None) -> Diagnosis:
     found += [_comm_finding(link, hosts) for link in links]
     # A contended rank need not work longer itself: the threads that queue may be the collectives'.
     straggling = {st.rank for st in sts}
-    found += [_contention_finding(c, hosts) for r, c in waits.items() if r not in straggling]
+    found += [_contention_finding(c, hosts) for rank, c in waits.items() if rank not in straggling]
     found = _group_topology(found, data.ranks)
     if not found:
         jw = _job_wide(data, s)

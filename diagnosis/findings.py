@@ -2,18 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 CAUSES = ("compute", "communication", "dataloader", "host_contention", "code_path", "hang", "job_wide")
 """Stable cause names: part of the output contract (JSON, tickets, API)."""
-
-
-def needed(of: int, share: float, *, one_of_one: bool = True) -> int:
-    """In how many of ``of`` windows (or chunks) a fault must show to count as persistent: ``share``
-    of them and two at least — or the only one, where there is one and ``one_of_one``."""
-    return 1 if one_of_one and of <= 1 else max(2, math.ceil(share * of))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from .findings import needed
+from .robust import needed
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
