@@ -22,7 +22,7 @@ import pytest
 from kafka import KafkaProducer
 
 from aggregator import Store, StoreError
-from aggregator.consumer import AggregateStats, Aggregator, BatchSettings, KafkaSettings
+from aggregator.consumer import AggregateStats, Aggregator, BatchSettings, KafkaSettings, use_isal_gzip
 from aggregator.metrics import Metrics
 from aggregator.schema import JOB_TABLES
 from profiler_hook.config import Config, Identity
@@ -428,3 +428,15 @@ def test_aggregators_in_one_group_share_the_partitions(broker: KafkaBroker, tmp_
         assert all(seen), f"a member never got a partition: {seen}"
         assert sum(m.stats.consumed for m in members) >= len(records)
         assert_stored_once(store, "shared", records)
+
+
+def test_gzip_message_sets_are_inflated_by_isal_and_come_out_the_same() -> None:
+    import kafka.record.default_records
+    import kafka.record.legacy_records
+    from kafka.codec import gzip_encode
+
+    assert use_isal_gzip(), "isal is a dependency of rankscope[server]"
+    payload = b"".join(encode(r)[1] for r in synthetic("gz", ranks=4, batches=2))
+    for module in (kafka.record.legacy_records, kafka.record.default_records):
+        assert module.gzip_decode.__module__.startswith("isal")
+        assert module.gzip_decode(gzip_encode(payload)) == payload
