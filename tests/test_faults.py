@@ -12,7 +12,7 @@ from benchmarks import scoring
 from benchmarks.injectors import Fabric, Unavailable
 from benchmarks.scenarios import ScenarioError, load, load_all
 from diagnosis.findings import Diagnosis, Finding
-from rankscope.workload import JobSpec
+from rankscope.workload import JobSpec, _model, padding_rows
 
 
 def _finding(cause: str, ranks: list[int], confidence: float = 0.8, scope: str = "rank") -> Finding:
@@ -98,6 +98,17 @@ CLEAR_CUT = ("compute", "dataloader", "hang-collective")
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+def test_a_slow_device_pads_more_rows_the_slower_it_is_and_leaves_no_gradients() -> None:
+    import torch
+
+    torch.manual_seed(0)
+    model, x = _model(256), torch.randn(32, 128)
+    assert padding_rows(model, x, 1.0) == 0
+    mild, heavy = padding_rows(model, x, 1.5), padding_rows(model, x, 3.0)
+    assert 1 <= mild < heavy, (mild, heavy)
+    assert all(p.grad is None for p in model.parameters()), "the timing runs must not leak into training"
+
+
 def test_reduced_suite_on_real_jobs(tmp_path: Path) -> None:
     from benchmarks.faults import report, run_suite
 
