@@ -366,6 +366,10 @@ def _train(rank: int, spec: JobSpec, hook: Any, fault: str) -> dict[str, Any]:
             slow = faulty and fault in ("compute", "job_wide")
             if slow and padding is None:
                 padding = padding_rows(model, x, spec.fault.factor)  # once, when the fault begins
+                if fault == "job_wide":  # one bad library everywhere: the same slowdown on every rank
+                    rows = torch.tensor([float(padding)])
+                    dist.all_reduce(rows)
+                    padding = round(rows.item() / spec.world_size)
             out = slow_device_forward(model, x, padding if slow and padding else 0)
             loss = torch.nn.functional.cross_entropy(out, y)
             opt.zero_grad()
