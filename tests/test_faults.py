@@ -96,8 +96,6 @@ CLEAR_CUT = ("compute", "dataloader", "hang-collective")
 """Fault kinds the diagnosis localizes today; the CI run asserts on these and reports the rest."""
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(600)
 def test_a_slow_device_pads_more_rows_the_slower_it_is_and_leaves_no_gradients() -> None:
     import torch
 
@@ -109,6 +107,8 @@ def test_a_slow_device_pads_more_rows_the_slower_it_is_and_leaves_no_gradients()
     assert all(p.grad is None for p in model.parameters()), "the timing runs must not leak into training"
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_reduced_suite_on_real_jobs(tmp_path: Path) -> None:
     from benchmarks.faults import report, run_suite
 
