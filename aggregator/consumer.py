@@ -160,7 +160,7 @@ class Aggregator:
         return set(self._consumer.assignment()) if self._consumer is not None else set()
 
     def run(self, stop: threading.Event | None = None, idle_exit_s: float | None = None) -> AggregateStats:
-        """Consume until ``stop`` is set (or, with ``idle_exit_s``, after that long without messages).
+        """Consume until ``stop`` is set (or, with ``idle_exit_s``, once idle that long: see :meth:`_drained`).
 
         Stores and commits the pending batch before returning. Broker outages are waited out: the
         client reconnects with backoff and this loop keeps polling.
@@ -215,8 +215,12 @@ class Aggregator:
                 else:
                     self._finish(wait=False)  # commit what is stored already
                 if idle_exit_s is not None and time.monotonic() - last_message >= idle_exit_s:
-                    log.info("no messages for %.1f s; stopping", idle_exit_s)
-                    break
+                    if self._drained():
+                        log.info(
+                            "no messages for %.1f s and the group has read the topic; stopping", idle_exit_s
+                        )
+                        break
+                    last_message = time.monotonic() - idle_exit_s + 1.0  # ask again in a second
             self._flush(wait=True)
         finally:
             # No autocommit: only what was stored above is committed.
@@ -347,18 +351,20 @@ class Aggregator:
             extra={"records": stored, "dead_letters": batch.dead_letters, "messages": len(batch)},
         )
 
-    def _commit(self, offsets: dict[Any, int]) -> None:
+    def _commit(self, offsets: dict[Any, int]) -> bool:
         from kafka.errors import KafkaError
         from kafka.structs import OffsetAndMetadata
 
         try:
             self._consumer.commit({tp: OffsetAndMetadata(o, "", -1) for tp, o in offsets.items()})
             self.metrics.commits.inc()
+            return True
         except KafkaError as exc:
             # The group moved on (rebalance) or the broker is away: the messages will be delivered
             # again, to this or another member, and stored again without duplicates.
             self.metrics.commit_failures.inc()
             log.warning("offset commit failed; the stored messages will be redelivered: %s", exc)
+            return False
 
     def _reset(self) -> None:
         self._batch = Batch()
@@ -368,6 +374,38 @@ class Aggregator:
         # Store what this member holds before its partitions move, so that the next owner starts
         # after it; one attempt only, as the rebalance is waiting (a failure means redelivery).
         self._flush(retry=False, wait=True)
+
+    def _drained(self) -> bool:
+        """Whether the broker answers and the group has stored and committed the whole topic.
+
+        Quiet alone is not idle: while the broker is down (or restarting, which can take longer than
+        the idle time on a busy host) no messages arrive although more are on their way.
+        """
+        from kafka import TopicPartition
+        from kafka.errors import KafkaError
+
+        if len(self._batch) or self._gave_up:
+            return False
+        self._finish(wait=True)
+        c = self._consumer
+        try:
+            tps = [
+                TopicPartition(self.kafka.topic, p) for p in c.partitions_for_topic(self.kafka.topic) or ()
+            ]
+            ends = c.end_offsets(tps, timeout_ms=2000)
+            done = {tp: c.committed(tp, timeout_ms=2000) or 0 for tp in tps}
+            # All this member has read is stored by now: make again a commit an outage lost.
+            lost = {
+                tp: ends[tp]
+                for tp in c.assignment()
+                if tp in ends and done[tp] < ends[tp] <= c.position(tp, timeout_ms=2000)
+            }
+            if lost and self._commit(lost):
+                done.update(lost)
+            return all(done[tp] >= ends[tp] for tp in tps)
+        except KafkaError as exc:
+            log.info("not idle: the broker does not answer (%s)", exc)
+            return False
 
     def _update_lag(self) -> None:
         for tp in self._consumer.assignment():

@@ -200,7 +200,10 @@ def parser() -> argparse.ArgumentParser:
     a.add_argument("--batch-seconds", type=float, default=1.0, help="…or every S seconds (default: 1)")
     a.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     a.add_argument(
-        "--exit-when-idle", type=float, metavar="SECONDS", help="stop after SECONDS without messages"
+        "--exit-when-idle",
+        type=float,
+        metavar="SECONDS",
+        help="stop after SECONDS without messages, once the group has stored the whole topic",
     )
     a.set_defaults(func=_aggregate)
 
