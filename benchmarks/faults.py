@@ -1,6 +1,7 @@
 """The fault suite: inject real faults into real multi-rank jobs and score the diagnosis.
 
     python -m benchmarks.faults [--suite full|ci] [--only NAME ...] [--json PATH] [--keep DIR]
+    python -m benchmarks.faults --rescore DIR [--only NAME ...] [--json PATH]   # kept runs, scored again
 
 For each scenario in ``benchmarks/scenarios/`` (see :mod:`benchmarks.scenarios`) it trains the
 CPU/gloo workload of ``rankscope demo`` with the hook writing to a spool, injects the fault from
@@ -42,6 +43,12 @@ START_S = 120.0
 """Allowance for spawning the ranks and importing torch on a loaded 2-core machine."""
 
 
+def first_onset(marker_dir: Path) -> dict[str, Any] | None:
+    """The earliest onset marker a faulty rank wrote (``time``, ``step``, ``rank``), if any."""
+    found = [json.loads(p.read_text()) for p in sorted(marker_dir.glob("onset-r*")) if p.suffix != ".tmp"]
+    return min(found, key=lambda m: m["time"]) if found else None
+
+
 class _OnsetWatch(threading.Thread):
     """Waits for the first onset marker a faulty rank writes; then switches the external fault on."""
 
@@ -54,13 +61,9 @@ class _OnsetWatch(threading.Thread):
 
     def run(self) -> None:
         while not self._stop.wait(0.05):
-            markers = sorted(self.marker_dir.glob("onset-r*"))
-            if not markers:
+            self.onset = first_onset(self.marker_dir)
+            if self.onset is None:
                 continue
-            found = [json.loads(p.read_text()) for p in markers if not p.name.endswith(".tmp")]
-            if not found:
-                continue
-            self.onset = min(found, key=lambda m: m["time"])
             if self.injector is not None:
                 try:
                     self.injector.start()
@@ -140,28 +143,37 @@ def run_scenario(sc: Scenario, store: Store, workdir: Path, probe_s: float = PRO
         return {**base, "skipped": str(exc)}
     run_s = time.perf_counter() - t0
     ingest(spool, store)
+    return {
+        **base,
+        **evaluate(sc, store, job, spool / job, onset, probe_s),
+        "run_s": round(run_s, 1),
+        "error": error,
+        "cleanup_errors": cleanup,
+    }
+
+
+def evaluate(
+    sc: Scenario, store: Store, job: str, spool_job_dir: Path, onset: dict[str, Any] | None, probe_s: float
+) -> dict[str, Any]:
+    """Score a stored run of ``sc``: its final diagnosis, and diagnoses of the data cut every ``probe_s``."""
     final = diagnose(store.job_data(job))
     s = scoring.score(sc.truth, final, name=sc.name)
-    timeline = Timeline.load(store, job, spool / job)
+    timeline = Timeline.load(store, job, spool_job_dir)
     probes = _probes(timeline, onset, probe_s) if onset else []
     delays = scoring.delays(sc.truth, probes)
     healthy_probe_findings = (
         sum(len(p.diagnosis.findings) for p in _probes(timeline, None, probe_s)) if sc.truth.healthy else 0
     )
     return {
-        **base,
         "ground_truth": scoring.expected(sc.truth),
         "score": s.to_dict(),
         "delays": delays.to_dict(),
         "onset": onset,
         "steps": int(timeline.steps["step"].max()) + 1 if not timeline.steps.empty else 0,
-        "run_s": round(run_s, 1),
         "probes": [
             {"after_s": p.after_s, "after_steps": p.after_steps, "top": _top(p.diagnosis)} for p in probes
         ],
         "healthy_probe_findings": healthy_probe_findings,
-        "error": error,
-        "cleanup_errors": cleanup,
         "diagnosis": final.to_dict(),
     }
 
@@ -241,21 +253,43 @@ def _by_kind(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return scoring.by_kind(*_scored(results))
 
 
-def run_suite(scenarios: list[Scenario], workdir: Path, probe_s: float = PROBE_S) -> dict[str, Any]:
-    """Run the scenarios one after another against one embedded store; returns the JSON report."""
+def rescore_scenario(sc: Scenario, store: Store, workdir: Path, probe_s: float = PROBE_S) -> dict[str, Any]:
+    """Score the latest run of ``sc`` kept in ``workdir`` (``--keep``) again, with today's diagnosis."""
+    run_dir = workdir / sc.name
+    prefix = f"faults-{sc.name}-"
+    jobs = sorted(j for j in store.jobs()["job"] if j.startswith(prefix) and j[len(prefix) :][:1].isdigit())
+    base: dict[str, Any] = {"name": sc.name, "kind": sc.kind, "about": sc.about}
+    if not jobs or not run_dir.is_dir():
+        return {**base, "skipped": f"no kept run of it in {workdir}"}
+    job = jobs[-1]
+    onset = first_onset(run_dir / "markers")
+    result = evaluate(sc, store, job, run_dir / "spool" / job, onset, probe_s)
+    return {**base, "job": job, **result, "run_s": None, "error": "", "cleanup_errors": []}
+
+
+def run_suite(
+    scenarios: list[Scenario], workdir: Path, probe_s: float = PROBE_S, rescore: bool = False
+) -> dict[str, Any]:
+    """Run the scenarios one after another against one embedded store; returns the JSON report.
+
+    With ``rescore``, run nothing: score the runs kept in ``workdir`` again (to measure a change to
+    the diagnosis on the same recorded jobs, in seconds instead of the suite's 20 minutes).
+    """
     results = []
     t0 = time.perf_counter()
     with Store.embedded(workdir / "store") as store:
         for i, sc in enumerate(scenarios, 1):
             print(f"[{i}/{len(scenarios)}] {sc.name}: {sc.about}", flush=True)
-            r = run_scenario(sc, store, workdir, probe_s)
+            run = rescore_scenario if rescore else run_scenario
+            r = run(sc, store, workdir, probe_s)
             results.append(r)
             if "skipped" in r:
                 print(f"      skipped: {r['skipped']}", flush=True)
             else:
                 s = r["score"]
+                took = "" if r["run_s"] is None else f" in {r['run_s']} s"
                 print(
-                    f"      {r['steps']} steps in {r['run_s']} s; expected {r['ground_truth']}; "
+                    f"      {r['steps']} steps{took}; expected {r['ground_truth']}; "
                     f"top: {s['top'] or 'no finding'}; localized after {r['delays']['localize_s']} s"
                     + (f"; ERROR {r['error']}" if r["error"] else ""),
                     flush=True,
@@ -285,13 +319,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default="", help="write the report as JSON here")
     ap.add_argument("--keep", default="", help="keep spools, logs and the store in this directory")
     ap.add_argument("--probe-s", type=float, default=PROBE_S, help="seconds between probe diagnoses")
+    ap.add_argument(
+        "--rescore",
+        default="",
+        metavar="DIR",
+        help="run no job: score again the runs an earlier --keep DIR kept, with the current diagnosis",
+    )
     args = ap.parse_args(argv)
     scenarios = load_all(args.suite, args.only)
     if not scenarios:
         raise SystemExit(f"no scenario in suite {args.suite!r} matches --only {args.only!r}")
     with tempfile.TemporaryDirectory(prefix="rankscope-faults-") as tmp:
-        workdir = Path(args.keep).resolve() if args.keep else Path(tmp)
-        out = run_suite(scenarios, workdir, args.probe_s)
+        if args.rescore:
+            out = run_suite(scenarios, Path(args.rescore).resolve(), args.probe_s, rescore=True)
+        else:
+            workdir = Path(args.keep).resolve() if args.keep else Path(tmp)
+            out = run_suite(scenarios, workdir, args.probe_s)
     print()
     print(report(out["scenarios"]))
     print()

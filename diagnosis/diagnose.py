@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -29,6 +29,9 @@ class Settings:
     """...or all ranks' own time grew by ``job_wide_own_ratio`` while step time grew by
     ``job_wide_step_ratio`` at least (where collectives dominate the step, waiting absorbs part of
     everybody's slower work; own time alone drifts up to ~1.3x on a healthy, oversubscribed host)."""
+    job_wide_steps: int = 3000
+    """A job-wide slowdown is measured over this many recent steps: against the job's own start
+    where the job is younger, a longer memory than the stragglers' (``steps.last_steps``) need."""
     min_confidence: float = 0.3
     """Findings below this confidence are not reported."""
 
@@ -285,7 +288,7 @@ def _some(ranks: list[int], n: int = 8) -> str:
 
 
 def _job_wide(data: JobData, s: Settings) -> Finding | None:
-    g = stragglers.grid(data.steps, s.steps, ["dur_us", "own_us"])
+    g = stragglers.grid(data.steps, replace(s.steps, last_steps=s.job_wide_steps), ["dur_us", "own_us"])
     if g is None or len(np.unique(g.chunk)) < 3:
         return None
     last = sorted(np.unique(g.chunk))

@@ -128,6 +128,11 @@ def test_reduced_suite_on_real_jobs(tmp_path: Path) -> None:
     totals = out["totals"]
     assert totals["healthy_false_findings"] == 0
     assert set(totals) >= {"top1_accuracy", "precision", "recall", "healthy_false_findings"}
+    # The kept runs scored again (--rescore) give the same scores and delays as when they ran.
+    again = run_suite(load_all("ci"), tmp_path, rescore=True)
+    assert [(r["name"], r["score"], r["delays"]) for r in again["scenarios"] if "skipped" not in r] == [
+        (r["name"], r["score"], r["delays"]) for r in ran
+    ]
 
 
 _RECEIVE = """
