@@ -32,6 +32,8 @@ def _kind(name: str, activity: str, is_python: bool) -> str | None:
     if activity == "user_annotation":
         if name.startswith("ProfilerStep"):
             return None
+        if name.startswith(_COLLECTIVE_PREFIXES):
+            return "collective"  # process groups annotate their collectives: "gloo:all_reduce"
         return "dataloader" if "DataLoader" in name else "op"
     if activity == "cpu_op":
         return "collective" if name.startswith(_COLLECTIVE_PREFIXES) else "op"

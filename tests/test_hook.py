@@ -277,6 +277,8 @@ def test_hook_in_spawned_gloo_ranks(tmp_path: Path) -> None:
         for w in wins:
             kinds = {f.kind for f in w.functions}
             assert {"op", "python", "collective", "dataloader"} <= kinds
+            # gloo's annotation of each all-reduce is communication, not an operator of the model.
+            assert {f.kind for f in w.functions if f.name.startswith("gloo:")} == {"collective"}
             assert len(json.dumps([list(f) for f in w.functions])) < 100_000  # the per-window budget
         last = [r for r in rs if isinstance(r, Heartbeat)][-1]
         assert last.last_seq == {"world": 101}  # 100 all-reduces + the final barrier, on every rank
