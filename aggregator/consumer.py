@@ -394,7 +394,7 @@ class Aggregator:
             ]
             ends = c.end_offsets(tps, timeout_ms=2000)
             done = {tp: c.committed(tp, timeout_ms=2000) or 0 for tp in tps}
-            # All this member has read is stored by now: make again a commit an outage lost.
+            # Everything this member has read is stored by now: redo a commit an outage lost.
             lost = {
                 tp: ends[tp]
                 for tp in c.assignment()

@@ -30,8 +30,8 @@ class Settings:
     ``job_wide_step_ratio`` at least (where collectives dominate the step, waiting absorbs part of
     everybody's slower work; own time alone drifts up to ~1.3x on a healthy, oversubscribed host)."""
     job_wide_steps: int = 3000
-    """A job-wide slowdown is measured over this many recent steps: against the job's own start
-    where the job is younger, a longer memory than the stragglers' (``steps.last_steps``) need."""
+    """Steps the job-wide rule looks back over, longer than the stragglers' ``steps.last_steps``: it
+    compares the latest chunks with the first, which is the job's own start in a younger job."""
     min_confidence: float = 0.3
     """Findings below this confidence are not reported."""
 
