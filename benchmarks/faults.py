@@ -254,7 +254,7 @@ def _by_kind(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def rescore_scenario(sc: Scenario, store: Store, workdir: Path, probe_s: float = PROBE_S) -> dict[str, Any]:
-    """Score the latest run of ``sc`` kept in ``workdir`` (``--keep``) again, with today's diagnosis."""
+    """Score the latest run of ``sc`` kept in ``workdir`` (``--keep``) again, with the current diagnosis."""
     run_dir = workdir / sc.name
     prefix = f"faults-{sc.name}-"
     jobs = sorted(j for j in store.jobs()["job"] if j.startswith(prefix) and j[len(prefix) :][:1].isdigit())
@@ -329,10 +329,10 @@ def main(argv: list[str] | None = None) -> int:
     scenarios = load_all(args.suite, args.only)
     if not scenarios:
         raise SystemExit(f"no scenario in suite {args.suite!r} matches --only {args.only!r}")
-    with tempfile.TemporaryDirectory(prefix="rankscope-faults-") as tmp:
-        if args.rescore:
-            out = run_suite(scenarios, Path(args.rescore).resolve(), args.probe_s, rescore=True)
-        else:
+    if args.rescore:
+        out = run_suite(scenarios, Path(args.rescore).resolve(), args.probe_s, rescore=True)
+    else:
+        with tempfile.TemporaryDirectory(prefix="rankscope-faults-") as tmp:
             workdir = Path(args.keep).resolve() if args.keep else Path(tmp)
             out = run_suite(scenarios, workdir, args.probe_s)
     print()

@@ -8,6 +8,7 @@ records on the topic, which are exactly as many as the hook reports as sent.
 from __future__ import annotations
 
 import gc
+import gzip
 import json
 import subprocess
 import sys
@@ -18,8 +19,11 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import kafka.record.default_records
+import kafka.record.legacy_records
 import pytest
 from kafka import KafkaProducer
+from kafka.codec import gzip_encode
 
 from aggregator import Store, StoreError
 from aggregator.consumer import AggregateStats, Aggregator, BatchSettings, KafkaSettings, use_isal_gzip
@@ -338,10 +342,6 @@ def test_a_failing_insert_is_retried_and_nothing_is_committed_before_it_succeeds
             return write(batch)
 
         monkeypatch.setattr(store, "write_batch", flaky)
-        import gzip
-
-        import kafka.record.default_records
-
         # Start from the standard library's decoder: the aggregator puts ISA-L in place itself.
         monkeypatch.setattr(kafka.record.default_records, "gzip_decode", gzip.decompress)
         metrics = Metrics()
@@ -439,10 +439,6 @@ def test_aggregators_in_one_group_share_the_partitions(broker: KafkaBroker, tmp_
 
 
 def test_gzip_message_sets_are_inflated_by_isal_and_come_out_the_same() -> None:
-    import kafka.record.default_records
-    import kafka.record.legacy_records
-    from kafka.codec import gzip_encode
-
     assert use_isal_gzip(), "isal is a dependency of rankscope[server]"
     payload = b"".join(encode(r)[1] for r in synthetic("gz", ranks=4, batches=2))
     for module in (kafka.record.legacy_records, kafka.record.default_records):
