@@ -22,8 +22,9 @@ from typing import Any
 import kafka.record.default_records
 import kafka.record.legacy_records
 import pytest
-from kafka import KafkaProducer
+from kafka import KafkaConsumer, KafkaProducer
 from kafka.codec import gzip_encode
+from kafka.errors import KafkaConnectionError
 
 from aggregator import Store, StoreError
 from aggregator.consumer import AggregateStats, Aggregator, BatchSettings, KafkaSettings, use_isal_gzip
@@ -354,6 +355,36 @@ def test_a_failing_insert_is_retried_and_nothing_is_committed_before_it_succeeds
         # A second member of the group finds everything committed: it gets nothing.
         again = aggregate(store, settings(broker, "flaky"), idle_s=3)
         assert again.consumed == 0
+
+
+def test_a_commit_lost_to_an_outage_is_made_again_before_an_idle_aggregator_stops(
+    broker: KafkaBroker, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    records = synthetic("lostcommit", ranks=2, batches=3)
+    produce(broker, "lostcommit", (encode(r) for r in records))
+    commit, lost = KafkaConsumer.commit, []
+
+    def commit_fails_once(self: KafkaConsumer, offsets: Any = None) -> Any:
+        if not lost:
+            lost.append(offsets)
+            raise KafkaConnectionError("connection reset (simulated broker outage)")
+        return commit(self, offsets)
+
+    monkeypatch.setattr(KafkaConsumer, "commit", commit_fails_once)
+    with Store.embedded(tmp_path / "db") as store:
+        # One batch: its commit is the one lost. The topic stays quiet, so only the idle check can
+        # make it again; without that, this member would leave its stored messages uncommitted.
+        agg = Aggregator(store, settings(broker, "lostcommit"), BatchSettings(records=len(records) + 1))
+        guard = threading.Timer(60, agg.stop)  # should it never find the topic drained
+        guard.start()
+        t0 = time.monotonic()
+        stats = agg.run(idle_exit_s=2)
+        guard.cancel()
+        assert time.monotonic() - t0 < 60, "the aggregator never found its own messages committed"
+        assert lost and stats.stored == len(records)
+        assert_stored_once(store, "lostcommit", records)
+        again = aggregate(store, settings(broker, "lostcommit"), idle_s=2)
+        assert again.consumed == 0  # the group's offsets cover the whole topic
 
 
 def test_malformed_messages_are_dead_lettered_with_the_reason_and_the_rest_is_stored(
