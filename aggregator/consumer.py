@@ -193,6 +193,7 @@ class Aggregator:
             self._consumer.subscribe([self.kafka.topic], listener=_Listener())
             log.info("aggregator started", extra={"topic": self.kafka.topic, "group": self.kafka.group})
             last_message = time.monotonic()
+            away = False  # the last idle check found the broker away
             while not self._stop.is_set():
                 try:
                     polled = self._consumer.poll(
@@ -215,12 +216,16 @@ class Aggregator:
                 else:
                     self._finish(wait=False)  # commit what is stored already
                 if idle_exit_s is not None and time.monotonic() - last_message >= idle_exit_s:
-                    if self._drained():
+                    drained = self._drained()
+                    if drained and not away:
                         log.info(
                             "no messages for %.1f s and the group has read the topic; stopping", idle_exit_s
                         )
                         break
-                    last_message = time.monotonic() - idle_exit_s + 1.0  # ask again in a second
+                    # Ask again in a second; but once the broker is back from an outage the quiet
+                    # starts over, as producers need a moment to send what they held.
+                    last_message = time.monotonic() - (0.0 if drained else idle_exit_s - 1.0)
+                    away = drained is None
             self._flush(wait=True)
         finally:
             # No autocommit: only what was stored above is committed.
@@ -375,8 +380,8 @@ class Aggregator:
         # after it; one attempt only, as the rebalance is waiting (a failure means redelivery).
         self._flush(retry=False, wait=True)
 
-    def _drained(self) -> bool:
-        """Whether the broker answers and the group has stored and committed the whole topic.
+    def _drained(self) -> bool | None:
+        """Whether the group has stored and committed the whole topic; None if the broker is away.
 
         Quiet alone is not idle: while the broker is down (or restarting, which can take longer than
         the idle time on a busy host) no messages arrive although more are on their way.
@@ -389,9 +394,13 @@ class Aggregator:
         self._finish(wait=True)
         c = self._consumer
         try:
-            tps = [
-                TopicPartition(self.kafka.topic, p) for p in c.partitions_for_topic(self.kafka.topic) or ()
-            ]
+            # Right after a broker restart the topic's metadata can come back without partitions
+            # (no leader elected yet): that says nothing about what is left to read.
+            parts = c.partitions_for_topic(self.kafka.topic)
+            if not parts:
+                log.info("not idle: the broker knows no partitions of %s (yet)", self.kafka.topic)
+                return None
+            tps = [TopicPartition(self.kafka.topic, p) for p in parts]
             ends = c.end_offsets(tps, timeout_ms=2000)
             done = {tp: c.committed(tp, timeout_ms=2000) or 0 for tp in tps}
             # Everything this member has read is stored by now: redo a commit an outage lost.
@@ -405,7 +414,7 @@ class Aggregator:
             return all(done[tp] >= ends[tp] for tp in tps)
         except KafkaError as exc:
             log.info("not idle: the broker does not answer (%s)", exc)
-            return False
+            return None
 
     def _update_lag(self) -> None:
         for tp in self._consumer.assignment():

@@ -284,7 +284,7 @@ def test_a_broker_killed_and_restarted_mid_run_loses_nothing_and_blocks_no_step(
     # The aggregator runs beside the job in its own process, as in production. The outage (3 s of
     # steps plus the broker's restart) is longer than its idle time: quiet while the broker is
     # away is not idle, so it must wait the outage out and store what comes after.
-    aggregator = aggregate_cli(broker, "restart", tmp_path / "db", idle_s=2, wait=False)
+    aggregator = aggregate_cli(broker, "restart", tmp_path / "db", idle_s=5, wait=False)
     worst = {}
     try:
         worst["before"] = hook_steps(hook, 2.0)
@@ -385,6 +385,32 @@ def test_a_commit_lost_to_an_outage_is_made_again_before_an_idle_aggregator_stop
         assert_stored_once(store, "lostcommit", records)
         again = aggregate(store, settings(broker, "lostcommit"), idle_s=2)
         assert again.consumed == 0  # the group's offsets cover the whole topic
+
+
+def test_an_idle_aggregator_waits_while_the_broker_knows_no_partitions_after_a_restart(
+    broker: KafkaBroker, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    records = synthetic("leaderless", ranks=2, batches=3)
+    early, late = records[: len(records) // 2], records[len(records) // 2 :]
+    produce(broker, "leaderless", (encode(r) for r in early))
+    partitions_for_topic, answers = KafkaConsumer.partitions_for_topic, []
+
+    def leaderless_at_first(self: KafkaConsumer, topic: str) -> Any:
+        # As right after a broker restart: the topic's metadata has no partitions until leaders
+        # are elected, and the producers send what they held once the broker is back.
+        answers.append(topic)
+        if len(answers) <= 3:
+            if len(answers) == 3:
+                produce(broker, "leaderless", (encode(r) for r in late))
+            return set()
+        return partitions_for_topic(self, topic)
+
+    monkeypatch.setattr(KafkaConsumer, "partitions_for_topic", leaderless_at_first)
+    with Store.embedded(tmp_path / "db") as store:
+        stats = aggregate(store, settings(broker, "leaderless"), idle_s=1)
+        assert len(answers) > 3  # it asked again instead of taking "no partitions" for drained
+        assert stats.stored == len(records)
+        assert_stored_once(store, "leaderless", records)
 
 
 def test_malformed_messages_are_dead_lettered_with_the_reason_and_the_rest_is_stored(
