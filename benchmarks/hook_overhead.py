@@ -1,90 +1,181 @@
-"""Hook overhead: the demo model on 2 gloo ranks, hook off vs. on at default settings, interleaved.
+"""Hook overhead at the defaults a user gets: an in-run A/B inside a real multi-rank DDP job.
 
-    python -m benchmarks.hook_overhead [--repeats 5] [--steps 2500] [--json PATH]
+    python -m benchmarks.hook_overhead [--pairs 6] [--block-s 10] [--json PATH]
 
-Each repeat runs the same fixed number of steps twice, without and with the hook (the order
-alternates between repeats so drift hits both alike). The cost counted is the whole training
-time per step as the training loop itself measures it — profiling windows, the summarizing
-thread and shipping included — not only the median step, which a rare window would not move.
-overhead_pct = (median over repeats of on/off time per step - 1) x 100.
+Each loop shape runs as one 2-rank gloo job on this machine's cores. The job alternates blocks of
+``--block-s`` seconds (the same step counts on every rank) with the hook working and paused; the
+order within a pair alternates so that drift hits both alike.
 
-With 2 ranks on 2 cores, run-to-run noise is several percent, larger than the target. So the
-script also measures the hook's two costs alone (``components``: the always-on work per step and
-one profiling window) and prints the overhead they imply at the default window interval,
-``expected_overhead_pct`` — a noise-free figure to read next to the end-to-end ratio.
+- ``ddp``: ``DistributedDataParallel``. Working blocks train a DDP model built after
+  ``profiler_hook.attach`` (its all-reduces go through rankscope's communication hook and are
+  timed); paused blocks train an identical DDP model built before it (DDP's built-in C++ path), so
+  the A/B includes the cost of seeing DDP's collectives.
+- ``manual``: the hand-written all-reduce loop, for comparison with earlier measurements.
+
+What is counted is the whole training time per step as the loop measures it, windows, the
+summarizing thread and the shipper included. ``overhead_pct`` is the ratio of the total time per
+step working vs. paused, over all pairs (windows come every ``window_s`` of working time, as they
+would); ``median_pair_pct`` is the median over pairs of each pair's ratio, which leaves out the
+windows of the pairs that had none. ``step_us`` (the always-on work per step) and ``window_ms``
+(one window) are measured alone in one process; the volume figures come from what the job shipped.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
+import os
 import statistics
 import tempfile
 import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
 
 from profiler_hook.config import Config, Identity
 from profiler_hook.hook import Hook
+from profiler_hook.records import decode
 from profiler_hook.sinks import NullSink
-from rankscope.workload import JobSpec, free_port, launch
+from rankscope.workload import free_port
+
+WORLD = 2
 
 
-def _run(hook: bool, steps: int, spool: str, n: int) -> dict[str, float]:
-    spec = JobSpec(
-        job=f"overhead-{n}",
-        world_size=2,
-        hosts=1,
-        port=free_port(),
-        max_steps=steps,
-        hook={"spool_dir": spool} if hook else None,
-        log_dir=f"{spool}/logs",
-        progress=False,
-    )
-    stats = launch(spec)
-    per_step = max(s["train_s"] / max(s["steps"], 1) for s in stats)
+def _model() -> Any:
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(128, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512), torch.nn.ReLU(),
+        torch.nn.Linear(512, 10),
+    )  # fmt: skip
+
+
+def _worker(rank: int, loop: str, port: int, pairs: int, block_s: float, spool: str, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import profiler_hook
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    base = _model()
+    models = {"off": DDP(copy.deepcopy(base)) if loop == "ddp" else base}
+    hook = profiler_hook.attach(job=f"overhead-{loop}", spool_dir=spool, rank=rank, world_size=WORLD)
+    models["on"] = DDP(copy.deepcopy(base)) if loop == "ddp" else base
+    opts = {k: torch.optim.SGD(m.parameters(), lr=0.01) for k, m in models.items()}
+    g = torch.Generator().manual_seed(rank)
+    data = [(torch.randn(64, 128, generator=g), torch.randint(0, 10, (64,), generator=g)) for _ in range(16)]
+
+    def step(mode: str, i: int) -> None:
+        x, y = data[i % len(data)]
+        model, opt = models[mode], opts[mode]
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        if loop == "manual":
+            flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+            dist.all_reduce(flat)
+            flat /= WORLD
+        opt.step()
+
+    def block(mode: str, n: int) -> float:
+        if mode == "on":
+            hook.resume()
+        else:
+            hook.pause()
+        t0 = time.perf_counter()
+        for i in range(n):
+            if mode == "on":
+                with hook.step():
+                    step(mode, i)
+            else:
+                step(mode, i)
+        return time.perf_counter() - t0
+
+    block("on", 30)
+    block("off", 30)
+    per_step = torch.tensor([block("off", 100) / 100])
+    dist.all_reduce(per_step, op=dist.ReduceOp.MAX)  # every rank runs the same block lengths
+    n = max(20, round(block_s / float(per_step)))
+    rows = []
+    for p in range(pairs):
+        order = ("on", "off") if p % 2 == 0 else ("off", "on")
+        times = {mode: block(mode, n) for mode in order}
+        rows.append({"on_s": times["on"], "off_s": times["off"], "steps": n})
+    hook.resume()
+    hook.close()
+    dist.destroy_process_group()
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"rows": rows, "dropped": hook.shipper.dropped}))
+
+
+def in_run(loop: str, pairs: int, block_s: float) -> dict[str, Any]:
+    """One job of ``loop`` with alternating blocks; the ratios and the volume it shipped."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="rankscope-overhead-") as tmp:
+        spool, out = f"{tmp}/spool", f"{tmp}/out"
+        os.makedirs(out)
+        mp.start_processes(
+            _worker, args=(loop, free_port(), pairs, block_s, spool, out), nprocs=WORLD, start_method="spawn"
+        )
+        ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(WORLD)]
+        volume = _volume(Path(spool), sum(r["on_s"] for r in ranks[0]["rows"]))
+    # The job runs at its slowest rank's pace: per pair, the slowest rank's block times.
+    on = [max(r["rows"][i]["on_s"] for r in ranks) for i in range(pairs)]
+    off = [max(r["rows"][i]["off_s"] for r in ranks) for i in range(pairs)]
+    steps = ranks[0]["rows"][0]["steps"]
     return {
-        "ms_per_step": 1e3 * per_step,
-        "median_step_ms": statistics.median(s["median_step_ms"] for s in stats),
-        "dropped": sum(s.get("dropped", 0) for s in stats),
-        "sent": sum(s.get("sent", 0) for s in stats),
+        "loop": loop,
+        "pairs": pairs,
+        "steps_per_block": steps,
+        "off_ms_per_step": round(1e3 * sum(off) / (pairs * steps), 3),
+        "on_ms_per_step": round(1e3 * sum(on) / (pairs * steps), 3),
+        "overhead_pct": round((sum(on) / sum(off) - 1) * 100, 3),
+        "median_pair_pct": round(
+            (statistics.median(a / b for a, b in zip(on, off, strict=True)) - 1) * 100, 3
+        ),
+        "dropped": sum(r["dropped"] for r in ranks),
+        **volume,
     }
 
 
-def in_run(steps: int, block: int, spool: str) -> dict[str, float]:
-    """One run whose hook works in every other block of ``block`` steps: an A/B free of run-to-run
-    noise (process placement, memory layout). Windows keep their default schedule, which puts
-    them in working blocks when ``block`` divides 1,000 an even number of times (500: yes)."""
-    spec = JobSpec(
-        job="overhead-blocks",
-        world_size=2,
-        hosts=1,
-        port=free_port(),
-        max_steps=steps,
-        hook={"spool_dir": spool},
-        hook_blocks=block,
-        log_dir=f"{spool}/logs",
-        progress=False,
-    )
-    stats = launch(spec)
-    on = max(s["on_ms"] for s in stats)
-    off = max(s["off_ms"] for s in stats)
-    return {"on_ms": on, "off_ms": off, "overhead_pct": round((on / off - 1) * 100, 3)}
+def _volume(spool: Path, on_s: float) -> dict[str, float]:
+    """Bytes one rank shipped: always-on records per minute of working time, and per window."""
+    always: dict[int, int] = defaultdict(int)
+    windows: list[int] = []
+    for f in spool.rglob("*.jsonl"):
+        for line in f.read_bytes().splitlines():
+            rec = decode(line)
+            if rec.TYPE == "window":
+                windows.append(len(line) + 1)
+            else:
+                always[rec.rank] += len(line) + 1
+    return {
+        "always_on_kb_per_min": round(max(always.values()) / 1e3 / (on_s / 60), 1),
+        "window_kb": round(max(windows) / 1e3, 1) if windows else 0.0,
+        "windows": len(windows) // WORLD,
+    }
 
 
 def components(reps: int = 5) -> dict[str, float]:
-    """The hook's two costs measured alone, in one process: steady noise-free numbers.
+    """The hook's two costs measured alone, in one process.
 
     ``step_us``: the always-on work of one step (begin/end, a data fetch, one tracked collective).
-    ``window_ms``: one default profiling window on the demo model: profiler start, the extra time
-    of its steps, stop, and summarizing (median of ``reps`` windows).
+    ``window_ms``: one default window on the benchmark's model: profiler start, the extra time of
+    its steps, stop, and summarizing (median of ``reps`` windows).
     """
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     from profiler_hook.summarize import summarize
-    from rankscope.workload import _model, slow_device_forward
 
-    cfg = Config(window_every=0, sink="none")
-    hook = Hook(cfg, Identity(rank=0, local_rank=0, world_size=1, host="bench"), NullSink())
+    hook = Hook(
+        Config(window_s=0, sink="none"), Identity(rank=0, local_rank=0, world_size=1, host="b"), NullSink()
+    )
     n = 20_000
     t = time.perf_counter()
     for _ in hook.wrap_loader(range(n)):
@@ -95,17 +186,17 @@ def components(reps: int = 5) -> dict[str, float]:
     hook.close()
 
     torch.set_num_threads(1)
-    model = _model(512)
+    model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = torch.randn(64, 128), torch.randint(0, 10, (64,))
 
     def train_step() -> None:
-        loss = torch.nn.functional.cross_entropy(slow_device_forward(model, x, 0), y)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
         opt.zero_grad()
         loss.backward()
         opt.step()
 
-    steps = Config().window_steps
+    steps, cfg = Config().window_steps, Config()
     costs = []
     for _ in range(reps + 1):
         t0 = time.perf_counter()
@@ -113,82 +204,47 @@ def components(reps: int = 5) -> dict[str, float]:
             train_step()
         plain = time.perf_counter() - t0
         t0 = time.perf_counter()
-        prof = profile(activities=[ProfilerActivity.CPU], with_stack=True)
+        prof = profile(activities=[ProfilerActivity.CPU], with_stack=cfg.with_stack)
         prof.start()
         for _ in range(steps):
             train_step()
         prof.stop()
-        summarize(prof.profiler.kineto_results.events(), [], int(1e9), Config().max_functions)
+        summarize(prof.profiler.kineto_results.events(), [], int(1e9), cfg.max_functions)
         costs.append(time.perf_counter() - t0 - plain)
     return {"step_us": round(step_us, 2), "window_ms": round(1e3 * statistics.median(costs[1:]), 2)}
 
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--steps", type=int, default=2500, help="steps per run (default windows: one per 1,000)")
+    p.add_argument("--pairs", type=int, default=6, help="block pairs per loop shape (default 6)")
+    p.add_argument("--block-s", type=float, default=10.0, help="seconds per block (default 10)")
+    p.add_argument("--loops", default="ddp,manual", help="loop shapes, comma-separated")
     p.add_argument("--json", help="write the results here")
     a = p.parse_args(argv)
-    rows = []
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="rankscope-overhead-") as spool:
-        for i in range(a.repeats):
-            order = (False, True) if i % 2 == 0 else (True, False)
-            res = {on: _run(on, a.steps, spool, i) for on in order}
-            ratio = res[True]["ms_per_step"] / res[False]["ms_per_step"]
-            med_ratio = res[True]["median_step_ms"] / res[False]["median_step_ms"]
-            rows.append(
-                {"repeat": i, "off": res[False], "on": res[True], "ratio": ratio, "median_ratio": med_ratio}
-            )
-            print(
-                f"repeat {i}: off {res[False]['ms_per_step']:.3f} ms/step, on {res[True]['ms_per_step']:.3f} "
-                f"ms/step, ratio {ratio:.4f} (median-step ratio {med_ratio:.4f})",
-                flush=True,
-            )
-        blocks = [in_run(a.steps * 4, 500, spool) for _ in range(max(1, a.repeats // 2))]
-    for b in blocks:
-        print(
-            f"in-run blocks: hook working {b['on_ms']:.3f} ms/step, idle {b['off_ms']:.3f} ms/step",
-            flush=True,
-        )
-    ratios = [r["ratio"] for r in rows]
+    rows = [in_run(loop, a.pairs, a.block_s) for loop in a.loops.split(",")]
     parts = components()
-    off_ms = statistics.median(r["off"]["ms_per_step"] for r in rows)
-    expected = (parts["step_us"] / 1e3 + parts["window_ms"] / Config().window_every) / off_ms * 100
+    cfg = Config()
     result = {
         "benchmark": "hook_overhead",
-        "ranks": 2,
-        "steps_per_run": a.steps,
-        "repeats": a.repeats,
-        "overhead_pct": round((statistics.median(ratios) - 1) * 100, 3),
-        "overhead_pct_min": round((min(ratios) - 1) * 100, 3),
-        "overhead_pct_max": round((max(ratios) - 1) * 100, 3),
-        "median_step_overhead_pct": round((statistics.median(r["median_ratio"] for r in rows) - 1) * 100, 3),
-        "dropped_records": sum(r["on"]["dropped"] for r in rows),
-        "in_run_overhead_pct": statistics.median(b["overhead_pct"] for b in blocks),
-        "step_us": parts["step_us"],
-        "window_ms": parts["window_ms"],
-        "expected_overhead_pct": round(expected, 3),
+        "ranks": WORLD,
+        "settings": "defaults",
+        "window_s": cfg.window_s,
+        "overhead_pct": rows[0]["overhead_pct"],
+        **parts,
+        "rows": rows,
         "seconds": round(time.perf_counter() - t0, 1),
-        "runs": rows,
     }
-    print()
-    print("| metric | value |")
-    print("|---|---|")
-    for k in (
-        "overhead_pct",
-        "overhead_pct_min",
-        "overhead_pct_max",
-        "median_step_overhead_pct",
-        "in_run_overhead_pct",
-        "dropped_records",
-    ):
-        print(f"| {k} | {result[k]} |")
-    print(f"| off ms/step (median) | {statistics.median(r['off']['ms_per_step'] for r in rows):.3f} |")
-    print(f"| on ms/step (median) | {statistics.median(r['on']['ms_per_step'] for r in rows):.3f} |")
+    cols = ["loop", "off_ms_per_step", "on_ms_per_step", "overhead_pct", "median_pair_pct", "pairs",
+            "windows", "always_on_kb_per_min", "window_kb", "dropped"]  # fmt: skip
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for r in rows:
+        print("| " + " | ".join(str(r[c]) for c in cols) + " |")
+    print(f"\nalways-on work per step: {parts['step_us']} us; one window: {parts['window_ms']} ms "
+          f"(every {cfg.window_s:.0f} s: {parts['window_ms'] / 10 / cfg.window_s:.3f}% of a rank's time)")  # fmt: skip
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(result, f, indent=2)
+        Path(a.json).write_text(json.dumps(result, indent=2))
     return result
 
 

@@ -1,17 +1,22 @@
-"""Always-on collective tracking: per-process-group sequence numbers, entry and exit times.
+"""Always-on collective tracking: per-process-group sequence numbers, arrival and completion times.
 
 Like PyTorch's Flight Recorder, every collective a rank enters gets the next sequence number of
 its process group; ranks of a healthy job enter the same sequence numbers in the same order, so
 the first number a rank never entered names the rank a hang waits for. Unlike Flight Recorder
 this state is always shipped (on heartbeats), not dumped only at the watchdog timeout.
 
-Tracking wraps the public ``torch.distributed`` collective functions. Calls made from C++ (DDP's
-reducer, FSDP) bypass these wrappers; they are still seen inside profiling windows.
+Tracking wraps the public ``torch.distributed`` collective functions, which is where plain calls,
+FSDP2 (``fully_shard``) and DDP's gradient all-reduces pass once :mod:`profiler_hook.ddp` routes
+DDP's buckets through a Python communication hook. A blocking call is timed by its wrapper; an
+asynchronous one (``async_op=True``) by its work's future, which on gloo completes when the
+collective has finished. Flight Recorder itself is not read always-on: on gloo it has no
+completion times, and one dump of its 2,000-entry ring costs ~50 ms.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import threading
 import time
 from dataclasses import dataclass, field
@@ -23,8 +28,10 @@ COLLECTIVES = (
     "reduce",
     "all_gather",
     "all_gather_into_tensor",
+    "all_gather_single",
     "reduce_scatter",
     "reduce_scatter_tensor",
+    "reduce_scatter_single",
     "all_to_all",
     "all_to_all_single",
     "gather",
@@ -40,7 +47,11 @@ class CollectiveCall:
     seq: int
     nbytes: int
     enter_ns: int
+    """``time.perf_counter_ns`` when this rank issued it: its arrival."""
     dur_ns: int = -1
+    """Until it completed on this rank (-1 while in flight): the wait for the last rank + transfer."""
+    blocking: bool = True
+    """The calling thread waited inside the call (False: ``async_op=True``, waited on later)."""
 
 
 def _nbytes(obj: Any) -> int:
@@ -51,10 +62,29 @@ def _nbytes(obj: Any) -> int:
     return 0
 
 
-def _group_name(group: Any) -> str:
+def group_name(group: Any) -> str:
     if group is None:
         return "world"
+    from torch.distributed.distributed_c10d import GroupMember
+
+    if group is GroupMember.WORLD:  # DDP passes the default group by name: the same sequence
+        return "world"
     return str(getattr(group, "group_name", "") or id(group))
+
+
+def _position(fn: Any, name: str) -> int:
+    """Index of parameter ``name`` of ``fn`` when passed positionally (-1 if it has none)."""
+    try:
+        params = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return -1
+    return params.index(name) if name in params else -1
+
+
+def _arg(args: tuple, kwargs: dict, name: str, pos: int) -> Any:
+    if name in kwargs:
+        return kwargs[name]
+    return args[pos] if 0 <= pos < len(args) else None
 
 
 @dataclass(slots=True)
@@ -63,41 +93,76 @@ class CollectiveTracker:
 
     last_seq: dict[str, int] = field(default_factory=dict)
     current: CollectiveCall | None = None
+    """The blocking call the training thread is inside now."""
+    inflight: dict[tuple[str, int], CollectiveCall] = field(default_factory=dict)
+    """Asynchronous calls launched and not yet complete, oldest first."""
     last_exit_ns: int = 0
     # Per-step accumulators, reset by take_step().
     step_comm_ns: int = 0
     step_count: int = 0
     step_first_enter_ns: int = -1
+    step_last_async: CollectiveCall | None = None
     # Calls recorded while a profiling window is open.
     recording: list[CollectiveCall] | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _originals: dict[str, Any] = field(default_factory=dict)
+    _local: threading.local = field(default_factory=threading.local)
 
-    def enter(self, group: str, op: str, nbytes: int) -> CollectiveCall:
+    def enter(self, group: str, op: str, nbytes: int, blocking: bool = True) -> CollectiveCall:
         now = time.perf_counter_ns()
         with self._lock:
             seq = self.last_seq.get(group, 0) + 1
             self.last_seq[group] = seq
-        call = CollectiveCall(group, op, seq, nbytes, now)
-        self.current = call
+        call = CollectiveCall(group, op, seq, nbytes, now, blocking=blocking)
+        if blocking:
+            self.current = call
+        else:
+            self.inflight[(group, seq)] = call
+            self.step_last_async = call
         if self.step_first_enter_ns < 0:
             self.step_first_enter_ns = now
+        self.step_count += 1
         return call
 
     def exit(self, call: CollectiveCall) -> None:
+        """A call completed: a blocking one returned, or an asynchronous one's future finished."""
         now = time.perf_counter_ns()
         call.dur_ns = now - call.enter_ns
-        self.current = None
         self.last_exit_ns = now
-        self.step_comm_ns += call.dur_ns
-        self.step_count += 1
-        if self.recording is not None:
-            self.recording.append(call)
+        if call.blocking:
+            self.current = None
+            self.step_comm_ns += call.dur_ns
+        else:
+            self.inflight.pop((call.group, call.seq), None)
+        recording = self.recording  # read once: the training thread may end the window meanwhile
+        if recording is not None:
+            recording.append(call)
+
+    def oldest_inflight(self) -> CollectiveCall | None:
+        """The call the rank is waiting in now: the blocking one, else the oldest asynchronous one."""
+        if self.current is not None:
+            return self.current
+        try:
+            return next(iter(self.inflight.values()), None)
+        except RuntimeError:  # changed size while iterating: another thread completed one
+            return None
 
     def take_step(self) -> tuple[int, int, int]:
-        """(comm_ns, count, first_enter_ns) since the last call, then reset."""
-        out = (self.step_comm_ns, self.step_count, self.step_first_enter_ns)
+        """(comm_ns, count, first_enter_ns) since the last call, then reset.
+
+        ``comm_ns`` is the time the rank waited in collectives: inside blocking calls, plus, for
+        asynchronous ones, the last one's time from launch to completion — DDP launches each
+        bucket's all-reduce as soon as its gradients are ready and waits for all of them at the end
+        of the backward pass, so the last bucket's time is what the step waited (for the slowest
+        rank, and for the transfer); the earlier buckets overlap the backward pass.
+        """
+        comm = self.step_comm_ns
+        last = self.step_last_async
+        if last is not None and last.dur_ns >= 0:
+            comm += last.dur_ns
+        out = (comm, self.step_count, self.step_first_enter_ns)
         self.step_comm_ns, self.step_count, self.step_first_enter_ns = 0, 0, -1
+        self.step_last_async = None
         return out
 
     def patch(self) -> None:
@@ -125,20 +190,37 @@ class CollectiveTracker:
         self._originals.clear()
 
     def _wrap(self, op: str, original: Any) -> Any:
-        tracker = self
+        tracker, local = self, self._local
+        group_pos, async_pos = _position(original, "group"), _position(original, "async_op")
+
+        def done(call: CollectiveCall, _fut: Any) -> None:
+            tracker.exit(call)
 
         @functools.wraps(original)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
+            # One user call is one collective: all_gather_into_tensor calls all_gather_single.
+            if getattr(local, "inside", False):
+                return original(*args, **kwargs)
             try:
-                group = kwargs.get("group")
-                call = tracker.enter(_group_name(group), op, _nbytes(args[0]) if args else 0)
+                blocking = not _arg(args, kwargs, "async_op", async_pos)
+                group = group_name(_arg(args, kwargs, "group", group_pos))
+                call = tracker.enter(group, op, _nbytes(args[0]) if args else 0, blocking)
             except Exception:  # tracking must never break the collective
                 return original(*args, **kwargs)
+            local.inside = True
+            work = None
             try:
-                return original(*args, **kwargs)
+                work = original(*args, **kwargs)
+                return work
             finally:
-                # For async_op=True this times the launch; the wait shows in the next sync point.
-                tracker.exit(call)
+                local.inside = False
+                if blocking or work is None:
+                    tracker.exit(call)
+                else:
+                    try:
+                        work.get_future().add_done_callback(functools.partial(done, call))
+                    except Exception:  # no future (a backend without one): launch time only
+                        tracker.exit(call)
 
         wrapper.__rankscope_original__ = original  # type: ignore[attr-defined]
         return wrapper

@@ -25,27 +25,26 @@ class Config:
     flush_s: float = 2.0
     """Seconds between shipments of the always-on step rows."""
     heartbeat_s: float = 5.0
-    """Seconds between heartbeats from the watchdog thread."""
+    """Seconds between heartbeats from the watchdog thread (a hang is named within a few of these)."""
     stall_s: float = 10.0
     """A rank with no progress for this long is stalled: its heartbeat carries its Python stack."""
-    window_every: int = 1000
-    """A profiling window starts every this many steps (0: never profile, not even when triggered)."""
+    window_s: float = 30.0
+    """A profiling window starts about every this many seconds, at a step every rank agrees on
+    (0: never profile, not even when triggered). One window costs ~45 ms of a rank's time here, so
+    30 s keeps windows near 0.15% of the job's time; slowdowns are profiled as they begin (below)."""
     window_steps: int = 5
     """Steps profiled in each window."""
-    window_offset: int = 20
-    """First window starts at this step (skips start-up), then every ``window_every`` steps."""
     trigger_ratio: float = 1.5
     """A window also starts when the last 20 steps' median duration reaches this multiple of the
-    80 before (a slowdown began: profile it now, not at the next scheduled window); 0: never."""
-    trigger_align: int = 50
-    """A triggered window starts at the next multiple of this many steps, so that every rank of the
-    job — all see the same step times — profiles the same steps."""
+    80 before on any rank (a slowdown began: profile it now, and twice more 10 s apart, not at the
+    next scheduled window); 0: never."""
     with_stack: bool = True
     """Record Python functions (by call stack) in profiling windows."""
     max_functions: int = 300
     """At most this many function patterns per window (the largest by total time are kept)."""
     patch_collectives: bool = True
-    """Wrap torch.distributed collectives to count, sequence and time them always-on."""
+    """Wrap torch.distributed collectives, and route DDP's gradient all-reduces through them, to
+    count, sequence and time every collective always-on."""
     kafka_bootstrap: str = ""
     """``host:port[,host:port]`` of the Kafka brokers (``sink="kafka"``); default: $RANKSCOPE_KAFKA."""
     kafka_topic: str = "rankscope"
@@ -62,18 +61,10 @@ class Config:
         for name in ("flush_s", "heartbeat_s", "stall_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"Config.{name} must be > 0, got {getattr(self, name)}")
-        if self.window_every < 0 or self.window_offset < 0:
-            raise ValueError("Config.window_every and Config.window_offset must be >= 0")
-        if self.window_every and self.window_steps >= self.window_every:
-            raise ValueError(
-                f"Config.window_steps ({self.window_steps}) must be smaller than "
-                f"Config.window_every ({self.window_every})"
-            )
-        if (self.trigger_ratio and self.trigger_ratio <= 1) or self.trigger_align < 1:
-            raise ValueError(
-                f"Config.trigger_ratio must be 0 or > 1 and Config.trigger_align >= 1, got "
-                f"{self.trigger_ratio} and {self.trigger_align}"
-            )
+        if self.window_s < 0:
+            raise ValueError(f"Config.window_s must be >= 0, got {self.window_s}")
+        if self.trigger_ratio and self.trigger_ratio <= 1:
+            raise ValueError(f"Config.trigger_ratio must be 0 or > 1, got {self.trigger_ratio}")
         if self.sink not in ("spool", "kafka", "none"):
             raise ValueError(f"Config.sink must be 'spool', 'kafka' or 'none', got {self.sink!r}")
         self.job = (

@@ -16,31 +16,24 @@ from __future__ import annotations
 import contextlib
 import logging
 import resource
-import statistics
 import threading
 import time
-from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
 
+from . import ddp
 from .collectives import CollectiveTracker
 from .config import Config, Identity
 from .netstat import Counters, send_patterns, tcp_counters
 from .records import FunctionPattern, Heartbeat, RankInfo, StepBatch, StepRow, WindowSummary
 from .schedstat import Waits, run_queue_wait, wait_pattern
+from .schedule import Schedule
 from .shipper import Shipper
 from .sinks import NullSink, Sink, make_sink
 from .watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-TRIGGER_HISTORY = 100
-"""Step durations the slowdown trigger keeps: the last ``TRIGGER_RECENT`` against the ones before."""
-TRIGGER_RECENT = 20
-"""Half of these steps must be slow: a burst of a few slow steps (a busy neighbour for a moment)
-does not trigger, and so cannot hold back, by its cooldown, the window a lasting slowdown needs."""
-TRIGGER_COOLDOWN = 2
-"""After a trigger, no other for this many ``trigger_align`` steps."""
 
 
 def _now_us() -> int:
@@ -60,6 +53,7 @@ class Hook:
     def __init__(self, cfg: Config, ident: Identity, sink: Sink | None = None) -> None:
         self.cfg, self.ident = cfg, ident
         self.enabled = cfg.enable
+        self.paused = False
         self.step_num = -1
         self._rows: list[StepRow] = []
         self._last_flush = time.perf_counter()
@@ -74,10 +68,14 @@ class Hook:
         self._waits: Waits = {}
         """The threads' CPU wait at the window's start."""
         self._summarizers: list[threading.Thread] = []
-        self._durs: deque[int] = deque(maxlen=TRIGGER_HISTORY)
-        """The last steps' durations (ns), for the slowdown trigger."""
-        self._trigger_at = self._triggered = -(10**9)
-        """The step a triggered window starts at; the step that triggered the last one."""
+        self.schedule = Schedule(
+            window_s=cfg.window_s,
+            window_steps=cfg.window_steps,
+            trigger_ratio=cfg.trigger_ratio,
+            rank=ident.rank,
+            world_size=ident.world_size,
+            job=cfg.job,
+        )
         self.tracker = CollectiveTracker()
         if not self.enabled:
             self.shipper = Shipper(NullSink(), 1)
@@ -86,6 +84,7 @@ class Hook:
         self.shipper = Shipper(sink or make_sink(cfg, ident), cfg.queue_size)
         if cfg.patch_collectives:
             self.tracker.patch()
+            ddp.patch(self.tracker)
         self.shipper.submit(
             RankInfo(
                 **self._origin(),
@@ -106,6 +105,7 @@ class Hook:
             interval_s=cfg.heartbeat_s,
             stall_s=cfg.stall_s,
             main_thread_id=threading.get_ident(),
+            tick=lambda: self.schedule.poll(self.step_num),
         )
 
     def _origin(self) -> dict[str, Any]:
@@ -135,7 +135,7 @@ class Hook:
             self.end_step()
 
     def begin_step(self, step: int | None = None) -> None:
-        if not self.enabled:
+        if not self.enabled or self.paused:
             return
         try:
             self.step_num = self.step_num + 1 if step is None else step
@@ -144,7 +144,7 @@ class Hook:
             self._fail("begin_step", exc)
 
     def end_step(self) -> None:
-        if not self.enabled:
+        if not self.enabled or self.paused:
             return
         try:
             now = time.perf_counter_ns()
@@ -164,15 +164,37 @@ class Hook:
                 )
             )
             self._usage = (cpu_us, nivcsw)
-            self._durs.append(now - self._mark_ns)
-            if self.step_num % 10 == 0:
-                self._maybe_trigger()
+            self.schedule.note_step(self.step_num, now - self._mark_ns)
             self._mark_ns, self._data_ns = now, 0
             self._maybe_stop_window()
             if time.perf_counter() - self._last_flush >= self.cfg.flush_s:
                 self._flush_steps()
         except Exception as exc:
             self._fail("end_step", exc)
+
+    def pause(self) -> None:
+        """Stop measuring until :meth:`resume`: no step accounting, no windows (their clock stops
+        too), collectives unwrapped. A DDP model keeps the communication hook it was built with."""
+        if not self.enabled or self.paused:
+            return
+        self.paused = True
+        with contextlib.suppress(Exception):
+            self.tracker.unpatch()
+            self.schedule.pause()
+
+    def resume(self) -> None:
+        if not self.enabled or not self.paused:
+            return
+        try:
+            if self.cfg.patch_collectives:
+                self.tracker.patch()
+            self.schedule.resume()
+            self._mark_ns, self._data_ns = time.perf_counter_ns(), 0
+            self._usage = _usage()
+            self.tracker.take_step()  # what happened while paused belongs to no step
+        except Exception as exc:
+            self._fail("resume", exc)
+        self.paused = False
 
     def close(self, timeout: float = 10.0) -> None:
         """Ship what is left and stop the hook's threads. Safe to call twice."""
@@ -189,6 +211,7 @@ class Hook:
             self.watchdog.close()
             self.shipper.submit(self.watchdog.beat())
             self.tracker.unpatch()
+            ddp.unpatch()
         except Exception as exc:
             self._fail("close", exc)
         self.shipper.close(timeout)
@@ -210,30 +233,11 @@ class Hook:
             self._rows = []
         self._last_flush = time.perf_counter()
 
-    def _maybe_trigger(self) -> None:
-        """Schedule a window when the step time jumped (checked every 10th step: cheap)."""
-        cfg, s = self.cfg, self.step_num
-        if (
-            not (cfg.trigger_ratio and cfg.window_every)
-            or len(self._durs) < TRIGGER_HISTORY
-            or self._trigger_at >= s
-        ):
-            return
-        if self._prof is not None or s - self._triggered < TRIGGER_COOLDOWN * cfg.trigger_align:
-            return
-        d = list(self._durs)
-        recent, before = d[-TRIGGER_RECENT:], d[:-TRIGGER_RECENT]
-        if statistics.median(recent) >= cfg.trigger_ratio * statistics.median(before):
-            self._trigger_at = -(-(s + 2) // cfg.trigger_align) * cfg.trigger_align
-            self._triggered = s
-
     def _maybe_start_window(self) -> None:
-        cfg, s = self.cfg, self.step_num
-        if self._prof is not None or not cfg.window_every:
+        s = self.step_num
+        if s != self.schedule.planned or self._prof is not None:
             return
-        scheduled = s >= cfg.window_offset and (s - cfg.window_offset) % cfg.window_every == 0
-        if not scheduled and s != self._trigger_at:
-            return
+        cfg = self.cfg
         from torch.profiler import ProfilerActivity, profile
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if _cuda() else [])

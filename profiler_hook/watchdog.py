@@ -1,4 +1,6 @@
-"""The heartbeat thread: says every few seconds how far the rank got, and where it is stuck."""
+"""The heartbeat thread: says every few seconds how far the rank got, and where it is stuck.
+
+It also polls the profiling-window schedule, every ``schedule.POLL_S``."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from collections.abc import Callable
 
 from .collectives import CollectiveTracker
 from .records import Heartbeat
+from .schedule import POLL_S
 
 _STACK_FRAMES = 12
 
@@ -34,11 +37,13 @@ class Watchdog:
         interval_s: float,
         stall_s: float,
         main_thread_id: int,
+        tick: Callable[[], None] = lambda: None,
     ) -> None:
         self._make, self._submit, self._progress = make, submit, progress
         self._tracker = tracker
         self._interval_s, self._stall_s = interval_s, stall_s
         self._main = main_thread_id
+        self._tick = tick
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rankscope-watchdog", daemon=True)
         self._thread.start()
@@ -48,7 +53,7 @@ class Watchdog:
         now = time.perf_counter_ns()
         last = max(last_progress_ns, self._tracker.last_exit_ns)
         age = (now - last) / 1e9
-        call = self._tracker.current
+        call = self._tracker.oldest_inflight()
         stalled = age >= self._stall_s
         return self._make(
             step=step,
@@ -62,9 +67,14 @@ class Watchdog:
         )
 
     def _run(self) -> None:
-        while not self._stop.wait(self._interval_s):
+        # The thread also polls the window schedule (``tick``), more often than it beats.
+        last_beat = time.monotonic()
+        while not self._stop.wait(min(POLL_S, self._interval_s)):
             with contextlib.suppress(Exception):  # a heartbeat is never worth a crash
-                self._submit(self.beat())
+                self._tick()
+                if time.monotonic() - last_beat >= self._interval_s:
+                    last_beat = time.monotonic()
+                    self._submit(self.beat())
 
     def close(self) -> None:
         self._stop.set()

@@ -12,10 +12,6 @@ from pathlib import Path
 
 from .workload import Fault, JobSpec, free_port, launch
 
-DEMO_HOOK = {"window_every": 300, "window_offset": 50, "heartbeat_s": 2.0}
-"""Hook settings for a one-minute demo: a profiling window every 300 steps (~6 s) instead of the
-production default (every 1,000 steps) so that a short run yields several windows."""
-
 
 def run_demo(
     *,
@@ -49,7 +45,7 @@ def run_demo(
         port=free_port(),
         seconds=seconds,
         fault=Fault(kind=fault, rank=rank, factor=factor),
-        hook={**DEMO_HOOK, "spool_dir": str(spool)},
+        hook={"spool_dir": str(spool)},  # the hook's defaults, as a user gets them
         log_dir=str(logs),
     )
     stats = launch(spec)

@@ -42,6 +42,7 @@ FAULTS = ("none", "compute", "dataloader", "code_path")
 SUITE_FAULTS = (*FAULTS, "job_wide", "hang", "host", "nic", "switch")
 """Every fault kind; the last three are applied from outside the ranks (see the fault suite)."""
 HANG_SITES = ("collective", "dataloader", "python")
+LOOPS = ("manual", "ddp", "fsdp2")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -118,6 +119,13 @@ class JobSpec:
     progress: bool = True
     batch_size: int = 64
     hidden: int = 512
+    loop: str = "manual"
+    """How gradients are synchronized: ``manual`` (a hand-written all-reduce), ``ddp``
+    (``DistributedDataParallel``) or ``fsdp2`` (``fully_shard``; no compute or job-wide faults)."""
+
+    def __post_init__(self) -> None:
+        if self.loop not in LOOPS:
+            raise ValueError(f"JobSpec.loop must be one of {LOOPS}, got {self.loop!r}")
 
 
 def host_of(rank: int, spec: JobSpec) -> str:
@@ -347,7 +355,18 @@ def _train(rank: int, spec: JobSpec, hook: Any, fault: str) -> dict[str, Any]:
     loader = DataLoader(
         data, batch_size=spec.batch_size, sampler=sampler, collate_fn=_SlowCollate(delay, clock)
     )
-    model = _model(spec.hidden)
+    model = plain = _model(spec.hidden)
+    if spec.loop == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(plain)
+    elif spec.loop == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in plain:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        fully_shard(plain)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     params = list(model.parameters())
     start = last_print = time.perf_counter()
@@ -365,7 +384,8 @@ def _train(rank: int, spec: JobSpec, hook: Any, fault: str) -> dict[str, Any]:
             # Every rank takes the same code path; only the faulty one pads (does more work).
             slow = faulty and fault in ("compute", "job_wide")
             if slow and padding is None:
-                padding = padding_rows(model, x, spec.fault.factor)  # once, when the fault begins
+                # Once, when the fault begins; on the plain module: DDP's would all-reduce on one rank.
+                padding = padding_rows(plain, x, spec.fault.factor)
                 if fault == "job_wide":  # one bad library everywhere: the same slowdown on every rank
                     rows = torch.tensor([float(padding)])
                     dist.all_reduce(rows)
@@ -381,7 +401,10 @@ def _train(rank: int, spec: JobSpec, hook: Any, fault: str) -> dict[str, Any]:
                     stuck_in_python(time.time() + HANG_S)
                 elif spec.fault.hang_at == "collective":
                     _block(time.time() + HANG_S)  # e.g. waiting on a lock another thread never frees
-            stop, onset = _all_reduce_gradients(params, spec, step, start, rank)
+            if spec.loop == "manual":
+                stop, onset = _all_reduce_gradients(params, spec, step, start, rank)
+            else:  # gradients are already averaged; rank 0's decisions ride a small all-reduce
+                stop, onset = _decisions(torch.zeros(2), spec, step, start, rank)
             if onset:
                 clock.start_at(step + 1)
             opt.step()
@@ -422,9 +445,21 @@ def _all_reduce_gradients(
 ) -> tuple[bool, bool]:
     """Average gradients across ranks; two extra elements carry rank 0's stop and onset decisions."""
     import torch
-    import torch.distributed as dist
 
     flat = torch.cat([p.grad.reshape(-1) for p in params] + [torch.zeros(2)])
+    stop, onset = _decisions(flat, spec, step, start, rank)
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+        offset += n
+    return stop, onset
+
+
+def _decisions(flat: Any, spec: JobSpec, step: int, start: float, rank: int) -> tuple[bool, bool]:
+    """All-reduce ``flat`` (averaged in place); its last two elements carry rank 0's stop and onset."""
+    import torch.distributed as dist
+
     if rank == 0:
         elapsed = time.perf_counter() - start
         done = spec.max_steps > 0 and step + 1 >= spec.max_steps
@@ -433,11 +468,6 @@ def _all_reduce_gradients(
         flat[-2] = float(0 <= spec.fault.onset_s <= elapsed)
     dist.all_reduce(flat)
     flat /= spec.world_size
-    offset = 0
-    for p in params:
-        n = p.numel()
-        p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
-        offset += n
     return bool(flat[-1] > 0), bool(flat[-2] > 0)
 
 

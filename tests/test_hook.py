@@ -4,6 +4,7 @@ and real multi-rank gloo jobs."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -21,6 +22,7 @@ import profiler_hook
 from profiler_hook.config import Config, Identity
 from profiler_hook.hook import Hook
 from profiler_hook.records import Heartbeat, RecordError, StepBatch, StepRow, WindowSummary, decode, encode
+from profiler_hook.schedule import LEAD_S, Schedule
 from profiler_hook.summarize import summarize
 from rankscope.workload import Fault, JobSpec, free_port, launch
 
@@ -66,7 +68,9 @@ def test_records_round_trip_and_bad_values_say_why() -> None:
 
 def test_config_rejects_bad_settings_naming_the_field() -> None:
     with pytest.raises(ValueError, match="window_steps"):
-        Config(window_every=5, window_steps=5)
+        Config(window_steps=0)
+    with pytest.raises(ValueError, match="window_s"):
+        Config(window_s=-1)
     with pytest.raises(ValueError, match="sink"):
         Config(sink="carrier-pigeon")
     with pytest.raises(ValueError, match="queue_size"):
@@ -141,7 +145,7 @@ def _steps(hook: Hook, n: int) -> float:
 
 def test_a_failing_sink_never_reaches_the_training_loop() -> None:
     hook = Hook(
-        Config(flush_s=0.001, window_every=0),
+        Config(flush_s=0.001, window_s=0),
         Identity(rank=0, local_rank=0, world_size=1, host="h"),
         _BrokenSink(),
     )
@@ -154,7 +158,7 @@ def test_a_failing_sink_never_reaches_the_training_loop() -> None:
 def test_a_full_queue_drops_and_counts_instead_of_blocking() -> None:
     sink = _SlowSink()
     hook = Hook(
-        Config(flush_s=0.0001, queue_size=2, window_every=0),
+        Config(flush_s=0.0001, queue_size=2, window_s=0),
         Identity(rank=0, local_rank=0, world_size=1, host="h"),
         sink,
     )
@@ -176,31 +180,91 @@ class _ListSink:
         pass
 
 
-def test_a_slowdown_triggers_a_window_at_the_same_aligned_step_on_every_rank(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """No scheduled window yet: the first one comes when the steps got 3x slower, at a multiple of 50."""
-    clock = [0]  # the hook times steps with perf_counter_ns: a clock the test moves, not the machine
-    monkeypatch.setattr(time, "perf_counter_ns", lambda: clock[0])
-    windows = []
-    for rank in range(2):  # two ranks of a job see the same step times
-        sink = _ListSink()
-        hook = Hook(
-            Config(
-                window_every=1000, window_offset=1000, trigger_ratio=1.5, trigger_align=50, with_stack=False
-            ),
-            Identity(rank=rank, local_rank=rank, world_size=2, host="h"),
-            sink,
+def _store() -> torch.distributed.TCPStore:
+    """A real c10d store, as ``init_process_group`` makes one for every job."""
+    return torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
+def test_ranks_agree_on_window_steps_through_the_store_at_any_step_time() -> None:
+    """Rank 0 plans on its clock and publishes the step; a rank that reads the plan starts there too."""
+    master = _store()
+    clock = [0.0]
+    planner, follower = (
+        Schedule(
+            window_s=30,
+            window_steps=5,
+            trigger_ratio=1.5,
+            rank=rank,
+            world_size=2,
+            job="j",
+            store=lambda: torch.distributed.TCPStore("127.0.0.1", master.port, is_master=False),
+            clock=lambda: clock[0],
         )
-        for step in range(330):
-            with hook.step():
-                clock[0] += (1 if step < 230 else 3) * 1_000_000  # 1 ms steps, then 3 ms
-        hook.close()
-        summaries = [r for r in map(decode, sink.got) if isinstance(r, WindowSummary)]
-        windows.append([(w.window, w.step_lo, w.step_hi) for w in summaries])
-    # The slowdown begins at step 230; the trigger looks every 10th step at the last 20 steps, half
-    # of them slow at step 240, and starts the window at the next multiple of 50 after 241.
-    assert windows[0] == windows[1] == [(250, 250, 255)]
+        for rank in (0, 1)
+    )
+    for now, step_ms in ((100, 2), (5000, 120)):  # a fast job, then a slow one: the lead covers LEAD_S
+        for step in range(now - 100, now):
+            for s in (planner, follower):
+                s.note_step(step, step_ms * 1_000_000)
+        clock[0] += 31  # the interval passed
+        planner.poll(now)
+        follower.poll(now)
+        assert planner.planned == follower.planned == now + math.ceil(LEAD_S / (step_ms / 1e3))
+        planner.poll(now + 1)  # planned ahead already: no second plan
+        assert planner.plans == follower.plans
+    assert follower.missed == 0
+
+
+def test_a_slowdown_on_any_rank_triggers_a_window_for_all_ranks_at_once() -> None:
+    master = _store()
+    clock = [0.0]
+    planner, follower = (
+        Schedule(
+            window_s=3600,
+            window_steps=5,
+            trigger_ratio=1.5,
+            rank=rank,
+            world_size=2,
+            job="j",
+            store=lambda: torch.distributed.TCPStore("127.0.0.1", master.port, is_master=False),
+            clock=lambda: clock[0],
+        )
+        for rank in (0, 1)
+    )
+    for step in range(230):  # 1 ms steps; rank 1 alone sees them grow to 3 ms from step 200
+        planner.note_step(step, 1_000_000)
+        follower.note_step(step, 3_000_000 if step >= 200 else 1_000_000)
+    for s in (follower, planner, follower):  # the request goes out, rank 0 plans, rank 1 reads it
+        s.poll(230)
+    assert planner.planned == follower.planned > 230
+    # Then two follow-up windows 10 s apart: a finding needs more than one window.
+    for _ in range(2):
+        clock[0] += 10
+        step = planner.planned + 5  # the last window is over
+        planner.poll(step)
+        follower.poll(step)
+        assert planner.planned == follower.planned > step
+    assert planner.plans == follower.plans == 3
+    clock[0] += 10
+    planner.poll(planner.planned + 5)
+    assert planner.plans == 3  # nothing more until window_s
+
+
+def test_a_hook_profiles_on_its_clock() -> None:
+    sink = _ListSink()
+    hook = Hook(
+        Config(window_s=0.2, window_steps=3, with_stack=False),
+        Identity(rank=0, local_rank=0, world_size=1, host="h"),
+        sink,
+    )
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 3.5:  # a plan every 0.2 s, each LEAD_S (2 s) ahead
+        with hook.step():
+            time.sleep(0.005)
+    hook.close()
+    wins = [r for r in map(decode, sink.got) if isinstance(r, WindowSummary)]
+    assert len(wins) >= 1
+    assert all(w.step_hi - w.step_lo == 3 for w in wins)
 
 
 def test_disabled_hook_is_a_no_op(tmp_path: Path) -> None:
@@ -212,7 +276,7 @@ def test_disabled_hook_is_a_no_op(tmp_path: Path) -> None:
 
 def test_stalled_rank_heartbeat_carries_its_stack() -> None:
     hook = Hook(
-        Config(window_every=0, heartbeat_s=60, stall_s=0.05),
+        Config(window_s=0, heartbeat_s=60, stall_s=0.05),
         Identity(rank=0, local_rank=0, world_size=1, host="h"),
         _SlowSink(),
     )
@@ -243,25 +307,19 @@ def _records(spool: Path, job: str) -> dict[int, list]:
 
 @pytest.mark.slow
 def test_hook_in_spawned_gloo_ranks(tmp_path: Path) -> None:
-    hook = {
-        "spool_dir": str(tmp_path),
-        "window_every": 40,
-        "window_offset": 10,
-        "window_steps": 4,
-        "flush_s": 0.5,
-    }
+    hook = {"spool_dir": str(tmp_path), "window_s": 0.5, "window_steps": 4, "flush_s": 0.5}
     stats = launch(
         JobSpec(
             job="mr",
             world_size=4,
             port=free_port(),
-            max_steps=100,
+            max_steps=300,
             hook=hook,
             log_dir=str(tmp_path / "logs"),
             progress=False,
         )
     )
-    assert [s["steps"] for s in stats] == [100] * 4
+    assert [s["steps"] for s in stats] == [300] * 4
     assert all(s["dropped"] == 0 for s in stats)
     recs = _records(tmp_path, "mr")
     assert sorted(recs) == [0, 1, 2, 3]
@@ -269,7 +327,7 @@ def test_hook_in_spawned_gloo_ranks(tmp_path: Path) -> None:
     for rank, rs in recs.items():
         assert sum(isinstance(r, profiler_hook.RankInfo) for r in rs) == 1
         steps = [row.step for r in rs if isinstance(r, StepBatch) for row in r.rows]
-        assert steps == list(range(100))  # every step once, in order
+        assert steps == list(range(300))  # every step once, in order
         rows = [row for r in rs if isinstance(r, StepBatch) for row in r.rows]
         assert all(row.n_coll == 1 and row.comm_us > 0 for row in rows)  # one all-reduce per step
         wins = [r for r in rs if isinstance(r, WindowSummary)]
@@ -281,9 +339,9 @@ def test_hook_in_spawned_gloo_ranks(tmp_path: Path) -> None:
             assert {f.kind for f in w.functions if f.name.startswith("gloo:")} == {"collective"}
             assert len(json.dumps([list(f) for f in w.functions])) < 100_000  # the per-window budget
         last = [r for r in rs if isinstance(r, Heartbeat)][-1]
-        assert last.last_seq == {"world": 101}  # 100 all-reduces + the final barrier, on every rank
+        assert last.last_seq == {"world": 301}  # 300 all-reduces + the final barrier, on every rank
     # Windows cover the same steps on every rank: that is what makes ranks comparable.
-    assert windows[0] == [(10, 10, 14), (50, 50, 54), (90, 90, 94)]  # id = first step
+    assert windows[0] and all(lo == w and hi == lo + 4 for w, lo, hi in windows[0])  # id = first step
     assert all(w == windows[0] for w in windows.values())
     hosts = {r.rank: r.host for rs in recs.values() for r in rs if isinstance(r, profiler_hook.RankInfo)}
     assert hosts == {0: "node0", 1: "node0", 2: "node1", 3: "node1"}

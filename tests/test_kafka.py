@@ -200,7 +200,7 @@ def kafka_hook(broker: KafkaBroker, topic: str, job: str, **cfg: Any) -> Hook:
         kafka_topic=topic,
         flush_s=0.05,
         heartbeat_s=0.5,
-        window_every=0,
+        window_s=0,
         **cfg,
     )
     return Hook(config, Identity(rank=0, local_rank=0, world_size=1, host="h"))
@@ -227,13 +227,12 @@ def test_a_hooked_multi_rank_job_is_stored_exactly_once_by_rankscope_aggregate(
         "kafka_bootstrap": broker.bootstrap,
         "kafka_api_version": "0.9",
         "kafka_topic": "ranks",
-        "window_every": 40,
-        "window_offset": 10,
+        "window_s": 0.5,
         "flush_s": 0.5,
     }
     stats = launch(
         JobSpec(
-            job="kj", world_size=2, hosts=1, port=free_port(), max_steps=100, hook=hook,
+            job="kj", world_size=2, hosts=1, port=free_port(), max_steps=300, hook=hook,
             log_dir=str(tmp_path / "logs"), progress=False,
         )
     )  # fmt: skip
@@ -246,13 +245,14 @@ def test_a_hooked_multi_rank_job_is_stored_exactly_once_by_rankscope_aggregate(
     assert len(records) == sent
     with Store.embedded(tmp_path / "db") as store:
         assert_stored_once(store, "kj", records)
-        assert store.counts("kj")["windows"] == 3 * 2  # windows at steps 10, 50 and 90 on both ranks
+        windows = store.counts("kj")["windows"]
+        assert windows >= 2 and windows % 2 == 0  # the same windows on both ranks
         # The ranks talk over loopback, which never touches a NIC: no send-rate pattern.
         fns = store.functions("kj")
         assert not (fns["name"] == "net_send@tcp").any()
         steps = store.steps("kj")
         assert sorted(zip(steps["rank"], steps["step"], strict=True)) == [
-            (r, s) for r in (0, 1) for s in range(100)
+            (r, s) for r in (0, 1) for s in range(300)
         ]
 
 

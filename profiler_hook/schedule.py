@@ -1,0 +1,174 @@
+"""When profiling windows start: on a clock, and when the step time jumps — at one step every rank agrees on.
+
+Ranks can only be compared on the same steps, and a schedule in steps is wrong for most jobs (one
+window every 2 minutes at 120 ms a step, every 5 s at 5 ms). So one rank plans: rank 0, every
+``window_s`` seconds, or as soon as any rank asks for a window because its step time jumped. It
+picks a step a couple of seconds ahead (``LEAD_S``, from its recent step time) and publishes it in
+the job's c10d store (the one ``init_process_group`` made, which every job has); every rank reads
+it from a background thread and starts its window when it reaches that step. The training thread
+only compares two integers per step. A rank that reads the plan too late skips that window (it is
+rare: the lead is several times the polling interval).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.5
+"""How often each rank's background thread reads the plan (and rank 0 makes one)."""
+LEAD_S = 2.0
+"""A window is planned this many seconds of steps ahead, so that every rank has read the plan."""
+TRIGGER_HISTORY = 100
+"""Step durations the slowdown trigger keeps: the last ``TRIGGER_RECENT`` against the ones before."""
+TRIGGER_RECENT = 20
+"""Half of these steps must be slow: a burst of a few slow steps (a busy neighbour for a moment)
+does not trigger."""
+TRIGGER_COOLDOWN_S = 10.0
+"""After a triggered window, requests for this long are dropped: the slowdown is being profiled."""
+FOLLOW_UPS = 2
+"""Windows planned after a triggered one, ``TRIGGER_COOLDOWN_S`` apart: a finding needs a slowdown
+seen in more than one window, and the trigger stops firing once the slow steps fill its history."""
+
+
+def default_store() -> Any:
+    """The default process group's store, or None before ``init_process_group`` (or without torch)."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.distributed_c10d._get_default_store()
+    except Exception:
+        pass
+    return None
+
+
+class Schedule:
+    """The next window's first step (``planned``), agreed through the job's store."""
+
+    def __init__(
+        self,
+        *,
+        window_s: float,
+        window_steps: int,
+        trigger_ratio: float,
+        rank: int,
+        world_size: int,
+        job: str,
+        store: Callable[[], Any] = default_store,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.window_s, self.window_steps, self.trigger_ratio = window_s, window_steps, trigger_ratio
+        self.rank, self.world_size = rank, world_size
+        self.planned = -1
+        """The step the next window starts at (-1: none); the training thread compares against it."""
+        self.plans = 0
+        self.missed = 0
+        """Windows this rank learnt of only after their step had passed."""
+        self._store_fn, self._clock = store, clock
+        self._key, self._req_key = f"rankscope/{job}/window", f"rankscope/{job}/requests"
+        self._durs: deque[int] = deque(maxlen=TRIGGER_HISTORY)
+        self._want = False
+        """This rank's trigger fired and the request is not sent yet."""
+        self._requests_seen = 0
+        self._last_plan = clock()
+        self._last_trigger = -math.inf
+        self._follow_ups = 0
+        self._seen = -1
+        self._warned = False
+        self._paused_at: float | None = None
+        self._lock = threading.Lock()
+
+    def pause(self) -> None:
+        """Stop the clock (and planning) until :meth:`resume`."""
+        with self._lock:
+            self._paused_at = self._clock()
+
+    def resume(self) -> None:
+        with self._lock:
+            if self._paused_at is not None:
+                self._last_plan += self._clock() - self._paused_at
+                self._paused_at = None
+
+    # --- the training thread -------------------------------------------------------------------
+
+    def note_step(self, step: int, dur_ns: int) -> None:
+        """Record a finished step; every 10th step, ask for a window if the step time jumped."""
+        self._durs.append(dur_ns)
+        if step % 10 or not self.trigger_ratio or len(self._durs) < TRIGGER_HISTORY:
+            return
+        d = list(self._durs)
+        if statistics.median(d[-TRIGGER_RECENT:]) >= self.trigger_ratio * statistics.median(
+            d[:-TRIGGER_RECENT]
+        ):
+            self._want = True
+
+    # --- the background thread -----------------------------------------------------------------
+
+    def poll(self, step: int) -> None:
+        """Send this rank's request, make (rank 0) or read the plan. Never raises."""
+        try:
+            with self._lock:
+                self._poll(step)
+        except Exception as exc:
+            if not self._warned:
+                self._warned = True
+                log.warning("rankscope: window schedule unavailable (%s: %s)", type(exc).__name__, exc)
+
+    def _poll(self, step: int) -> None:
+        if not self.window_s or step < 0 or self._paused_at is not None:
+            return
+        store = self._store_fn() if self.world_size > 1 else None
+        if self.world_size > 1 and store is None:
+            return  # no process group yet: ranks could not agree
+        if self.rank != 0 and store is not None:
+            if self._want:
+                store.add(self._req_key, 1)
+                self._want = False
+            if store.check([self._key]):
+                self._adopt(int(store.get(self._key)), step)
+            return
+        now = self._clock()
+        requests = store.add(self._req_key, 0) if store is not None else 0
+        asked = self._want or requests > self._requests_seen
+        self._want, self._requests_seen = False, requests
+        if asked and now - self._last_trigger < TRIGGER_COOLDOWN_S:
+            asked = False
+        follow_up = self._follow_ups > 0 and now - self._last_plan >= TRIGGER_COOLDOWN_S
+        if self.planned + self.window_steps > step or not (
+            asked or follow_up or now - self._last_plan >= self.window_s
+        ):
+            return
+        if asked:
+            self._last_trigger, self._follow_ups = now, FOLLOW_UPS
+        elif follow_up:
+            self._follow_ups -= 1
+        first = step + self._lead()
+        self._last_plan = now
+        if store is not None:
+            store.set(self._key, str(first))
+        self._adopt(first, step)
+
+    def _lead(self) -> int:
+        """Steps in ``LEAD_S`` seconds at the recent step time (at least 2)."""
+        recent = list(self._durs)[-TRIGGER_RECENT:]
+        step_s = statistics.median(recent) / 1e9 if recent else LEAD_S
+        return max(2, math.ceil(LEAD_S / max(step_s, 1e-6)))
+
+    def _adopt(self, first: int, step: int) -> None:
+        if first == self._seen:
+            return
+        self._seen = first
+        if first <= step:
+            self.missed += 1
+            return
+        self.planned = first
+        self.plans += 1
