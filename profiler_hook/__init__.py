@@ -5,6 +5,8 @@ Importing this package loads only the standard library; torch is imported when a
 
 from __future__ import annotations
 
+import logging
+from dataclasses import replace
 from typing import Any
 
 from .config import Config, Identity
@@ -33,9 +35,24 @@ def attach(
     Example::
 
         hook = profiler_hook.attach(job="llama-7b-run3", spool_dir="/var/spool/rankscope")
+
+    Settings the caller got wrong (``Config(queue_size=0)``) raise. Anything the environment or the
+    filesystem does wrong (``RANK=abc``, a spool directory that cannot be created, a job id no file
+    can be named after) is logged once and gives a disabled hook (``failures == 1``): the job
+    trains on without rankscope.
     """
     cfg = config if config is not None else Config(**settings)
-    return Hook(cfg, Identity.from_env(rank, world_size))
+    try:
+        return Hook(cfg, Identity.from_env(rank, world_size))
+    except Exception as exc:
+        logging.getLogger(__name__).warning(
+            "rankscope: the hook could not start (%s: %s); training continues without it",
+            type(exc).__name__,
+            exc,
+        )
+        off = Hook(replace(cfg, enable=False), Identity(rank=rank or 0, local_rank=0, world_size=1, host=""))
+        off.failures = 1
+        return off
 
 
 __all__ = [

@@ -30,8 +30,9 @@ class Config:
     """A rank with no progress for this long is stalled: its heartbeat carries its Python stack."""
     window_s: float = 30.0
     """A profiling window starts about every this many seconds, at a step every rank agrees on
-    (0: never profile, not even when triggered). One window costs ~45 ms of a rank's time here, so
-    30 s keeps windows near 0.15% of the job's time; slowdowns are profiled as they begin (below)."""
+    (0: never profile, not even when triggered); the first two come 10 and 20 s after start-up. One
+    window costs ~45 ms of a rank's time here, so 30 s keeps windows near 0.15% of the job's time;
+    slowdowns are profiled as they begin (below)."""
     window_steps: int = 5
     """Steps profiled in each window."""
     trigger_ratio: float = 1.5

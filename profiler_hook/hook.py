@@ -54,6 +54,8 @@ class Hook:
         self.cfg, self.ident = cfg, ident
         self.enabled = cfg.enable
         self.paused = False
+        self.failures = 0
+        """Hook calls that failed (and were logged): the training loop never sees them."""
         self.step_num = -1
         self._rows: list[StepRow] = []
         self._last_flush = time.perf_counter()
@@ -225,6 +227,7 @@ class Hook:
     # --- internals ---------------------------------------------------------------------------
 
     def _fail(self, where: str, exc: BaseException) -> None:
+        self.failures += 1
         log.warning("rankscope: %s failed (%s: %s); training continues", where, type(exc).__name__, exc)
 
     def _flush_steps(self) -> None:

@@ -3,7 +3,7 @@
 Ranks can only be compared on the same steps, and a schedule in steps is wrong for most jobs (one
 window every 2 minutes at 120 ms a step, every 5 s at 5 ms). So one rank plans: rank 0, every
 ``window_s`` seconds, or as soon as any rank asks for a window because its step time jumped. It
-picks a step a couple of seconds ahead (``LEAD_S``, from its recent step time) and publishes it in
+picks a step a couple of seconds ahead (the first windows come 10 and 20 s after start-up) (``LEAD_S``, from its recent step time) and publishes it in
 the job's c10d store (the one ``init_process_group`` made, which every job has); every rank reads
 it from a background thread and starts its window when it reaches that step. The training thread
 only compares two integers per step. A rank that reads the plan too late skips that window (it is
@@ -81,7 +81,9 @@ class Schedule:
         self._requests_seen = 0
         self._last_plan = clock()
         self._last_trigger = -math.inf
-        self._follow_ups = 0
+        self._follow_ups = FOLLOW_UPS
+        """Windows still due ``TRIGGER_COOLDOWN_S`` apart. At the start too: a fault present from the
+        first step makes no jump to trigger on, and short jobs would otherwise wait ``window_s``."""
         self._seen = -1
         self._warned = False
         self._paused_at: float | None = None

@@ -1,9 +1,9 @@
 """A real data-parallel training job on CPU/gloo, with faults that can be injected into one rank.
 
-Used by ``rankscope demo``, the overhead benchmark and the fault suite. Each rank trains the same
-MLP on its shard of a synthetic classification set through a real DataLoader: forward, backward,
-an all-reduce of the gradients, an optimizer step — the loop a DDP job runs, written out so that
-the collective is a plain ``torch.distributed.all_reduce`` the hook can sequence.
+Used by ``rankscope demo`` and the fault suite. Each rank trains the same MLP on its shard of a
+synthetic classification set through a real DataLoader: forward, backward, gradients averaged
+over the ranks, an optimizer step. ``JobSpec.loop`` picks how gradients are averaged: a
+hand-written ``torch.distributed.all_reduce`` (``manual``, the default for now), DDP or FSDP2.
 
 Faults (only on ``Fault.rank``):
 

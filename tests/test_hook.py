@@ -435,3 +435,23 @@ def test_cpu_wait_is_the_time_a_thread_queued_behind_hogs_on_its_core() -> None:
     # Sharing the core with two hogs, it gets about a third of it and waits about two thirds.
     assert out["wait_s"] == pytest.approx(out["wall_s"] - out["cpu_s"], rel=0.2)
     assert out["wait_s"] >= 0.5 * out["wall_s"]
+
+
+@pytest.mark.parametrize(
+    ("where", "settings", "env"),
+    [
+        ("a spool dir that cannot be created", {"spool_dir": "/proc/rankscope"}, {}),
+        ("a job id longer than a file name", {"job": "j" * 300}, {}),
+        ("a NUL in the job id", {"job": "a\0b"}, {}),
+        ("RANK=abc", {}, {"RANK": "abc", "WORLD_SIZE": "2"}),
+    ],
+)
+def test_attach_never_raises_for_what_the_environment_does_wrong(
+    where: str, settings: dict, env: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    hook = profiler_hook.attach(**{"spool_dir": str(tmp_path), **settings})
+    assert (hook.enabled, hook.failures) == (False, 1), where
+    _steps(hook, 3)  # the job trains on
+    hook.close()
