@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import statistics
-from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -14,19 +13,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import profiler_hook
-from profiler_hook.records import Heartbeat, StepBatch, decode
+from profiler_hook.records import Heartbeat, StepBatch
 from rankscope.workload import Fault, JobSpec, free_port, launch
+from tests.test_hook import _records
 
 STEPS = 150
-
-
-def _by_rank(spool: Path, job: str) -> dict[int, list]:
-    out: dict[int, list] = defaultdict(list)
-    for f in sorted((spool / job).glob("*.jsonl")):
-        for line in f.read_bytes().splitlines():
-            rec = decode(line)
-            out[rec.rank].append(rec)
-    return out
 
 
 @pytest.mark.slow
@@ -49,7 +40,7 @@ def test_every_loop_shape_shows_its_collectives_and_the_wait_for_a_late_rank(
             progress=False,
         )
     )
-    recs = _by_rank(tmp_path, loop)
+    recs = _records(tmp_path, loop)
     rows = {r: [row for x in rs if isinstance(x, StepBatch) for row in x.rows][10:] for r, rs in recs.items()}
     # DDP: one bucket all-reduce + the loop's small all-reduce; FSDP2: gathers and reduce-scatters.
     least = {"manual": 1, "ddp": 2, "fsdp2": 4}[loop]

@@ -185,13 +185,12 @@ def _store() -> torch.distributed.TCPStore:
     return torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
 
-def test_ranks_agree_on_window_steps_through_the_store_at_any_step_time() -> None:
-    """Rank 0 plans on its clock and publishes the step; a rank that reads the plan starts there too."""
+def _two_ranks(window_s: float, clock: list[float]) -> tuple[Schedule, Schedule]:
+    """Rank 0's and rank 1's schedules of one job, each with its own client of one real store."""
     master = _store()
-    clock = [0.0]
-    planner, follower = (
+    return tuple(  # type: ignore[return-value]
         Schedule(
-            window_s=30,
+            window_s=window_s,
             window_steps=5,
             trigger_ratio=1.5,
             rank=rank,
@@ -202,6 +201,12 @@ def test_ranks_agree_on_window_steps_through_the_store_at_any_step_time() -> Non
         )
         for rank in (0, 1)
     )
+
+
+def test_ranks_agree_on_window_steps_through_the_store_at_any_step_time() -> None:
+    """Rank 0 plans on its clock and publishes the step; a rank that reads the plan starts there too."""
+    clock = [0.0]
+    planner, follower = _two_ranks(30, clock)
     for now, step_ms in ((100, 2), (5000, 120)):  # a fast job, then a slow one: the lead covers LEAD_S
         for step in range(now - 100, now):
             for s in (planner, follower):
@@ -216,21 +221,8 @@ def test_ranks_agree_on_window_steps_through_the_store_at_any_step_time() -> Non
 
 
 def test_a_slowdown_on_any_rank_triggers_a_window_for_all_ranks_at_once() -> None:
-    master = _store()
     clock = [0.0]
-    planner, follower = (
-        Schedule(
-            window_s=3600,
-            window_steps=5,
-            trigger_ratio=1.5,
-            rank=rank,
-            world_size=2,
-            job="j",
-            store=lambda: torch.distributed.TCPStore("127.0.0.1", master.port, is_master=False),
-            clock=lambda: clock[0],
-        )
-        for rank in (0, 1)
-    )
+    planner, follower = _two_ranks(3600, clock)
     for step in range(230):  # 1 ms steps; rank 1 alone sees them grow to 3 ms from step 200
         planner.note_step(step, 1_000_000)
         follower.note_step(step, 3_000_000 if step >= 200 else 1_000_000)
