@@ -138,6 +138,10 @@ class CollectiveTracker:
         if recording is not None:
             recording.append(call)
 
+    def exit_on_completion(self, call: CollectiveCall, future: Any) -> None:
+        """Complete ``call`` when its work's ``future`` does (on the thread that completes it)."""
+        future.add_done_callback(lambda _: self.exit(call))
+
     def oldest_inflight(self) -> CollectiveCall | None:
         """The call the rank is waiting in now: the blocking one, else the oldest asynchronous one."""
         if self.current is not None:
@@ -193,9 +197,6 @@ class CollectiveTracker:
         tracker, local = self, self._local
         group_pos, async_pos = _position(original, "group"), _position(original, "async_op")
 
-        def done(call: CollectiveCall, _fut: Any) -> None:
-            tracker.exit(call)
-
         @functools.wraps(original)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             # One user call is one collective: all_gather_into_tensor calls all_gather_single.
@@ -218,7 +219,7 @@ class CollectiveTracker:
                     tracker.exit(call)
                 else:
                     try:
-                        work.get_future().add_done_callback(functools.partial(done, call))
+                        tracker.exit_on_completion(call, work.get_future())
                     except Exception:  # no future (a backend without one): launch time only
                         tracker.exit(call)
 

@@ -84,7 +84,8 @@ def unpatch() -> None:
 
 def _install(model: Any, register: Any, tracker: CollectiveTracker) -> None:
     pg = model.process_group
-    slot: dict[str, Any] = {"state": pg, "hook": functools.partial(_allreduce, tracker), "user": False}
+    timed = functools.partial(_allreduce, tracker, group_name(pg))  # the name once, not per bucket
+    slot: dict[str, Any] = {"state": pg, "hook": timed, "user": False}
 
     # No annotations: DDP checks them against its own types, and this module's are strings.
     def rankscope_comm_hook(state, bucket):  # type: ignore[no-untyped-def]
@@ -94,13 +95,13 @@ def _install(model: Any, register: Any, tracker: CollectiveTracker) -> None:
     setattr(model, _SLOT, slot)
 
 
-def _allreduce(tracker: CollectiveTracker, pg: Any, bucket: Any) -> Any:
+def _allreduce(tracker: CollectiveTracker, group: str, pg: Any, bucket: Any) -> Any:
     """``allreduce_hook``'s average, timed: divide, then sum over the ranks."""
     tensor = bucket.buffer()
     tensor.div_(pg.size())
-    call = tracker.enter(group_name(pg), "all_reduce", tensor.element_size() * tensor.numel(), blocking=False)
+    call = tracker.enter(group, "all_reduce", tensor.element_size() * tensor.numel(), blocking=False)
     fut = pg.allreduce([tensor]).get_future()
-    fut.add_done_callback(lambda _: tracker.exit(call))
+    tracker.exit_on_completion(call, fut)
     return fut.then(_first)
 
 

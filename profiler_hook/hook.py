@@ -180,9 +180,9 @@ class Hook:
         if not self.enabled or self.paused:
             return
         self.paused = True
+        self.schedule.pause()
         with contextlib.suppress(Exception):
             self.tracker.unpatch()
-            self.schedule.pause()
 
     def resume(self) -> None:
         if not self.enabled or not self.paused:

@@ -3,11 +3,12 @@
 Ranks can only be compared on the same steps, and a schedule in steps is wrong for most jobs (one
 window every 2 minutes at 120 ms a step, every 5 s at 5 ms). So one rank plans: rank 0, every
 ``window_s`` seconds, or as soon as any rank asks for a window because its step time jumped. It
-picks a step a couple of seconds ahead (the first windows come 10 and 20 s after start-up) (``LEAD_S``, from its recent step time) and publishes it in
-the job's c10d store (the one ``init_process_group`` made, which every job has); every rank reads
+picks a step ``LEAD_S`` seconds ahead (from its recent step time) and publishes it in the job's
+c10d store (the one ``init_process_group`` made, which every job has); every rank reads
 it from a background thread and starts its window when it reaches that step. The training thread
 only compares two integers per step. A rank that reads the plan too late skips that window (it is
-rare: the lead is several times the polling interval).
+rare: the lead is several times the polling interval). The first two windows come 10 and 20 s
+after start-up, so that a fault present from the first step is profiled early.
 """
 
 from __future__ import annotations
