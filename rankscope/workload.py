@@ -263,6 +263,26 @@ def padding_rows(model: Any, x: Any, factor: float, reps: int = 11, rounds: int 
     return picks[len(picks) // 2]
 
 
+def _calibrate(plain: Any, x: Any, spec: JobSpec, fault: str) -> int:
+    """The padding rows of a compute or job-wide fault, found before the first step.
+
+    Every rank calibrates at once (the load the job will run under) and only the faulty ones keep
+    the answer; on the plain module, since DDP's would all-reduce. Doing it before training keeps
+    the harness's own timing runs out of the measured steps: a degraded device runs no extra code.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if spec.fault.kind not in ("compute", "job_wide"):
+        return 0
+    rows = padding_rows(plain, x, spec.fault.factor)
+    if spec.fault.kind == "job_wide":  # one bad library everywhere: the same slowdown on every rank
+        total = torch.tensor([float(rows)])
+        dist.all_reduce(total)
+        rows = round(total.item() / spec.world_size)
+    return rows if fault in ("compute", "job_wide") else 0
+
+
 def audit_gradients(model: Any, rounds: int) -> float:
     """The code-path fault: a debugging helper left on one rank that walks every gradient."""
     total = 0.0
@@ -369,9 +389,9 @@ def _train(rank: int, spec: JobSpec, hook: Any, fault: str) -> dict[str, Any]:
         fully_shard(plain)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     params = list(model.parameters())
+    padding = _calibrate(plain, next(iter(loader))[0], spec, fault)
     start = last_print = time.perf_counter()
     step, epoch, stop = 0, 0, False
-    padding: int | None = None
     step_s: list[float] = []
     while not stop:
         sampler.set_epoch(epoch)
@@ -382,15 +402,7 @@ def _train(rank: int, spec: JobSpec, hook: Any, fault: str) -> dict[str, Any]:
                 hook.begin_step(step)
             faulty = clock.active(step)
             # Every rank takes the same code path; only the faulty one pads (does more work).
-            slow = faulty and fault in ("compute", "job_wide")
-            if slow and padding is None:
-                # Once, when the fault begins; on the plain module: DDP's would all-reduce on one rank.
-                padding = padding_rows(plain, x, spec.fault.factor)
-                if fault == "job_wide":  # one bad library everywhere: the same slowdown on every rank
-                    rows = torch.tensor([float(padding)])
-                    dist.all_reduce(rows)
-                    padding = round(rows.item() / spec.world_size)
-            out = slow_device_forward(model, x, padding if slow and padding else 0)
+            out = slow_device_forward(model, x, padding if faulty else 0)
             loss = torch.nn.functional.cross_entropy(out, y)
             opt.zero_grad()
             loss.backward()
