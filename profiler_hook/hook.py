@@ -56,6 +56,9 @@ class Hook:
         self.paused = False
         self.failures = 0
         """Hook calls that failed (and were logged): the training loop never sees them."""
+        self.skipped_windows = 0
+        """Planned windows not taken because the profiler was not warmed up yet."""
+        self._warm = threading.Event()
         self.step_num = -1
         self._rows: list[StepRow] = []
         self._last_flush = time.perf_counter()
@@ -84,6 +87,8 @@ class Hook:
             self.shipper.close()  # nothing will ever be shipped: end its thread now
             return
         self.shipper = Shipper(sink or make_sink(cfg, ident), cfg.queue_size)
+        if cfg.window_s:
+            threading.Thread(target=self._warm_up, name="rankscope-warmup", daemon=True).start()
         if cfg.patch_collectives:
             self.tracker.patch()
             ddp.patch(self.tracker)
@@ -199,16 +204,18 @@ class Hook:
         self.paused = False
 
     def close(self, timeout: float = 10.0) -> None:
-        """Ship what is left and stop the hook's threads. Safe to call twice."""
+        """Ship what is left and stop the hook's threads, within ``timeout`` seconds in all; what
+        cannot be shipped by then is counted in ``shipper.dropped``. Safe to call twice."""
         if not self.enabled:
             return
         self.enabled = False
+        deadline = time.monotonic() + timeout
         try:
             if self._prof is not None:
                 self._prof.stop()
                 self._prof = None
             for t in self._summarizers:
-                t.join(timeout)
+                t.join(max(0.0, deadline - time.monotonic()))
             self._flush_steps()
             self.watchdog.close()
             self.shipper.submit(self.watchdog.beat())
@@ -216,7 +223,7 @@ class Hook:
             ddp.unpatch()
         except Exception as exc:
             self._fail("close", exc)
-        self.shipper.close(timeout)
+        self.shipper.close(max(0.0, deadline - time.monotonic()))
 
     def __enter__(self) -> Hook:
         return self
@@ -236,9 +243,22 @@ class Hook:
             self._rows = []
         self._last_flush = time.perf_counter()
 
+    def _warm_up(self) -> None:
+        """Import what torch.profiler's first ``start()`` imports (``torch._inductor``: ~1.7 s of
+        CPU), off the training thread; until it is done, windows are skipped, not waited for."""
+        try:
+            import torch._inductor.config  # noqa: F401
+        except Exception as exc:  # the profiler will import it, or fail, on its own
+            log.debug("rankscope: profiler warm-up: %s", exc)
+        finally:
+            self._warm.set()
+
     def _maybe_start_window(self) -> None:
         s = self.step_num
         if s != self.schedule.planned or self._prof is not None:
+            return
+        if not self._warm.is_set():
+            self.skipped_windows += 1
             return
         cfg = self.cfg
         from torch.profiler import ProfilerActivity, profile

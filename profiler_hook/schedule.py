@@ -139,6 +139,8 @@ class Schedule:
             if store.check([self._key]):
                 self._adopt(int(store.get(self._key)), step)
             return
+        if self.planned >= 0 and self.planned + self.window_steps > step:
+            return  # a window is planned or running: requests wait for it to end, not dropped
         now = self._clock()
         requests = store.add(self._req_key, 0) if store is not None else 0
         asked = self._want or requests > self._requests_seen
@@ -146,9 +148,7 @@ class Schedule:
         if asked and now - self._last_trigger < TRIGGER_COOLDOWN_S:
             asked = False
         follow_up = self._follow_ups > 0 and now - self._last_plan >= TRIGGER_COOLDOWN_S
-        if self.planned + self.window_steps > step or not (
-            asked or follow_up or now - self._last_plan >= self.window_s
-        ):
+        if not (asked or follow_up or now - self._last_plan >= self.window_s):
             return
         if asked:
             self._last_trigger, self._follow_ups = now, FOLLOW_UPS

@@ -25,6 +25,11 @@ class Shipper:
         self._dropped = 0
         self.errors = 0
         self._queue: queue.Queue[object] = queue.Queue(maxsize=queue_size)
+        self._lock = threading.Lock()
+        self._in_hand = False
+        """The shipper thread holds a record it has taken from the queue and not shipped yet."""
+        self._abandoned = False
+        """close() gave up waiting and counted what was left as dropped."""
         self._thread = threading.Thread(target=self._run, name="rankscope-shipper", daemon=True)
         self._thread.start()
 
@@ -54,30 +59,49 @@ class Shipper:
     def _run(self) -> None:
         while True:
             item = self._queue.get()
-            if item is _STOP:
-                return
+            with self._lock:
+                if item is _STOP or self._abandoned:
+                    return  # what is still queued was counted by close()
+                self._in_hand = True
             try:
                 key, value = encode(item)  # type: ignore[arg-type]
                 self.sink.send(key, value)
-                self._sent += 1
+                ok = True
             except Exception as exc:  # a transport must never take the rank down
-                self._dropped += 1
+                ok = False
                 self.errors += 1
                 if self.errors <= 3 or self.errors % 1000 == 0:
-                    log.warning("rankscope: could not ship a record (%d lost so far): %s", self.dropped, exc)
+                    log.warning(
+                        "rankscope: could not ship a record (%d lost so far): %s", self.dropped + 1, exc
+                    )
+            with self._lock:
+                self._in_hand = False
+                if ok:
+                    self._sent += 1
+                    if self._abandoned:
+                        self._dropped -= 1  # close() counted it lost, but it went out after all
+                elif not self._abandoned:
+                    self._dropped += 1
 
     def close(self, timeout: float = 5.0) -> None:
-        """Ship what is queued (waiting at most ``timeout`` seconds), then close the sink."""
+        """Ship what is queued within ``timeout`` seconds in all, then close the sink. Records still
+        queued at the deadline are abandoned and counted in ``dropped``."""
+        deadline = time.monotonic() + timeout
         begin_close = getattr(self.sink, "begin_close", None)
         if begin_close is not None:
-            begin_close(time.monotonic() + timeout)
+            begin_close(deadline)
+        stop_queued = True
         try:
             self._queue.put(_STOP, timeout=timeout)
         except queue.Full:
-            log.warning("rankscope: shipper queue still full at close; %d records left", self._queue.qsize())
-        self._thread.join(timeout)
+            stop_queued = False
+        self._thread.join(max(0.0, deadline - time.monotonic()))
         if self._thread.is_alive():
-            log.warning("rankscope: shipper did not finish in %.1fs", timeout)
+            with self._lock:
+                self._abandoned = True
+                left = self._queue.qsize() - stop_queued + self._in_hand
+                self._dropped += left
+            log.warning("rankscope: %d records not shipped within the %.1f s close timeout", left, timeout)
             return
         try:
             self.sink.close()

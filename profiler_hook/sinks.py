@@ -102,6 +102,8 @@ class KafkaSink:
         from kafka.errors import KafkaError
 
         while True:
+            if time.monotonic() >= self._give_up_at:  # closing, and its time is up: fail fast
+                raise ConnectionError(f"Kafka at {self._kwargs['bootstrap_servers']}: closed before delivery")
             try:
                 if self._producer is None:
                     self._producer = KafkaProducer(**self._kwargs)
@@ -120,8 +122,11 @@ class KafkaSink:
 
     def close(self) -> None:
         if self._producer is not None:
-            self._producer.flush(timeout=max(0.0, self._give_up_at - time.monotonic()) or 1.0)
-            self._producer.close(timeout=1.0)
+            left = max(0.0, self._give_up_at - time.monotonic())
+            try:
+                self._producer.flush(timeout=left)
+            finally:  # what is still unsent fails its futures here and is counted in ``failed``
+                self._producer.close(timeout=max(0.0, self._give_up_at - time.monotonic()))
 
 
 def make_sink(cfg: Config, ident: Identity) -> Sink:

@@ -242,6 +242,25 @@ def test_a_slowdown_on_any_rank_triggers_a_window_for_all_ranks_at_once() -> Non
     assert planner.plans == 3  # nothing more until window_s
 
 
+def test_a_request_made_while_a_window_is_planned_is_served_after_it() -> None:
+    clock = [0.0]
+    planner, follower = _two_ranks(3600, clock)
+    clock[0] += 10
+    planner.poll(0)  # the first start-up window
+    first = planner.planned
+    assert first > 0
+    for step in range(110):  # rank 1's steps triple while that window is still ahead
+        planner.note_step(step, 1_000_000)
+        follower.note_step(step, 3_000_000 if step >= 90 else 1_000_000)
+    follower.poll(first - 1)  # the request goes out
+    planner.poll(first - 1)  # planned ahead already: the request must wait, not be lost
+    assert planner.plans == 1
+    planner.poll(first + 5)  # that window is over, and no follow-up is due yet (0 s since)
+    follower.poll(first + 5)
+    assert planner.plans == follower.plans == 2
+    assert planner.planned == follower.planned > first + 5
+
+
 def test_a_hook_profiles_on_its_clock() -> None:
     sink = _ListSink()
     hook = Hook(
@@ -447,3 +466,65 @@ def test_attach_never_raises_for_what_the_environment_does_wrong(
     assert (hook.enabled, hook.failures) == (False, 1), where
     _steps(hook, 3)  # the job trains on
     hook.close()
+
+
+_IMPORTER_PROBE = """
+import sys, threading, time
+import torch
+assert "torch._inductor" not in sys.modules
+importers = []
+
+class Probe:  # notes which thread imports torch._inductor
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch._inductor":
+            importers.append(threading.current_thread().name)
+        return None
+
+sys.meta_path.insert(0, Probe())
+from profiler_hook.config import Config, Identity
+from profiler_hook.hook import Hook
+from profiler_hook.records import WindowSummary, decode
+
+class Sink:
+    got = []
+    def send(self, key, value): self.got.append(value)
+    def close(self): pass
+
+hook = Hook(Config(window_s=0.2, window_steps=3, with_stack=False),
+            Identity(rank=0, local_rank=0, world_size=1, host="h"), Sink())
+t0 = time.monotonic()
+while time.monotonic() - t0 < 60 and not any(isinstance(decode(r), WindowSummary) for r in Sink.got):
+    with hook.step():
+        time.sleep(0.005)
+hook.close()
+print(importers, any(isinstance(decode(r), WindowSummary) for r in Sink.got))
+"""
+
+
+def test_the_profilers_first_start_is_not_paid_by_the_training_thread() -> None:
+    """torch.profiler's first start() imports torch._inductor (~1.7 s); the hook does it on a thread."""
+    out = subprocess.run(
+        [sys.executable, "-c", _IMPORTER_PROBE], capture_output=True, text=True, timeout=120, check=True
+    ).stdout
+    assert out.strip().splitlines()[-1] == "['rankscope-warmup'] True"
+
+
+def test_close_honours_its_timeout_with_a_dead_broker_and_counts_what_it_abandons() -> None:
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    hook = Hook(
+        Config(sink="kafka", kafka_bootstrap=f"127.0.0.1:{port}", window_s=0, queue_size=64),
+        Identity(rank=0, local_rank=0, world_size=1, host="h"),
+    )
+    submit, submitted = hook.shipper.submit, [1]  # its rank record is queued already
+    hook.shipper.submit = lambda rec: submitted.append(1) or submit(rec)  # type: ignore[method-assign]
+    for _ in range(40):
+        _steps(hook, 5)
+        hook._flush_steps()
+    t0 = time.monotonic()
+    hook.close(timeout=2.0)
+    took = time.monotonic() - t0
+    assert took < 5.0, took  # 20 s with a 10 s timeout before
+    assert hook.shipper.sent == 0
+    assert hook.shipper.dropped == len(submitted) > 40  # every record lost is counted, none silently
