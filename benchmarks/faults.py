@@ -128,6 +128,7 @@ def run_scenario(sc: Scenario, store: Store, workdir: Path, probe_s: float = PRO
         port=free_port(),
         seconds=sc.seconds,
         fault=sc.fault,
+        loop=sc.loop,
         hook={**HOOK, **sc.hook, "spool_dir": str(spool)},
         log_dir=str(logs),
         progress=False,

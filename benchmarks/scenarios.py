@@ -7,6 +7,7 @@ Example (``compute-2x-r2.yaml``)::
     world_size: 4
     hosts: 2                 # ranks spread over node0, node1 (RANKSCOPE_HOST)
     seconds: 40              # rank 0 ends the job after this long
+    loop: ddp                # ddp (default), manual (a hand-written all-reduce) or fsdp2
     fault:                   # rankscope.workload.Fault fields, plus the runner's own:
       kind: compute
       rank: 2
@@ -29,7 +30,7 @@ from typing import Any
 
 import yaml
 
-from rankscope.workload import Fault
+from rankscope.workload import LOOPS, Fault
 
 from .scoring import GroundTruth
 
@@ -46,6 +47,7 @@ _TOP_FIELDS = {
     "fault",
     "expect",
     "hook",
+    "loop",
 }
 
 
@@ -72,6 +74,8 @@ class Scenario:
     observe_s: float = 0.0
     hook: dict[str, Any] = field(default_factory=dict)
     """Hook settings on top of the suite's."""
+    loop: str = "ddp"
+    """How the job averages gradients (``rankscope.workload.LOOPS``): DDP, as most users' jobs do."""
     truth: GroundTruth = field(default_factory=lambda: GroundTruth(kind="none"))
 
     @property
@@ -144,6 +148,7 @@ def load(path: str | Path) -> Scenario:
             hogs=int(runner.get("hogs", 1)),
             observe_s=float(runner.get("observe_s", 0.0)),
             hook=dict(raw.get("hook") or {}),
+            loop=str(raw.get("loop", "ddp")),
             truth=truth,
         )
     except (TypeError, ValueError) as exc:
@@ -158,6 +163,10 @@ def _check(path: Path, sc: Scenario) -> None:
     bad = [r for r in sc.faulty_ranks if not 0 <= r < sc.world_size]
     if bad:
         raise ScenarioError(f"{path}: fault ranks {bad} outside 0..{sc.world_size - 1}")
+    if sc.loop not in LOOPS:
+        raise ScenarioError(f"{path}: loop must be one of {', '.join(LOOPS)}, got {sc.loop!r}")
+    if sc.loop == "fsdp2" and sc.fault.kind in ("compute", "job_wide"):
+        raise ScenarioError(f"{path}: the fsdp2 loop has no {sc.fault.kind} fault")
     if sc.fault.kind in ("nic", "switch"):
         if sc.rate_mbit <= 0:
             raise ScenarioError(f"{path}: fault.rate_mbit must be > 0 for a {sc.fault.kind} fault")

@@ -66,18 +66,26 @@ def _classify(
     data_excess = st.data_us - st.peer_data_us
     if data_excess >= 0.5 * total:
         fn = functions.top_of_kind(excess, "dataloader")
+        loader = fn.name if fn else "DataLoader.__next__"
         ev = {"data_wait_ms": _ms(st.data_us), "peer_data_wait_ms": _ms(st.peer_data_us)}
-        return "dataloader", fn.name if fn else "DataLoader.__next__", data_excess / total, ev
+        code = functions.innermost_code(excess, 0.5 * data_excess)
+        if code is None:
+            return "dataloader", loader, data_excess / total, ev
+        return "dataloader", code.name, data_excess / total, {**ev, **_code_evidence(code), "loader": loader}
     extra = functions.top_extra(excess)
     if extra is not None and extra.excess_us >= 0.3 * total:
+        code = functions.innermost_code(excess, 0.5 * extra.excess_us) or extra
         ev = {
-            "stack": extra.stack,
+            **_code_evidence(code),
             "calls_per_step": round(extra.rank_count, 2),
             "peer_calls_per_step": round(extra.peer_count, 2),
-            "function_ms_per_step": _ms(extra.rank_us),
-            "function_peer_ms_per_step": _ms(extra.peer_us),
         }
-        return "code_path", extra.name, extra.excess_us / total, ev
+        if code is not extra:
+            ev["entered_through"] = extra.name
+        op = functions.top_of_kinds(excess, ("op", "kernel", "memcpy"))
+        if op is not None:
+            ev["operator"] = op.name
+        return "code_path", code.name, extra.excess_us / total, ev
     if starved and st.nivcsw >= 2 * st.peer_nivcsw + 5:
         ev = {
             "involuntary_switches_per_step": st.nivcsw,
@@ -90,14 +98,26 @@ def _classify(
     ev = {}
     if slower is not None:
         ev = {
-            "function_ms_per_step": _ms(slower.rank_us),
-            "function_peer_ms_per_step": _ms(slower.peer_us),
-            "function_ratio": round(slower.rank_us / max(slower.peer_us, 1e-9), 3),
+            "operator_ms_per_step": _ms(slower.rank_us),
+            "operator_peer_ms_per_step": _ms(slower.peer_us),
+            "operator_ratio": round(slower.rank_us / max(slower.peer_us, 1e-9), 3),
             "calls_per_step": round(slower.rank_count, 2),
         }
     compute_excess = (st.own_us - st.data_us) - (st.peer_own_us - st.peer_data_us)
     name = slower.name if slower else "compute (no profiling window covered it)"
+    code = functions.innermost_code(excess, 0.5 * compute_excess) if slower else None
+    if code is not None:  # the job's own function whose operators got slower, and the operator
+        ev = {**ev, **_code_evidence(code), "operator": name}
+        name = code.name
     return "compute", name, compute_excess / total, ev
+
+
+def _code_evidence(code: functions.FunctionExcess) -> dict[str, Any]:
+    return {
+        "stack": code.stack,
+        "function_ms_per_step": _ms(code.rank_us),
+        "function_peer_ms_per_step": _ms(code.peer_us),
+    }
 
 
 CPU_WAIT = "(threads waiting for a CPU)"

@@ -9,6 +9,7 @@ compared rank against peers directly. Two shapes matter:
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import pandas as pd
@@ -93,14 +94,51 @@ def compare(functions: pd.DataFrame, rank: int, peers: list[int]) -> list[Functi
 
 
 def top_extra(excess: list[FunctionExcess]) -> FunctionExcess | None:
-    """The costliest function only the culprit runs (or runs more often), Python functions first."""
+    """The costliest function only the culprit runs (or runs more often), the job's own Python
+    functions first, then library Python functions, then operators."""
     extra = [e for e in excess if e.extra and e.kind != "collective"]
     if not extra:
         return None
     best = max(e.excess_us for e in extra)
     # A Python function names the code path better than the operators it calls.
-    python = [e for e in extra if e.kind == "python" and e.excess_us >= 0.5 * best]
-    return (python or extra)[0]
+    for kind in ("python", "pylib"):
+        python = [e for e in extra if e.kind == kind and e.excess_us >= 0.5 * best]
+        if python:
+            return python[0]
+    return extra[0]
+
+
+def innermost_code(excess: list[FunctionExcess], min_us: float) -> FunctionExcess | None:
+    """The innermost function of the job's own code (kind ``python``: not torch, the standard
+    library or an installed package) that holds at least ``min_us`` of the culprit's excess per step.
+
+    A function's time includes its callees', so every caller of the culprit function holds the
+    excess too; the innermost one names where it is spent. Stacks are a few frames deep, so callers
+    are followed from function to function.
+    """
+    code = [e for e in excess if e.kind == "python" and e.excess_us >= min_us]
+    if not code:
+        return None
+    parents: dict[str, set[str]] = {}
+    for e in excess:
+        if e.kind in ("python", "pylib") and e.stack:
+            chain = [*e.stack.split(" > "), e.name]
+            for parent, child in itertools.pairwise(chain):
+                parents.setdefault(child, set()).add(parent)
+
+    def callers(name: str) -> set[str]:
+        seen: set[str] = set()
+        todo = [name]
+        while todo:
+            for p in parents.get(todo.pop(), ()):
+                if p not in seen:
+                    seen.add(p)
+                    todo.append(p)
+        return seen
+
+    enclosing = {c for e in code for c in callers(e.name)}
+    inner = [e for e in code if e.name not in enclosing]
+    return max(inner or code, key=lambda e: e.excess_us)
 
 
 def top_slower(excess: list[FunctionExcess], kinds: tuple[str, ...] = _WORK_KINDS) -> FunctionExcess | None:
@@ -110,5 +148,10 @@ def top_slower(excess: list[FunctionExcess], kinds: tuple[str, ...] = _WORK_KIND
 
 
 def top_of_kind(excess: list[FunctionExcess], kind: str) -> FunctionExcess | None:
-    of = [e for e in excess if e.kind == kind]
+    return top_of_kinds(excess, (kind,))
+
+
+def top_of_kinds(excess: list[FunctionExcess], kinds: tuple[str, ...]) -> FunctionExcess | None:
+    """The function of one of ``kinds`` with the largest excess."""
+    of = [e for e in excess if e.kind in kinds]
     return of[0] if of else None

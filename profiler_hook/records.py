@@ -61,7 +61,8 @@ class FunctionPattern(NamedTuple):
 
     kind: str
     """``op`` (CPU operator), ``kernel`` (GPU kernel), ``collective``, ``memcpy``, ``dataloader``,
-    ``python``, ``sched`` (the process's threads waiting for a CPU)."""
+    ``python`` (a function of the job's own code), ``pylib`` (a Python function of the interpreter,
+    the standard library or an installed package), ``sched`` (the process's threads waiting for a CPU)."""
     name: str
     stack: str
     """For Python functions, the calling functions (outermost first, `` > ``-separated); else ''."""
@@ -81,7 +82,7 @@ class FunctionPattern(NamedTuple):
 
 
 FUNCTION_COLUMNS = FunctionPattern._fields
-KINDS = ("op", "kernel", "collective", "memcpy", "dataloader", "python", "sched")
+KINDS = ("op", "kernel", "collective", "memcpy", "dataloader", "python", "pylib", "sched")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

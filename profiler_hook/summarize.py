@@ -7,9 +7,13 @@ intervals. This is the EROICA idea: patterns, not traces, are what ranks can be 
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import itertools
 import math
 import re
+import sys
+import sysconfig
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 from typing import Any
@@ -22,9 +26,49 @@ _COLLECTIVE_PREFIXES = ("gloo:", "nccl:", "c10d::", "record_param_comms", "ncclD
 _STACK_DEPTH = 3
 
 
+_OWN = ("profiler_hook",)
+"""The hook's own modules: never the job's code."""
+
+
+@functools.cache
+def _library_dirs() -> tuple[str, ...]:
+    paths = sysconfig.get_paths()
+    dirs = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if paths.get(k)}
+    return tuple(sorted(dirs))
+
+
+@functools.cache
+def _library_module(top: str) -> bool:
+    """Whether top-level module ``top`` is the standard library's or an installed package's."""
+    if top in sys.stdlib_module_names or top in _OWN:
+        return True
+    try:
+        spec = importlib.util.find_spec(top)  # a top-level name: finds, imports nothing
+    except (ImportError, ValueError):
+        return False
+    where = (spec.origin if spec else None) or next(
+        iter((spec and spec.submodule_search_locations) or []), ""
+    )
+    return bool(where) and ("-packages/" in where or where.startswith(_library_dirs()))
+
+
+@functools.lru_cache(maxsize=8192)
+def library_frame(name: str) -> bool:
+    """Whether a profiled Python function (``"torch/nn/modules/module.py(1751): _call_impl"``,
+    ``"<built-in method ...>"``) is the interpreter's, the standard library's or an installed
+    package's rather than the job's own code. The profiler writes paths relative to their
+    ``sys.path`` entry, so the first component names the top-level module."""
+    if name.startswith("<"):
+        return True
+    path = name.split("(", 1)[0]
+    if path.startswith("/"):
+        return "-packages/" in path or path.startswith(_library_dirs())
+    return _library_module(path.split("/", 1)[0].removesuffix(".py"))
+
+
 def _kind(name: str, activity: str, is_python: bool) -> str | None:
     if is_python:
-        return "python"
+        return "pylib" if library_frame(name) else "python"
     if activity == "kernel":
         return "collective" if name.startswith(_COLLECTIVE_PREFIXES) else "kernel"
     if activity in ("gpu_memcpy", "gpu_memset"):
@@ -114,6 +158,7 @@ def summarize(
     """
     groups: dict[tuple[str, str, str], tuple[list[int], list[int]]] = defaultdict(lambda: ([], []))
     python: dict[int, tuple[str, int]] = {}
+    kind_of_python: dict[int, str] = {}
     pending_python: list[tuple[int, int, int, int]] = []
     busy: dict[str, list[tuple[int, int]]] = {"compute": [], "comm": [], "data": []}
     threads: Counter[int] = Counter()
@@ -133,6 +178,7 @@ def summarize(
         name = _ADDRESS.sub("", name)
         if is_python:
             python[e.python_id()] = (name, e.python_parent_id())
+            kind_of_python[e.python_id()] = kind
             pending_python.append((e.python_id(), e.start_thread_id(), start, dur))
             continue
         groups[(kind, name, "")][0].append(start)
@@ -156,7 +202,7 @@ def summarize(
         while parent in python and len(chain) < _STACK_DEPTH:
             pname, parent = python[parent]
             chain.append(pname)
-        key = ("python", name, " > ".join(reversed(chain)))
+        key = (kind_of_python[pid], name, " > ".join(reversed(chain)))
         groups[key][0].append(start)
         groups[key][1].append(dur)
 

@@ -96,7 +96,7 @@ def _per_step(data: JobData) -> pd.DataFrame:
     n_windows = f.groupby("rank")["window"].nunique()
     if not data.steps.empty:
         step_us = f["rank"].map(data.steps.groupby("rank")["dur_us"].median())
-        enclosing = (f["kind"] == "python") & (f["us"] >= WRAPPER_SHARE * step_us)
+        enclosing = f["kind"].isin(("python", "pylib")) & (f["us"] >= WRAPPER_SHARE * step_us)
         f = f[~f["name"].isin(set(f.loc[enclosing, "name"]))]
     per = f.groupby(["rank", "kind", "name"])["us"].sum().div(n_windows, level="rank")
     return per.unstack("rank", fill_value=0.0).sort_index(axis=1)

@@ -3,7 +3,7 @@
 Used by ``rankscope demo`` and the fault suite. Each rank trains the same MLP on its shard of a
 synthetic classification set through a real DataLoader: forward, backward, gradients averaged
 over the ranks, an optimizer step. ``JobSpec.loop`` picks how gradients are averaged: a
-hand-written ``torch.distributed.all_reduce`` (``manual``, the default for now), DDP or FSDP2.
+hand-written ``torch.distributed.all_reduce`` (``manual``), DDP (the default) or FSDP2.
 
 Faults (only on ``Fault.rank``):
 
@@ -119,9 +119,9 @@ class JobSpec:
     progress: bool = True
     batch_size: int = 64
     hidden: int = 512
-    loop: str = "manual"
-    """How gradients are synchronized: ``manual`` (a hand-written all-reduce), ``ddp``
-    (``DistributedDataParallel``) or ``fsdp2`` (``fully_shard``; no compute or job-wide faults)."""
+    loop: str = "ddp"
+    """How gradients are synchronized: ``ddp`` (``DistributedDataParallel``, as most jobs do),
+    ``manual`` (a hand-written all-reduce) or ``fsdp2`` (``fully_shard``; no compute or job-wide faults)."""
 
     def __post_init__(self) -> None:
         if self.loop not in LOOPS:

@@ -23,7 +23,7 @@ from profiler_hook.config import Config, Identity
 from profiler_hook.hook import Hook
 from profiler_hook.records import Heartbeat, RecordError, StepBatch, StepRow, WindowSummary, decode, encode
 from profiler_hook.schedule import LEAD_S, Schedule
-from profiler_hook.summarize import summarize
+from profiler_hook.summarize import library_frame, summarize
 from rankscope.workload import Fault, JobSpec, free_port, launch
 
 
@@ -102,6 +102,9 @@ def test_summary_of_real_profiler_output() -> None:
     assert audit_fn.count == 8
     assert "test_summary_of_real_profiler_output" in audit_fn.stack
     assert by[("op", "aten::addmm")].count == 16  # two layers x eight batches
+    # The job's own functions, apart from the interpreter's, the standard library's and packages'.
+    assert ("pylib", "_call_impl") in by
+    assert not [f.name for f in functions if f.kind == "python" and f.name.startswith(("torch/", "<"))]
     loader_fn = next(f for (k, _), f in by.items() if k == "dataloader")
     assert loader_fn.count >= 8
     for f in functions:
@@ -110,6 +113,19 @@ def test_summary_of_real_profiler_output() -> None:
         assert f.mean_us * f.count == pytest.approx(f.total_us, rel=0.001, abs=0.005 * f.count + 0.1)
         assert " at 0x" not in f.name  # object addresses differ per rank: stripped
     assert 0 < busy["compute"] <= 1 and 0 <= busy["idle"] < 1
+
+
+def test_library_frames_are_told_from_the_jobs_own_code() -> None:
+    for name in (
+        "torch/nn/modules/module.py(1751): _call_impl",  # an installed package
+        "enum.py(686): __call__",  # the standard library, as the profiler shortens its paths
+        "<built-in method item of Tensor object>",
+        "profiler_hook/collectives.py(130): wrapper",  # the hook's own frames
+        "/usr/lib/python3/dist-packages/yaml/__init__.py(10): load",
+    ):
+        assert library_frame(name), name
+    for name in ("train.py(12): train_step", "test_hook.py(50): audit", "/home/u/job/model.py(3): forward"):
+        assert not library_frame(name), name
 
 
 class _BrokenSink:
