@@ -15,8 +15,9 @@ the ring moved the bytes, which is as fast as its slowest link. Ranks sit 8 to a
 Healthy variation: each rank's speed differs a little (sigma 1.5%) and drifts slowly (sigma 1% over
 the run), the whole job drifts (2%), every step has machine-wide noise (3%) and per-rank jitter
 (3%), 0.1% of rank-steps spike 1.1-1.5x, each function in a window has its own jitter (3%), and each
-rank's network send time per byte its own (3%). Scale: 60 steps of step rows per rank and one
-profiling window of 5 steps with 33 patterns per rank (production windows hold a few hundred
+rank's network send time per byte its own (3%). Scale: 60 steps of ~0.4 s (24 s: a job-wide
+slowdown is only judged against a baseline of 20 s or more) of step rows per rank and two
+profiling windows of 5 steps (one window is never a finding) with 33 patterns per rank (production windows hold a few hundred
 functions; the per-rank work of the diagnosis grows with that number).
 
 What a fault changes — only signals a real cluster shows:
@@ -74,16 +75,16 @@ MAGNITUDE = {
     "contention": 1.5,
     "nic": 2.5,
     "switch": 1.8,
-    "dataloader": 25_000.0,
+    "dataloader": 100_000.0,
     "job_wide": 1.5,
 }
 """Default fault sizes: slowdown factors (of the collectives' transfers for ``contention``); for
 ``dataloader`` the extra data wait in us per step."""
 
-COMPUTE_US = 80_000.0
-DATA_US = 2_000.0
-TRANSFER_US = 15_000.0
-CPU_WAIT_US = 1_000.0
+COMPUTE_US = 320_000.0
+DATA_US = 8_000.0
+TRANSFER_US = 60_000.0
+CPU_WAIT_US = 4_000.0
 """Healthy run-queue wait of a rank's threads per step."""
 QUEUED_THREADS = 3
 """Threads of a contended rank whose queueing delays its transfers (and each waits that long)."""
@@ -103,8 +104,8 @@ class ClusterSpec:
     seed: int = 0
     steps: int = 60
     onset_step: int = 20
-    window: tuple[int, int] = (45, 50)
-    """The profiling window's steps [lo, hi): after the onset, as a window triggered by it would be."""
+    windows: tuple[tuple[int, int], ...] = ((35, 40), (45, 50))
+    """The profiling windows' steps [lo, hi): after the onset, as windows triggered by it would be."""
     ranks_per_host: int = 8
     nics_per_host: int = 4
     hosts_per_switch: int = 32
@@ -114,12 +115,11 @@ class ClusterSpec:
             raise ValueError(f"fault must be one of {FAULTS}, got {self.fault!r}")
         if self.ranks < 2 * self.ranks_per_host:
             raise ValueError(f"ranks must be at least 2 hosts ({2 * self.ranks_per_host}), got {self.ranks}")
-        if not 0 <= self.window[0] < self.window[1] <= self.steps:
-            raise ValueError(f"window {self.window} must lie inside steps [0, {self.steps})")
-        if not 0 < self.onset_step <= self.window[0]:
-            raise ValueError(
-                f"onset_step must be in (0, window start {self.window[0]}], got {self.onset_step}"
-            )
+        for lo, hi in self.windows:
+            if not 0 <= lo < hi <= self.steps:
+                raise ValueError(f"window {(lo, hi)} must lie inside steps [0, {self.steps})")
+        if not 0 < self.onset_step <= min(lo for lo, _ in self.windows):
+            raise ValueError(f"onset_step must be in (0, the first window's start], got {self.onset_step}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -286,9 +286,18 @@ def _tiled_strings(values: list[str], n: int) -> pd.Series:
 def _functions(
     spec: ClusterSpec, arrays: dict[str, np.ndarray], send: np.ndarray, rng: np.random.Generator
 ) -> pd.DataFrame:
+    """The profiling windows' patterns, window by window."""
+    return pd.concat(
+        [_window(spec, i, arrays, send, rng) for i in range(len(spec.windows))], ignore_index=True
+    )
+
+
+def _window(
+    spec: ClusterSpec, number: int, arrays: dict[str, np.ndarray], send: np.ndarray, rng: np.random.Generator
+) -> pd.DataFrame:
     """One profiling window's patterns: 33 per rank (31 functions, the CPU wait, the send rate), by rank."""
     n = spec.ranks
-    lo, hi = spec.window
+    lo, hi = spec.windows[number]
     w = hi - lo
     compute = arrays["compute"][:, lo:hi].sum(axis=1)
     data = arrays["data_us"][:, lo:hi].sum(axis=1)
@@ -324,7 +333,7 @@ def _functions(
     return pd.DataFrame(
         {
             "rank": np.repeat(np.arange(n), nf),
-            "window": 0,
+            "window": number,
             "step_lo": lo,
             "step_hi": hi,
             "kind": _tiled_strings(kinds, n),

@@ -226,7 +226,7 @@ def _tomography(f: pd.DataFrame, s: CommSettings, ranks: pd.DataFrame | None) ->
         since = [w for w in seen[g] if w >= mine[0]]
         # Two windows at least, even when there is one so far: a job's first window (connections
         # still warming up) can show one rank's links slow.
-        if len(mine) < needed(len(since), s.persistence, one_of_one=False):
+        if len(mine) < needed(len(since), s.persistence):
             continue
         rows = d[np.isin(windows, mine) & slow & crossing[g]]
         t, base = float(rows["t"].median()), float(rows["base"].median())

@@ -99,7 +99,6 @@ def find(
     suspects = f.loc[f["slow"], "rank"].unique()
     if suspects.size == 0:
         return []
-    seen = f.groupby("rank")["window"].nunique()
     f = f[f["rank"].isin(suspects)]
     first = f[f["slow"]].groupby("rank")["window"].min()
     f = f[f["window"] >= f["rank"].map(first)]
@@ -114,7 +113,7 @@ def find(
     out = []
     for rank, r in per.iterrows():
         windows = int(r["windows"])
-        if int(r["flagged"]) < needed(windows, s.persistence, one_of_one=seen[rank] <= 1):
+        if int(r["flagged"]) < needed(windows, s.persistence):
             continue
         out.append(
             Contended(

@@ -32,6 +32,10 @@ class Settings:
     job_wide_steps: int = 3000
     """Steps the job-wide rule looks back over, longer than the stragglers' ``steps.last_steps``: it
     compares the latest chunks with the first, which is the job's own start in a younger job."""
+    job_wide_min_s: float = 20.0
+    """...and only once those steps span this many seconds: the first seconds of a job (imports on
+    background threads, allocator and cache warm-up, the first profiling windows) are no baseline.
+    On the DDP healthy control, 6-14 s in, they read as a 1.3-1.4x job-wide slowdown."""
     min_confidence: float = 0.3
     """Findings below this confidence are not reported."""
 
@@ -187,6 +191,7 @@ def _straggler_finding(
 ) -> Finding:
     excess = functions.compare(fs, st.rank, peers)
     cause, fn, explained, ev = _classify(st, excess, waits)
+    windows = int(fs.loc[fs["rank"] == st.rank, "window"].nunique()) if not fs.empty else 0
     persistence = st.chunks_flagged / max(st.chunks, 1)
     confidence = round(_effect(st.ratio) * persistence * min(1.0, max(0.5, explained)), 3)
     host = hosts.get(st.rank, "")
@@ -196,6 +201,10 @@ def _straggler_finding(
         "peer_median_ms": _ms(st.peer_own_us),
         "ratio": round(st.ratio, 3),
         "chunks_flagged": f"{st.chunks_flagged}/{st.chunks}",
+        "held_since_step": st.since_step,
+        "held_steps": st.held_steps,
+        "held_s": round(st.held_steps * (st.own_us + st.comm_us) / 1e6, 1),
+        "profiled_windows": windows,
         "collective_wait_ms": _ms(st.comm_us),
         "peer_collective_wait_ms": _ms(st.peer_comm_us),
         "explained_share": round(min(explained, 1.0), 3),
@@ -308,6 +317,9 @@ def _some(ranks: list[int], n: int = 8) -> str:
 
 
 def _job_wide(data: JobData, s: Settings) -> Finding | None:
+    recent = data.steps[data.steps["step"] > data.steps["step"].max() - s.job_wide_steps]
+    if recent.empty or recent.groupby("step")["dur_us"].median().sum() < s.job_wide_min_s * 1e6:
+        return None
     g = stragglers.grid(data.steps, replace(s.steps, last_steps=s.job_wide_steps), ["dur_us", "own_us"])
     if g is None or len(np.unique(g.chunk)) < 3:
         return None

@@ -68,6 +68,10 @@ class Straggler:
     peer_cpu_us: float
     nivcsw: float
     peer_nivcsw: float
+    since_step: int = -1
+    """The first step of the first chunk in which the rank was slow."""
+    held_steps: int = 0
+    """Steps in the chunks in which it was slow."""
 
     @property
     def excess_us(self) -> float:
@@ -98,6 +102,8 @@ class Grid:
     chunk: np.ndarray
     """The chunk number of each step column."""
     values: dict[str, np.ndarray]
+    first_step: int = 0
+    """The step of the first column."""
 
 
 def _index(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -142,7 +148,7 @@ def grid(steps: pd.DataFrame, s: Settings, columns: list[str]) -> Grid | None:
     if "own_us" in columns:
         values["own_us"] = np.clip(values["dur_us"] - values["comm_us"], 0, None)
     chunk = np.minimum(np.arange(span) * s.chunks // max(span, 1), s.chunks - 1)
-    return Grid(ranks=ranks, chunk=chunk, values=values)
+    return Grid(ranks=ranks, chunk=chunk, values=values, first_step=lo)
 
 
 def nanmean_rows(a: np.ndarray) -> np.ndarray:
@@ -181,6 +187,7 @@ def find(steps: pd.DataFrame, s: Settings | None = None) -> list[Straggler]:
     g.values["rel"] = own / step_med[None, :]
     per = chunk_means(g, "rel", s.chunks)
     flagged = np.zeros(len(g.ranks), dtype=np.int64)
+    slow_in = np.zeros((len(g.ranks), s.chunks), dtype=bool)
     n_chunks = 0
     for c in range(s.chunks):
         col = per[:, c]
@@ -196,6 +203,7 @@ def find(steps: pd.DataFrame, s: Settings | None = None) -> list[Straggler]:
             if valid.sum() >= s.z_min_ranks:
                 slow &= (col - med) / scale >= s.min_z
         flagged += slow
+        slow_in[:, c] = slow
     is_culprit = flagged >= needed(n_chunks, s.persistence)
     if not is_culprit.any():
         return []
@@ -205,6 +213,8 @@ def find(steps: pd.DataFrame, s: Settings | None = None) -> list[Straggler]:
     if peer_idx.size > MAX_PEERS:
         peer_idx = peer_idx[np.linspace(0, peer_idx.size - 1, MAX_PEERS).astype(np.int64)]
     cul_idx = np.flatnonzero(is_culprit)
+    chunk_steps = np.bincount(g.chunk, minlength=s.chunks)
+    chunk_start = g.first_step + np.concatenate([[0], np.cumsum(chunk_steps)[:-1]])
     names = ["rel", *cols]
     own_mean = {c: nanmean_rows(g.values[c][cul_idx]) for c in names}
     pm = {c: float(np.nanmedian(nanmean_rows(g.values[c][peer_idx]))) for c in names}
@@ -224,6 +234,8 @@ def find(steps: pd.DataFrame, s: Settings | None = None) -> list[Straggler]:
             peer_cpu_us=pm["cpu_us"],
             nivcsw=float(own_mean["nivcsw"][j]),
             peer_nivcsw=pm["nivcsw"],
+            since_step=int(chunk_start[np.argmax(slow_in[i])]),
+            held_steps=int(chunk_steps[slow_in[i]].sum()),
         )
         for j, i in enumerate(cul_idx)
     ]

@@ -11,6 +11,8 @@ _KEYS = (
     "peer_median_ms",
     "ratio",
     "chunks_flagged",
+    "held_s",
+    "profiled_windows",
     "collective_wait_ms",
     "peer_collective_wait_ms",
     "data_wait_ms",

@@ -54,7 +54,7 @@ def test_generated_frames_look_like_the_stores() -> None:
     assert set(FUNCTION_FIELDS) <= set(data.functions.columns)
     assert list(data.heartbeats.columns) == HEARTBEAT_FIELDS
     assert len(data.steps) == RANKS * 60 and data.steps["rank"].nunique() == RANKS
-    assert data.functions.groupby("rank").size().eq(33).all()
+    assert data.functions.groupby(["rank", "window"]).size().eq(33).all()  # two windows
     # Topology: 8 ranks per host, 2 per NIC, 32 hosts per switch.
     ranks = data.ranks
     assert ranks.groupby("host").size().eq(8).all()

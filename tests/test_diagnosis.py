@@ -305,9 +305,14 @@ def test_all_ranks_of_a_host_become_one_host_finding() -> None:
 
 
 def test_job_wide_slowdown() -> None:
-    f = only(diagnose(synthetic(growth=2.0)).findings)
+    f = only(diagnose(synthetic(steps=3000, growth=2.0)).findings)  # ~25 s of steps
     assert (f.cause, f.scope, f.ranks) == ("job_wide", "job", list(range(8)))
     assert f.evidence["ratio"] > 1.3
+
+
+def test_a_jobs_first_seconds_are_no_baseline() -> None:
+    """The same growth over the first 300 steps (~2 s): start-up, not a job-wide slowdown yet."""
+    assert diagnose(synthetic(steps=300, growth=2.0)).findings == []
 
 
 def test_hang_names_the_rank_that_never_entered_the_collective() -> None:
