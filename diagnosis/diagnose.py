@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field, replace
@@ -90,6 +91,13 @@ def _classify(
         if op is not None:
             ev["operator"] = op.name
         return "code_path", code.name, extra.excess_us / total, ev
+    slower = functions.top_slower(excess)
+    slow_code = functions.innermost_code(excess, 0.5 * total)
+    if slow_code is not None and (slower is None or slower.excess_us < 0.3 * slow_code.excess_us):
+        # The job's own function takes longer on this rank, but not in operators: it blocks or
+        # waits (a synchronous upload, a lock, I/O). A slower device slows the operators under it.
+        ev = {**_code_evidence(slow_code), "calls_per_step": round(slow_code.rank_count, 2)}
+        return "code_path", slow_code.name, slow_code.excess_us / total, ev
     if starved and st.nivcsw >= 2 * st.peer_nivcsw + 5:
         ev = {
             "involuntary_switches_per_step": st.nivcsw,
@@ -98,7 +106,6 @@ def _classify(
             "peer_cpu_share_of_own_time": round(peer_eff, 3),
         }
         return "host_contention", "(whole process)", 1.0, ev
-    slower = functions.top_slower(excess)
     ev = {}
     if slower is not None:
         ev = {
@@ -363,10 +370,18 @@ def _job_wide(data: JobData, s: Settings) -> Finding | None:
     )
 
 
+_LIBRARY_PATH = re.compile(r'File "(<[^"]*>|[^"]*(-packages/|/lib/python3[.\d]*/|/profiler_hook/)[^"]*)"')
+"""A stack frame of the interpreter, the standard library, an installed package or the hook."""
+
+
 def _hang_finding(h: hangs.Hang, hosts: dict[int, str]) -> Finding:
     stack = next(iter(h.stacks.values()), "")
     frames = [ln.strip() for ln in stack.splitlines() if ln.strip().startswith("File ")]
-    where = frames[-1] if frames else (f"collective #{h.seq} ({h.group})" if h.seq >= 0 else "unknown")
+    # Where the job's own code is stuck: its innermost frame (the library frames under it follow).
+    own = [f for f in frames if not _LIBRARY_PATH.match(f)]
+    where = (
+        (own or frames)[-1] if frames else (f"collective #{h.seq} ({h.group})" if h.seq >= 0 else "unknown")
+    )
     clear = bool(h.seq >= 0 and set(h.ranks) != set(h.stalled))
     return Finding(
         cause="hang",
