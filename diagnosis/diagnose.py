@@ -93,7 +93,7 @@ def _classify(
         return "code_path", code.name, extra.excess_us / total, ev
     slower = functions.top_slower(excess)
     slow_code = functions.innermost_code(excess, 0.5 * total)
-    if slow_code is not None and (slower is None or slower.excess_us < 0.3 * slow_code.excess_us):
+    if slow_code is not None and functions.work_excess(excess) < 0.5 * slow_code.excess_us:
         # The job's own function takes longer on this rank, but not in operators: it blocks or
         # waits (a synchronous upload, a lock, I/O). A slower device slows the operators under it.
         ev = {**_code_evidence(slow_code), "calls_per_step": round(slow_code.rank_count, 2)}

@@ -147,6 +147,12 @@ def top_slower(excess: list[FunctionExcess], kinds: tuple[str, ...] = _WORK_KIND
     return same[0] if same else None
 
 
+def work_excess(excess: list[FunctionExcess]) -> float:
+    """The culprit's excess per step in operators, kernels and copies it runs as often as its peers
+    (an upper bound: CPU operators nest, and the parent's time includes the child's)."""
+    return sum(e.excess_us for e in excess if e.kind in _WORK_KINDS and not e.extra)
+
+
 def top_of_kind(excess: list[FunctionExcess], kind: str) -> FunctionExcess | None:
     return top_of_kinds(excess, (kind,))
 
