@@ -30,7 +30,7 @@ from aggregator import Store, ingest
 from diagnosis import diagnose
 from rankscope.workload import JobSpec, RunningJob, free_port
 
-from . import scoring
+from . import scoring, torchrun_job
 from .injectors import CpuHog, Fabric, Unavailable, hog_core
 from .scenarios import Scenario, load_all
 from .timeline import Timeline
@@ -76,6 +76,8 @@ class _OnsetWatch(threading.Thread):
 
 def _run_job(sc: Scenario, spec: JobSpec, markers: Path) -> tuple[dict[str, Any] | None, str, list[str]]:
     """Run the job with its external fault; returns (onset marker, error, cleanup errors)."""
+    if sc.script:  # a user-style training script under torchrun; it injects its fault itself
+        return torchrun_job.run(sc, spec, markers, START_S)
     injector: Fabric | CpuHog | None = None
     kind = sc.fault.kind
     if sc.network:

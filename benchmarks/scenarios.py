@@ -19,6 +19,9 @@ Example (``compute-2x-r2.yaml``)::
 
 Runner-only fault fields: ``rate_mbit`` (``nic``/``switch``: the rate-limited link), ``hogs`` (``host``:
 CPU-hog processes sharing the rank's core), ``observe_s`` (stop the job this long after onset: hangs).
+
+``script: lm_ddp`` runs a user-style training script under torchrun instead (``benchmarks/jobs/``,
+``benchmarks/torchrun_job.py``); its ``fault:`` block then names the script's own faults.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import yaml
 from rankscope.workload import LOOPS, Fault
 
 from .scoring import GroundTruth
+from .torchrun_job import ScriptFault, parse_fault
 
 SCENARIO_DIR = Path(__file__).parent / "scenarios"
 _RUNNER_FIELDS = ("rate_mbit", "hogs", "observe_s")
@@ -48,6 +52,7 @@ _TOP_FIELDS = {
     "expect",
     "hook",
     "loop",
+    "script",
 }
 
 
@@ -77,6 +82,10 @@ class Scenario:
     loop: str = "ddp"
     """How the job averages gradients (``rankscope.workload.LOOPS``): DDP, as most users' jobs do."""
     truth: GroundTruth = field(default_factory=lambda: GroundTruth(kind="none"))
+    script: str = ""
+    """A user-style script of ``benchmarks/jobs/`` run under torchrun instead of the demo workload
+    (``benchmarks.torchrun_job``); it injects ``script_fault`` itself, ``fault`` is the same family's."""
+    script_fault: ScriptFault | None = None
 
     @property
     def kind(self) -> str:
@@ -120,12 +129,18 @@ def load(path: str | Path) -> Scenario:
     runner = {k: fault_raw.pop(k) for k in _RUNNER_FIELDS if k in fault_raw}
     if "ranks" in fault_raw:
         fault_raw["ranks"] = tuple(fault_raw["ranks"])
+    script = str(raw.get("script") or "")
+    script_fault: ScriptFault | None = None
     try:
-        fault = Fault(**fault_raw)
+        if script:
+            script_fault = parse_fault(script, fault_raw)
+            fault = script_fault.suite_fault()
+        else:
+            fault = Fault(**fault_raw)
     except (TypeError, ValueError) as exc:
         raise ScenarioError(f"{path}: fault: {exc}") from exc
     exp = dict(raw.get("expect") or {})
-    kind = kind_of(fault)
+    kind = script_fault.report_kind if script_fault else kind_of(fault)
     try:
         truth = GroundTruth(
             kind=kind,
@@ -150,6 +165,8 @@ def load(path: str | Path) -> Scenario:
             hook=dict(raw.get("hook") or {}),
             loop=str(raw.get("loop", "ddp")),
             truth=truth,
+            script=script,
+            script_fault=script_fault,
         )
     except (TypeError, ValueError) as exc:
         raise ScenarioError(f"{path}: {exc}") from exc
@@ -174,6 +191,10 @@ def _check(path: Path, sc: Scenario) -> None:
             raise ScenarioError(f"{path}: rank 0 hosts the rendezvous and cannot sit behind the slow link")
     if sc.fault.kind == "hang" and sc.observe_s <= 0:
         raise ScenarioError(f"{path}: a hang needs fault.observe_s > 0 (when to stop the hung job)")
+    if sc.script and (sc.hook or sc.network or sc.loop != "ddp"):
+        raise ScenarioError(f"{path}: a script runs at the hook's defaults: no hook, network or loop")
+    if sc.script and sc.world_size % max(1, sc.hosts):
+        raise ScenarioError(f"{path}: world_size must be a multiple of hosts (a torchrun per host)")
     if sc.truth.healthy != (sc.fault.kind == "none"):
         raise ScenarioError(f"{path}: expect.cause must be given exactly when a fault is injected")
 

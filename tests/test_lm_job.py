@@ -1,0 +1,100 @@
+"""The fault suite's user-style GPT script (benchmarks/jobs/lm_ddp.py): a real 2-rank run under torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.scenarios import SCENARIO_DIR, ScenarioError, load, load_all
+from benchmarks.torchrun_job import SCRIPTS, commands
+from rankscope.workload import JobSpec, free_port
+
+
+def _records(spool: Path) -> list[dict]:
+    out = []
+    for path in spool.rglob("*.jsonl"):
+        out += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return out
+
+
+@pytest.mark.slow
+def test_lm_script_trains_under_torchrun_with_the_hook_at_its_defaults(tmp_path: Path) -> None:
+    spool, markers = tmp_path / "spool", tmp_path / "markers"
+    markers.mkdir()
+    env = {**os.environ, "RANKSCOPE_SPOOL": str(spool), "RANKSCOPE_HOST": "nodeA"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        "--rdzv-id",
+        "lm-test",
+        str(SCRIPTS["lm_ddp"]),
+        "--seconds",
+        "13",  # the hook's first scheduled window comes 10 s after attach
+        "--fault",
+        "metrics_block",
+        "--fault-rank",
+        "1",
+        "--onset-s",
+        "3",
+        "--marker-dir",
+        str(markers),
+        "--eval-every",
+        "20",
+        "--ckpt-every",
+        "50",
+    ]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "eval loss" in run.stdout and "done:" in run.stdout
+
+    recs = _records(spool / "lm-test")  # the job id is torchrun's run id
+    steps = {r["rank"]: r for r in recs if r["type"] == "steps"}
+    assert set(steps) == {0, 1}
+    rows = {
+        rank: sum(len(r["rows"]) for r in recs if r["type"] == "steps" and r["rank"] == rank)
+        for rank in (0, 1)
+    }
+    assert min(rows.values()) >= 50, rows
+    assert any(r["type"] == "window" for r in recs), "no profiling window summary"
+    assert {r["host"] for r in recs if r["type"] == "rank"} == {"nodeA"}
+
+    onset = json.loads((markers / "onset-r1").read_text())
+    assert onset["rank"] == 1 and onset["step"] > 0 and not (markers / "onset-r0").exists()
+
+
+def test_lm_scenarios_load_and_map_onto_the_suites_fault_families() -> None:
+    lm = {s.name: s for s in load_all("full", ["lm-"])}
+    assert len(lm) == 5 and all(s.script == "lm_ddp" and not s.ci for s in lm.values())
+    kinds = {s.kind for s in lm.values()}
+    assert kinds == {"healthy", "dataloader", "compute", "code_path", "hang-checkpoint"}
+    hang = lm["lm-hang_checkpoint-r2"]
+    assert hang.fault.kind == "hang" and hang.observe_s > 0 and hang.faulty_ranks == (2,)
+
+
+def test_a_script_scenario_runs_one_torchrun_per_simulated_host(tmp_path: Path) -> None:
+    sc = load(SCENARIO_DIR / "lm-slow_data-15ms-r2.yaml")
+    spec = JobSpec(job="j1", world_size=4, hosts=2, hook={"spool_dir": "/s"}, marker_dir="/m")
+    cmds = commands(sc, spec)
+    assert [env["RANKSCOPE_HOST"] for _, env in cmds] == ["node0", "node1"]
+    for node, (cmd, env) in enumerate(cmds):
+        assert env["RANKSCOPE_SPOOL"] == "/s"
+        assert cmd[cmd.index("--node-rank") + 1] == str(node) and cmd[cmd.index("--rdzv-id") + 1] == "j1"
+        assert cmd[cmd.index("--fault") + 1] == "slow_data" and cmd[cmd.index("--fault-rank") + 1] == "2"
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("script: lm_ddp\nfault: {kind: compute, rank: 1}\nexpect: {cause: compute, ranks: [1]}\n")
+    with pytest.raises(ScenarioError, match="unknown fault"):
+        load(bad)
+    bad.write_text("script: lm_ddp\nhosts: 3\n")
+    with pytest.raises(ScenarioError, match="multiple of hosts"):
+        load(bad)
