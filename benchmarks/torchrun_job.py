@@ -166,6 +166,8 @@ def commands(sc: Scenario, spec: JobSpec) -> list[tuple[list[str], dict[str, str
         str(sc.seconds),
         *sc.script_fault.flags(),
         *(["--marker-dir", spec.marker_dir] if spec.marker_dir else []),
+        # beside the logs: a killed (hung) job leaves nothing behind in the machine's temp dir
+        *(["--ckpt-dir", str(Path(spec.log_dir).parent / "checkpoints")] if spec.log_dir else []),
     ]
     out = []
     for node in range(hosts):
@@ -209,6 +211,7 @@ def run(
 
     log_dir = Path(spec.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
+    (log_dir.parent / "checkpoints").mkdir(exist_ok=True)
     agents: list[subprocess.Popen] = []
     ranks: set[int] = set()
     error, onset = "", None
