@@ -131,6 +131,7 @@ def run_scenario(sc: Scenario, store: Store, workdir: Path, probe_s: float = PRO
         seconds=sc.seconds,
         fault=sc.fault,
         loop=sc.loop,
+        rank0_duties=sc.rank0_duties,
         hook={**HOOK, **sc.hook, "spool_dir": str(spool)},
         log_dir=str(logs),
         progress=False,
@@ -215,33 +216,43 @@ def _fmt_delay(s: float | None, steps: int | None) -> str:
 def report(results: list[dict[str, Any]]) -> str:
     """The markdown tables: one row per scenario, then one per fault kind."""
     lines = [
-        "| scenario | ground truth | top finding | conf | top ok | detect (steps) | localize (steps) | findings |",
-        "|---|---|---|---|---|---|---|---|",
+        "| scenario | ground truth | top finding | function named | conf | top ok | detect (steps) | localize (steps) | findings |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         if "skipped" in r:
-            lines.append(f"| {r['name']} | skipped: {r['skipped']} | | | | | | |")
+            lines.append(f"| {r['name']} | skipped: {r['skipped']} | | | | | | | |")
             continue
         s, d = r["score"], r["delays"]
         ok = "healthy" if s["healthy"] and not s["findings"] else ("yes" if s["top_correct"] else "**no**")
         extra = f" ({r['healthy_probe_findings']} in probes)" if s["healthy"] else ""
+        if s.get("both_found") is False:
+            ok += " (one of two)"
+        fn = _short(s.get("function", "")) + {True: " ✓", False: " ✗"}.get(s.get("function_ok"), "")
         lines.append(
-            f"| {r['name']} | {r['ground_truth']} | {s['top'] or '—'} | {s['confidence']:.2f} | {ok} | "
+            f"| {r['name']} | {r['ground_truth']} | {s['top'] or '—'} | {fn or '—'} | {s['confidence']:.2f} | {ok} | "
             f"{_fmt_delay(d['detect_s'], d['detect_steps'])} | "
             f"{_fmt_delay(d['localize_s'], d['localize_steps'])} | {s['findings']}{extra} |"
         )
     lines += [
         "",
-        "| fault kind | runs | top correct | ranks right | false findings | median detect s | median localize s |",
-        "|---|---|---|---|---|---|---|",
+        "| fault kind | runs | top correct | ranks right | function right | false findings | median detect s | median localize s |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for kind, k in _by_kind(results).items():
+        named = f"{k['function_ok']}/{k['function_expected']}" if k["function_expected"] else "—"
         lines.append(
-            f"| {kind} | {k['runs']} | {k['top_correct']} | {k['top_located']} | {k['false_findings']} | "
+            f"| {kind} | {k['runs']} | {k['top_correct']} | {k['top_located']} | {named} | {k['false_findings']} | "
             f"{k['median_detect_s'] if k['median_detect_s'] is not None else '—'} | "
             f"{k['median_localize_s'] if k['median_localize_s'] is not None else '—'} |"
         )
     return "\n".join(lines)
+
+
+def _short(function: str, width: int = 48) -> str:
+    """A function name for a table cell: the end of it, pipes escaped."""
+    f = function.replace("|", "\\|")
+    return f if len(f) <= width else "…" + f[-width + 1 :]
 
 
 def _scored(results: list[dict[str, Any]]) -> tuple[list[scoring.Score], list[scoring.Delays]]:

@@ -53,6 +53,7 @@ _TOP_FIELDS = {
     "hook",
     "loop",
     "script",
+    "rank0_duties",
 }
 
 
@@ -81,6 +82,8 @@ class Scenario:
     """Hook settings on top of the suite's."""
     loop: str = "ddp"
     """How the job averages gradients (``rankscope.workload.LOOPS``): DDP, as most users' jobs do."""
+    rank0_duties: bool = False
+    """Rank 0 logs, evaluates and checkpoints as most scripts have it do (``JobSpec.rank0_duties``)."""
     truth: GroundTruth = field(default_factory=lambda: GroundTruth(kind="none"))
     script: str = ""
     """A user-style script of ``benchmarks/jobs/`` run under torchrun instead of the demo workload
@@ -106,6 +109,8 @@ def kind_of(fault: Fault) -> str:
     k = fault.kind
     if k == "none":
         return "healthy"
+    if fault.also != "none":
+        return "two-faults"
     if k == "hang":
         return f"hang-{fault.hang_at}"
     if fault.on_steps or (k == "dataloader" and fault.stall_every > 1):
@@ -148,6 +153,8 @@ def load(path: str | Path) -> Scenario:
             ranks=tuple(exp.get("ranks") or ()),
             scope=exp.get("scope", "job" if exp.get("cause") == "job_wide" else "rank"),
             where=str(exp.get("where", "")),
+            function=str(exp.get("function", "")),
+            also=_also(exp.get("also"), kind),
         )
         sc = Scenario(
             name=path.stem,
@@ -164,6 +171,7 @@ def load(path: str | Path) -> Scenario:
             observe_s=float(runner.get("observe_s", 0.0)),
             hook=dict(raw.get("hook") or {}),
             loop=str(raw.get("loop", "ddp")),
+            rank0_duties=bool(raw.get("rank0_duties", False)),
             truth=truth,
             script=script,
             script_fault=script_fault,
@@ -172,6 +180,20 @@ def load(path: str | Path) -> Scenario:
         raise ScenarioError(f"{path}: {exc}") from exc
     _check(path, sc)
     return sc
+
+
+def _also(raw: Any, kind: str) -> GroundTruth | None:
+    """The second fault's ground truth (``expect.also``: cause, ranks, function)."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ValueError(f"expect.also must be a mapping (cause, ranks, function), got {raw!r}")
+    return GroundTruth(
+        kind=kind,
+        cause=raw.get("cause"),
+        ranks=tuple(raw.get("ranks") or ()),
+        function=str(raw.get("function", "")),
+    )
 
 
 def _check(path: Path, sc: Scenario) -> None:
@@ -197,6 +219,8 @@ def _check(path: Path, sc: Scenario) -> None:
         raise ScenarioError(f"{path}: world_size must be a multiple of hosts (a torchrun per host)")
     if sc.truth.healthy != (sc.fault.kind == "none"):
         raise ScenarioError(f"{path}: expect.cause must be given exactly when a fault is injected")
+    if (sc.truth.also is None) != (sc.fault.also == "none"):
+        raise ScenarioError(f"{path}: expect.also must be given exactly when fault.also is")
 
 
 def load_all(suite: str = "full", only: Sequence[str] = (), directory: Path = SCENARIO_DIR) -> list[Scenario]:

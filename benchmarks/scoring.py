@@ -15,6 +15,7 @@ It is *located* when only the ranks are right. Every finding on a healthy run is
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -38,6 +39,11 @@ class GroundTruth:
     """``rank``, ``host``, ``switch`` or ``job``: what the faulty ranks have in common."""
     where: str = ""
     """The host or switch name for scope ``host`` / ``switch``."""
+    function: str = ""
+    """Text the top finding's function must contain to name the right code (user code: the
+    function's name); '' where the scenario does not say."""
+    also: GroundTruth | None = None
+    """A second fault injected at the same time: a finding naming either one is right."""
 
     def __post_init__(self) -> None:
         if self.cause is not None and self.cause not in CAUSES:
@@ -62,8 +68,22 @@ def located(truth: GroundTruth, f: Finding) -> bool:
 
 
 def correct(truth: GroundTruth, f: Finding) -> bool:
-    """The finding names the faulty ranks and the injected cause."""
-    return located(truth, f) and f.cause == truth.cause
+    """The finding names the faulty ranks and the injected cause (of either fault, if two)."""
+    return (located(truth, f) and f.cause == truth.cause) or (
+        truth.also is not None and correct(truth.also, f)
+    )
+
+
+def function_ok(truth: GroundTruth, f: Finding | None) -> bool | None:
+    """The finding is right and names the expected function (None: the scenario expects none)."""
+    if not truth.function and (truth.also is None or not truth.also.function):
+        return None
+    if f is None:
+        return False
+    for t in (truth, truth.also):
+        if t is not None and located(t, f) and f.cause == t.cause:
+            return bool(t.function) and t.function in f.function
+    return False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -84,6 +104,12 @@ class Score:
     correct_findings: int
     false_findings: int
     """Findings that do not match the ground truth (every finding on a healthy run)."""
+    function: str = ""
+    """The function the top finding names."""
+    function_ok: bool | None = None
+    """It names the expected function (None where the scenario expects none)."""
+    both_found: bool | None = None
+    """Two faults: a right finding for each (None with one fault)."""
     detail: list[dict[str, Any]] = field(default_factory=list)
     """Every finding: cause, ranks, hosts, scope, function, confidence, summary."""
 
@@ -102,7 +128,8 @@ def expected(truth: GroundTruth) -> str:
     if truth.healthy:
         return "no finding"
     where = f"{truth.scope} {truth.where} " if truth.where else ""
-    return f"{truth.cause} @ {where}ranks {list(truth.ranks)}" if truth.ranks else f"{truth.cause} @ job"
+    out = f"{truth.cause} @ {where}ranks {list(truth.ranks)}" if truth.ranks else f"{truth.cause} @ job"
+    return out if truth.also is None else f"{out} + {expected(truth.also)}"
 
 
 def score(truth: GroundTruth, diagnosis: Diagnosis, *, name: str = "") -> Score:
@@ -123,6 +150,14 @@ def score(truth: GroundTruth, diagnosis: Diagnosis, *, name: str = "") -> Score:
         confidence=float(top.confidence) if top else 0.0,
         correct_findings=sum(ok),
         false_findings=len(fs) - sum(ok),
+        function=top.function if top else "",
+        function_ok=function_ok(truth, top),
+        both_found=(
+            None
+            if truth.also is None
+            else any(located(truth, f) and f.cause == truth.cause for f in fs)
+            and any(correct(truth.also, f) for f in fs)
+        ),
         detail=[
             {
                 "cause": f.cause,
@@ -204,11 +239,23 @@ def totals(scores: Sequence[Score], timings: Sequence[Delays] | None = None) -> 
         "recall": _ratio(sum(s.any_correct for s in faults), len(faults)),
         "healthy_false_findings": sum(s.findings for s in healthy),
     }
+    named = [s.function_ok for s in faults if s.function_ok is not None]
+    out["function_accuracy"] = _ratio(sum(named), len(named))
     if timings is not None:
         ts = [t for s, t in zip(scores, timings, strict=True) if not s.healthy]
         out["median_detect_s"] = _median(t.detect_s for t in ts)
         out["median_localize_s"] = _median(t.localize_s for t in ts)
+        out["p90_localize_s"] = _quantile([t.localize_s for t in ts], 0.9)
     return out
+
+
+def _quantile(values: Sequence[float | None], q: float) -> float | None:
+    """The ``q`` quantile (nearest rank) where a fault never localized counts as infinitely late."""
+    xs = sorted(math.inf if v is None else v for v in values)
+    if not xs:
+        return None
+    v = xs[min(len(xs) - 1, math.ceil(q * len(xs)) - 1)]
+    return None if math.isinf(v) else round(v, 2)
 
 
 def by_kind(scores: Sequence[Score], timings: Sequence[Delays]) -> dict[str, dict[str, Any]]:
@@ -222,6 +269,8 @@ def by_kind(scores: Sequence[Score], timings: Sequence[Delays]) -> dict[str, dic
             "top_correct": sum(s.top_correct for s, _ in g),
             "top_located": sum(s.top_located for s, _ in g),
             "false_findings": sum(s.false_findings for s, _ in g),
+            "function_ok": sum(bool(s.function_ok) for s, _ in g),
+            "function_expected": sum(s.function_ok is not None for s, _ in g),
             "median_detect_s": _median(t.detect_s for _, t in g),
             "median_localize_s": _median(t.localize_s for _, t in g),
         }

@@ -11,6 +11,7 @@ import functools
 import importlib.util
 import itertools
 import math
+import os
 import re
 import sys
 import sysconfig
@@ -28,6 +29,7 @@ _STACK_DEPTH = 3
 
 _OWN = ("profiler_hook",)
 """The hook's own modules: never the job's code."""
+_HOOK_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 @functools.cache
@@ -61,8 +63,8 @@ def library_frame(name: str) -> bool:
     if name.startswith("<"):
         return True
     path = name.split("(", 1)[0]
-    if path.startswith("/"):
-        return "-packages/" in path or path.startswith(_library_dirs())
+    if path.startswith("/"):  # a file outside every sys.path entry (an editable install's)
+        return "-packages/" in path or path.startswith((*_library_dirs(), _HOOK_DIR))
     return _library_module(path.split("/", 1)[0].removesuffix(".py"))
 
 

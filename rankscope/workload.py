@@ -15,9 +15,17 @@ Faults (only on ``Fault.rank``):
 
 More, for the fault suite (``benchmarks/faults.py``):
 
+``callback``    every rank reports metrics after each step; the faulty rank's upload blocks.
+``grad_hook``   a gradient hook left on the rank's parameters inspects every gradient.
+``gc``          a memory clean-up every ``gc_every`` steps forces a full garbage collection
+                (``gc.collect()``), which traverses every Python object of the process (torch's
+                alone are ~150,000): a collector pause of tens of milliseconds.
 ``job_wide``    every rank becomes ``factor``× slower (a bad library, config or shared dependency).
-``hang``        the rank blocks for good: before the all-reduce, inside its data loader's fetch, or
-                spinning in a Python function (``hang_at``). The suite stops the job afterwards.
+``hang``        the rank blocks for good: before the all-reduce, inside its data loader's fetch,
+                spinning in a Python function, or in a checkpoint write (``hang_at``). The suite
+                stops the job afterwards.
+
+``Fault.also`` adds a second rank-local fault on another rank (two faults at once).
 ``host`` ``nic`` ``switch``  applied from outside the job (a CPU hog on the rank's core, a
                 rate-limited network link); in the ranks they only mark the onset.
 
@@ -30,19 +38,23 @@ and when to apply the external ones.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 FAULTS = ("none", "compute", "dataloader", "code_path")
 """The faults ``rankscope demo`` offers."""
-SUITE_FAULTS = (*FAULTS, "job_wide", "hang", "host", "nic", "switch")
+SUITE_FAULTS = (*FAULTS, "callback", "grad_hook", "gc", "job_wide", "hang", "host", "nic", "switch")
 """Every fault kind; the last three are applied from outside the ranks (see the fault suite)."""
-HANG_SITES = ("collective", "dataloader", "python")
+HANG_SITES = ("collective", "dataloader", "python", "checkpoint")
 LOOPS = ("manual", "ddp", "fsdp2")
+_LOCAL_FAULTS = ("compute", "dataloader", "code_path", "callback", "grad_hook", "gc")
+"""Faults that live inside one rank's code, any two of which can run at once on two ranks."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -58,7 +70,15 @@ class Fault:
     stall_every: int = 1
     """dataloader: only every this-many-th batch waits ``delay_ms`` (1: every batch)."""
     audit_rounds: int = 12
-    """code_path: how many times the extra function walks the gradients per step."""
+    """code_path: how many times the extra function walks the gradients per step; grad_hook: how
+    many times the gradient hook inspects each gradient."""
+    block_ms: float = 15.0
+    """callback: how long the step callback blocks (a synchronous metrics upload)."""
+    gc_every: int = 5
+    """gc: steps between forced full collections."""
+    also: str = "none"
+    """A second fault, of a rank-local kind, on rank ``also_rank`` from the same onset (two at once)."""
+    also_rank: int = 0
     hang_at: str = "collective"
     """hang: where the rank blocks, one of ``HANG_SITES``."""
     onset_step: int = 0
@@ -76,13 +96,17 @@ class Fault:
             raise ValueError(f"Fault.factor must be >= 1, got {self.factor}")
         if self.hang_at not in HANG_SITES:
             raise ValueError(f"Fault.hang_at must be one of {', '.join(HANG_SITES)}, got {self.hang_at!r}")
+        if self.also not in ("none", *_LOCAL_FAULTS) or (self.also != "none" and self.also_rank == self.rank):
+            raise ValueError(
+                f"Fault.also must be one of {', '.join(_LOCAL_FAULTS)} on a rank other than rank"
+            )
         if self.stall_every < 1 or self.on_steps < 0 or self.off_steps < 0:
             raise ValueError("Fault.stall_every must be >= 1, Fault.on_steps and Fault.off_steps >= 0")
 
     def on(self, rank: int) -> str:
         if self.kind == "job_wide" or rank == self.rank or rank in self.ranks:
             return self.kind
-        return "none"
+        return self.also if rank == self.also_rank else "none"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -117,6 +141,9 @@ class JobSpec:
     timeout_s: float = 0.0
     """If > 0, the process group's timeout (a collective waiting longer fails)."""
     progress: bool = True
+    rank0_duties: bool = False
+    """Rank 0 does what most scripts have it do: log the loss every 10 steps, evaluate on held-out
+    batches every 50 and save a checkpoint every 100 (a healthy job whose rank 0 does more)."""
     batch_size: int = 64
     hidden: int = 512
     loop: str = "ddp"
@@ -273,7 +300,7 @@ def _calibrate(plain: Any, x: Any, spec: JobSpec, fault: str) -> int:
     import torch
     import torch.distributed as dist
 
-    if spec.fault.kind not in ("compute", "job_wide"):
+    if spec.fault.kind != "job_wide" and "compute" not in (spec.fault.kind, spec.fault.also):
         return 0
     rows = padding_rows(plain, x, spec.fault.factor)
     if spec.fault.kind == "job_wide":  # one bad library everywhere: the same slowdown on every rank
@@ -281,6 +308,60 @@ def _calibrate(plain: Any, x: Any, spec: JobSpec, fault: str) -> int:
         dist.all_reduce(total)
         rows = round(total.item() / spec.world_size)
     return rows if fault in ("compute", "job_wide") else 0
+
+
+def inspect_gradient(grad: Any, rounds: int) -> None:
+    """The grad_hook fault: a debugging hook left on one rank's parameters that inspects every
+    gradient as backward produces it."""
+    for _ in range(rounds):
+        float(grad.abs().max()) + float(grad.norm())
+
+
+def upload_metrics(step: int, loss: Any, block_ms: float) -> None:
+    """The callback fault: a step callback that reports metrics synchronously (an HTTP call that
+    blocks for ``block_ms`` on the faulty rank: a slow endpoint or a congested route)."""
+    record = {"step": step, "loss": float(loss.detach())}
+    if block_ms > 0:
+        time.sleep(block_ms / 1e3)
+    del record
+
+
+def free_memory() -> int:
+    """The gc fault: a memory clean-up that forces a full garbage collection."""
+    import gc
+
+    return gc.collect()
+
+
+def rank0_duties(step: int, loss: Any, model: Any, opt: Any, held_out: list) -> None:
+    """What rank 0 of a typical script does besides training: log, evaluate, checkpoint."""
+    import io
+
+    import torch
+
+    if step % 10 == 0:
+        print(f"step {step} loss {float(loss.detach()):.4f}", file=sys.stderr, flush=True)
+    if step % 50 == 0:
+        with torch.no_grad():
+            model.eval()
+            for _ in range(3):
+                x = torch.stack([x for x, _ in held_out])
+                y = torch.stack([y for _, y in held_out])
+                torch.nn.functional.cross_entropy(model(x), y)
+            model.train()
+    if step % 100 == 0:
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, io.BytesIO())
+
+
+def save_checkpoint(model: Any, deadline: float) -> None:
+    """The checkpoint hang: the state is serialized, then the write waits on storage that never
+    answers (an NFS mount gone away)."""
+    import io
+
+    import torch
+
+    torch.save(model.state_dict(), io.BytesIO())
+    threading.Event().wait(deadline - time.time())  # the write's completion, which never comes
 
 
 def audit_gradients(model: Any, rounds: int) -> float:
@@ -293,24 +374,30 @@ def audit_gradients(model: Any, rounds: int) -> float:
     return total
 
 
-class _SlowCollate:
-    def __init__(self, delay_s: float, clock: FaultClock | None = None) -> None:
-        self.delay_s = delay_s
-        self.clock = clock
+class ShardReader:
+    """The job's dataset (map-style): samples come from storage a batch at a time (``__getitems__``,
+    which the DataLoader calls with a batch's indices). The dataloader faults live in its read."""
 
-    def __call__(self, batch: list) -> Any:
-        from torch.utils.data import default_collate
+    def __init__(self, x: Any, y: Any, delay_s: float, clock: FaultClock) -> None:
+        self.x, self.y, self.delay_s, self.clock = x, y, delay_s, clock
 
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[Any, Any]:
+        return self.x[i], self.y[i]
+
+    def __getitems__(self, indices: list[int]) -> list[tuple[Any, Any]]:
+        self.read_from_storage()
+        return [(self.x[i], self.y[i]) for i in indices]
+
+    def read_from_storage(self) -> None:
         clock = self.clock
-        if clock is None:
-            if self.delay_s:
-                time.sleep(self.delay_s)  # slow storage: the fetch waits, the CPU is idle
-        elif clock.kind == "dataloader" and clock.active():
+        if clock.kind == "dataloader" and clock.active():
             if (clock.step - clock.onset) % clock.fault.stall_every == 0:
-                time.sleep(self.delay_s)
+                time.sleep(self.delay_s)  # slow storage: the fetch waits, the CPU is idle
         elif clock.kind == "hang" and clock.fault.hang_at == "dataloader" and clock.active():
             _block(time.time() + HANG_S)  # a read from storage that never returns
-        return default_collate(batch)
 
 
 def run_rank(rank: int, spec: JobSpec) -> dict[str, Any]:
@@ -365,16 +452,18 @@ def _train(rank: int, spec: JobSpec, hook: Any, fault: str) -> dict[str, Any]:
     """The training loop; returns the step count and step times as measured outside the hook."""
     import torch
     import torch.distributed as dist
-    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+    from torch.utils.data import DataLoader, DistributedSampler
 
     g = torch.Generator().manual_seed(1)
-    data = TensorDataset(torch.randn(8192, 128, generator=g), torch.randint(0, 10, (8192,), generator=g))
-    sampler: DistributedSampler = DistributedSampler(data, num_replicas=spec.world_size, rank=rank, seed=0)
-    delay = spec.fault.delay_ms / 1e3 if fault == "dataloader" else 0.0
     clock = FaultClock(spec.fault, fault, rank, spec.marker_dir)
-    loader = DataLoader(
-        data, batch_size=spec.batch_size, sampler=sampler, collate_fn=_SlowCollate(delay, clock)
+    data = ShardReader(
+        torch.randn(8192, 128, generator=g),
+        torch.randint(0, 10, (8192,), generator=g),
+        spec.fault.delay_ms / 1e3 if fault == "dataloader" else 0.0,
+        clock,
     )
+    sampler: DistributedSampler = DistributedSampler(data, num_replicas=spec.world_size, rank=rank, seed=0)  # type: ignore[arg-type]
+    loader: DataLoader = DataLoader(data, batch_size=spec.batch_size, sampler=sampler)  # type: ignore[arg-type]
     model = plain = _model(spec.hidden)
     if spec.loop == "ddp":
         from torch.nn.parallel import DistributedDataParallel
@@ -390,6 +479,9 @@ def _train(rank: int, spec: JobSpec, hook: Any, fault: str) -> dict[str, Any]:
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     params = list(model.parameters())
     padding = _calibrate(plain, next(iter(loader))[0], spec, fault)
+    callbacks = "callback" in (spec.fault.kind, spec.fault.also)
+    held_out = [data[i] for i in range(spec.batch_size)] if spec.rank0_duties else []
+    hooked: list[Any] = []
     start = last_print = time.perf_counter()
     step, epoch, stop = 0, 0, False
     step_s: list[float] = []
@@ -401,6 +493,9 @@ def _train(rank: int, spec: JobSpec, hook: Any, fault: str) -> dict[str, Any]:
             if active:
                 hook.begin_step(step)
             faulty = clock.active(step)
+            if faulty and fault == "grad_hook" and not hooked:
+                inspect = functools.partial(inspect_gradient, rounds=spec.fault.audit_rounds)
+                hooked = [p.register_hook(inspect) for p in plain.parameters()]
             # Every rank takes the same code path; only the faulty one pads (does more work).
             out = slow_device_forward(model, x, padding if faulty else 0)
             loss = torch.nn.functional.cross_entropy(out, y)
@@ -408,11 +503,17 @@ def _train(rank: int, spec: JobSpec, hook: Any, fault: str) -> dict[str, Any]:
             loss.backward()
             if faulty and fault == "code_path":
                 audit_gradients(model, spec.fault.audit_rounds)
+            if faulty and fault == "gc" and (step - clock.onset) % spec.fault.gc_every == 0:
+                free_memory()
+            if callbacks:  # every rank reports its metrics; the faulty one's upload blocks
+                upload_metrics(step, loss, spec.fault.block_ms if faulty and fault == "callback" else 0.0)
             if faulty and fault == "hang":
                 if spec.fault.hang_at == "python":
                     stuck_in_python(time.time() + HANG_S)
                 elif spec.fault.hang_at == "collective":
                     _block(time.time() + HANG_S)  # e.g. waiting on a lock another thread never frees
+                elif spec.fault.hang_at == "checkpoint":
+                    save_checkpoint(plain, time.time() + HANG_S)
             if spec.loop == "manual":
                 stop, onset = _all_reduce_gradients(params, spec, step, start, rank)
             else:  # gradients are already averaged; rank 0's decisions ride a small all-reduce
@@ -426,6 +527,8 @@ def _train(rank: int, spec: JobSpec, hook: Any, fault: str) -> dict[str, Any]:
             clock.step = step
             now = time.perf_counter()
             step_s.append(now)
+            if spec.rank0_duties and rank == 0:
+                rank0_duties(step, loss, plain, opt, held_out)
             if spec.progress and rank == 0 and (now - last_print >= 5 or stop):
                 print(f"  step {step:5d}  {now - start:5.1f}s  loss {loss.item():.3f}", flush=True)
                 last_print = now
