@@ -19,7 +19,7 @@ import math
 import statistics
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from diagnosis.findings import CAUSES, Diagnosis, Finding
@@ -59,9 +59,11 @@ class GroundTruth:
 
 
 def located(truth: GroundTruth, f: Finding) -> bool:
-    """The finding names the faulty ranks (whatever its cause)."""
+    """The finding names the faulty ranks (whatever its cause), of either fault if two."""
     if truth.healthy:
         return False
+    if truth.also is not None and located(truth.also, f):
+        return True
     if truth.scope == "job":
         return f.scope == "job" or (bool(truth.ranks) and set(f.ranks) == set(truth.ranks))
     return set(f.ranks) == set(truth.ranks)
@@ -69,9 +71,9 @@ def located(truth: GroundTruth, f: Finding) -> bool:
 
 def correct(truth: GroundTruth, f: Finding) -> bool:
     """The finding names the faulty ranks and the injected cause (of either fault, if two)."""
-    return (located(truth, f) and f.cause == truth.cause) or (
-        truth.also is not None and correct(truth.also, f)
-    )
+    if truth.also is not None and correct(truth.also, f):
+        return True
+    return located(replace(truth, also=None), f) and f.cause == truth.cause
 
 
 def function_ok(truth: GroundTruth, f: Finding | None) -> bool | None:
@@ -80,7 +82,7 @@ def function_ok(truth: GroundTruth, f: Finding | None) -> bool | None:
         return None
     if f is None:
         return False
-    for t in (truth, truth.also):
+    for t in (replace(truth, also=None), truth.also):
         if t is not None and located(t, f) and f.cause == t.cause:
             return bool(t.function) and t.function in f.function
     return False
@@ -155,7 +157,7 @@ def score(truth: GroundTruth, diagnosis: Diagnosis, *, name: str = "") -> Score:
         both_found=(
             None
             if truth.also is None
-            else any(located(truth, f) and f.cause == truth.cause for f in fs)
+            else any(correct(replace(truth, also=None), f) for f in fs)
             and any(correct(truth.also, f) for f in fs)
         ),
         detail=[

@@ -116,7 +116,8 @@ def _classify(
         }
     compute_excess = (st.own_us - st.data_us) - (st.peer_own_us - st.peer_data_us)
     name = slower.name if slower else "compute (no profiling window covered it)"
-    code = functions.innermost_code(excess, 0.5 * compute_excess) if slower else None
+    # Forward runs in the job's code, backward mostly in the autograd engine: a third will do.
+    code = functions.innermost_code(excess, 0.3 * compute_excess) if slower else None
     if code is not None:  # the job's own function whose operators got slower, and the operator
         ev = {**ev, **_code_evidence(code), "operator": name}
         name = code.name

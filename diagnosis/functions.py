@@ -10,6 +10,8 @@ compared rank against peers directly. Two shapes matter:
 from __future__ import annotations
 
 import itertools
+import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import pandas as pd
@@ -30,6 +32,10 @@ class FunctionExcess:
     rank_count: float
     """The culprit's executions per step."""
     peer_count: float
+
+    waits: bool = False
+    """A Python frame that calls a collective (directly or deeper): its time includes waiting
+    for the other ranks, so it is not where the rank's own extra work is."""
 
     @property
     def excess_us(self) -> float:
@@ -79,6 +85,9 @@ def compare(functions: pd.DataFrame, rank: int, peers: list[int]) -> list[Functi
     )
     out = out[out["rank_us"] > out["peer_us"]]
     out = out.assign(excess=out["rank_us"] - out["peer_us"]).sort_values(by="excess", ascending=False)
+    mine = f[(f["rank"] == rank) & f["kind"].isin(("python", "pylib"))]
+    parents = _parents(zip(mine["name"], mine["stack"], strict=True))
+    waiting = {c for nm in mine["name"] if _COLLECTIVE_FRAME.search(nm) for c in _callers(parents, nm)}
     return [
         FunctionExcess(
             kind=k,
@@ -88,9 +97,36 @@ def compare(functions: pd.DataFrame, rank: int, peers: list[int]) -> list[Functi
             peer_us=float(r.peer_us),
             rank_count=float(r.rank_n),
             peer_count=float(r.peer_n),
+            waits=nm in waiting,
         )
         for (k, nm, st), r in out.head(200).iterrows()
     ]
+
+
+_COLLECTIVE_FRAME = re.compile(r"distributed_c10d\.py|c10d_logger\.py|profiler_hook/collectives\.py")
+"""Python frames of collectives: torch.distributed's functions and the hook's wrappers of them."""
+
+
+def _parents(frames: Iterable[tuple[str, str]]) -> dict[str, set[str]]:
+    """Each Python function's callers, from (name, stack) pairs (stack: outermost first, `` > ``)."""
+    parents: dict[str, set[str]] = {}
+    for name, stack in frames:
+        if stack:
+            for parent, child in itertools.pairwise([*stack.split(" > "), name]):
+                parents.setdefault(child, set()).add(parent)
+    return parents
+
+
+def _callers(parents: dict[str, set[str]], name: str) -> set[str]:
+    """Every function that calls ``name``, directly or through others."""
+    seen: set[str] = set()
+    todo = [name]
+    while todo:
+        for p in parents.get(todo.pop(), ()):
+            if p not in seen:
+                seen.add(p)
+                todo.append(p)
+    return seen
 
 
 def top_extra(excess: list[FunctionExcess]) -> FunctionExcess | None:
@@ -114,29 +150,14 @@ def innermost_code(excess: list[FunctionExcess], min_us: float) -> FunctionExces
 
     A function's time includes its callees', so every caller of the culprit function holds the
     excess too; the innermost one names where it is spent. Stacks are a few frames deep, so callers
-    are followed from function to function.
+    are followed from function to function. Frames that call collectives are left out: their time
+    includes waiting for the other ranks.
     """
-    code = [e for e in excess if e.kind == "python" and e.excess_us >= min_us]
+    code = [e for e in excess if e.kind == "python" and not e.waits and e.excess_us >= min_us]
     if not code:
         return None
-    parents: dict[str, set[str]] = {}
-    for e in excess:
-        if e.kind in ("python", "pylib") and e.stack:
-            chain = [*e.stack.split(" > "), e.name]
-            for parent, child in itertools.pairwise(chain):
-                parents.setdefault(child, set()).add(parent)
-
-    def callers(name: str) -> set[str]:
-        seen: set[str] = set()
-        todo = [name]
-        while todo:
-            for p in parents.get(todo.pop(), ()):
-                if p not in seen:
-                    seen.add(p)
-                    todo.append(p)
-        return seen
-
-    enclosing = {c for e in code for c in callers(e.name)}
+    parents = _parents((e.name, e.stack) for e in excess if e.kind in ("python", "pylib"))
+    enclosing = {c for e in code for c in _callers(parents, e.name)}
     inner = [e for e in code if e.name not in enclosing]
     return max(inner or code, key=lambda e: e.excess_us)
 

@@ -57,11 +57,15 @@ def _library_module(top: str) -> bool:
 @functools.lru_cache(maxsize=8192)
 def library_frame(name: str) -> bool:
     """Whether a profiled Python function (``"torch/nn/modules/module.py(1751): _call_impl"``,
-    ``"<built-in method ...>"``) is the interpreter's, the standard library's or an installed
-    package's rather than the job's own code. The profiler writes paths relative to their
-    ``sys.path`` entry, so the first component names the top-level module."""
+    ``"<built-in method ...>"``, ``"nn.Module: Linear_1"``) is the interpreter's, the standard
+    library's or an installed package's rather than the job's own code. The profiler writes paths
+    relative to their ``sys.path`` entry, so the first component names the top-level module; a
+    module event is the job's own when its class is not one of ``torch.nn``'s."""
     if name.startswith("<"):
         return True
+    if name.startswith("nn.Module: "):  # the profiler's module events: "nn.Module: Linear_1"
+        nn = sys.modules.get("torch.nn")
+        return nn is not None and hasattr(nn, name[11:].rsplit("_", 1)[0])  # torch's own class
     path = name.split("(", 1)[0]
     if path.startswith("/"):  # a file outside every sys.path entry (an editable install's)
         return "-packages/" in path or path.startswith((*_library_dirs(), _HOOK_DIR))

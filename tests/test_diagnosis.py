@@ -179,6 +179,28 @@ def test_a_function_that_blocks_on_one_rank_is_a_code_path_not_a_slower_device()
     assert (f.cause, f.ranks, f.function) == ("code_path", [3], up)
 
 
+def test_a_frame_that_waits_in_a_collective_is_not_where_the_work_is() -> None:
+    data = synthetic(slow={6: {"compute_us": 1500}})
+    sync, fwd = "train.py(60): sync_flags", "train.py(88): forward"
+    c10d = ("pylib", "torch/distributed/distributed_c10d.py(2950): all_reduce", 5, 500.0, sync)
+    peers = [
+        ("op", "aten::addmm", 15, 10_000.0),
+        ("python", fwd, 5, 12_000.0),
+        ("python", sync, 5, 600.0),
+        c10d,
+    ]
+    slow = [
+        ("op", "aten::addmm", 15, 20_000.0),
+        ("python", fwd, 5, 19_000.0),
+        ("python", sync, 5, 9_000.0),  # it waited longer in this step's all-reduce, as it happened
+        (*c10d[:3], 8_800.0, sync),
+    ]
+    data = replace(data, functions=functions_frame({r: slow if r == 6 else peers for r in range(8)}))
+    f = only(diagnose(data).findings)
+    assert (f.cause, f.ranks, f.function) == ("compute", [6], fwd)
+    assert f.evidence["operator"] == "aten::addmm"
+
+
 def test_a_slow_dataset_is_named_by_its_own_function_with_the_loader_above_it() -> None:
     data = synthetic(slow={2: {"data_us": 2000}})
     loader = ("dataloader", "enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__", 5, 1_000.0)

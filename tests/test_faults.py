@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,29 @@ def test_job_wide_and_healthy_truths() -> None:
     totals = scoring.totals([s, h])
     assert totals["top1_accuracy"] == 1.0 and totals["healthy_false_findings"] == 1
     assert totals["precision"] == 0.5 and totals["recall"] == 1.0
+
+
+def test_two_faults_and_the_function_named() -> None:
+    truth = scoring.GroundTruth(
+        kind="two-faults",
+        cause="compute",
+        ranks=(1,),
+        function="forward",
+        also=scoring.GroundTruth(kind="two-faults", cause="dataloader", ranks=(3,), function="read"),
+    )
+    named = lambda cause, ranks, fn: replace(_finding(cause, ranks), function=fn)  # noqa: E731
+    both = scoring.score(
+        truth,
+        Diagnosis(job="j", findings=[named("dataloader", [3], "x.py(3): read"), named("compute", [1], "op")]),
+    )
+    assert both.top_correct and both.top_located and both.both_found and both.function_ok
+    assert both.false_findings == 0
+    one = scoring.score(truth, Diagnosis(job="j", findings=[named("compute", [1], "aten::mm")]))
+    assert one.top_correct and one.both_found is False and one.function_ok is False
+    wrong = scoring.score(truth, Diagnosis(job="j", findings=[named("compute", [3], "forward")]))
+    assert not wrong.top_correct and wrong.top_located  # rank 3 is faulty, but not a compute fault
+    totals = scoring.totals([both, one])
+    assert totals["function_accuracy"] == 0.5
 
 
 def test_delays_take_the_first_probe_that_is_right() -> None:

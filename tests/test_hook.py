@@ -3,7 +3,9 @@ and real multi-rank gloo jobs."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import math
 import os
 import socket
@@ -21,8 +23,18 @@ from torch.profiler import ProfilerActivity, profile
 import profiler_hook
 from profiler_hook.config import Config, Identity
 from profiler_hook.hook import Hook
-from profiler_hook.records import Heartbeat, RecordError, StepBatch, StepRow, WindowSummary, decode, encode
+from profiler_hook.records import (
+    Heartbeat,
+    RankInfo,
+    RecordError,
+    StepBatch,
+    StepRow,
+    WindowSummary,
+    decode,
+    encode,
+)
 from profiler_hook.schedule import LEAD_S, Schedule
+from profiler_hook.shipper import Shipper
 from profiler_hook.summarize import library_frame, summarize
 from rankscope.workload import Fault, JobSpec, free_port, launch
 
@@ -123,9 +135,16 @@ def test_library_frames_are_told_from_the_jobs_own_code() -> None:
         "profiler_hook/collectives.py(130): wrapper",  # the hook's own frames
         f"{os.path.dirname(profiler_hook.__file__)}/collectives.py(130): wrapper",  # an editable install's
         "/usr/lib/python3/dist-packages/yaml/__init__.py(10): load",
+        "nn.Module: Linear_1",  # torch's module class
+        "nn.Module: Sequential_0",
     ):
         assert library_frame(name), name
-    for name in ("train.py(12): train_step", "test_hook.py(50): audit", "/home/u/job/model.py(3): forward"):
+    for name in (
+        "train.py(12): train_step",
+        "test_hook.py(50): audit",
+        "/home/u/job/model.py(3): forward",
+        "nn.Module: CausalSelfAttention_0",  # the job's own module class
+    ):
         assert not library_frame(name), name
 
 
@@ -469,8 +488,7 @@ def test_cpu_wait_is_the_time_a_thread_queued_behind_hogs_on_its_core() -> None:
     ("where", "settings", "env"),
     [
         ("a spool dir that cannot be created", {"spool_dir": "/proc/rankscope"}, {}),
-        ("a job id longer than a file name", {"job": "j" * 300}, {}),
-        ("a NUL in the job id", {"job": "a\0b"}, {}),
+        ("a spool dir under a file", {"spool_dir": "/dev/null/rankscope"}, {}),
         ("RANK=abc", {}, {"RANK": "abc", "WORLD_SIZE": "2"}),
     ],
 )
@@ -545,3 +563,60 @@ def test_close_honours_its_timeout_with_a_dead_broker_and_counts_what_it_abandon
     assert took < 5.0, took  # 20 s with a 10 s timeout before
     assert hook.shipper.sent == 0
     assert hook.shipper.dropped == len(submitted) > 40  # every record lost is counted, none silently
+
+
+@pytest.mark.parametrize(
+    ("job", "host"),
+    [
+        ("../../x", "node1"),
+        ("/abs/x", "../../../x"),
+        ("a\0b", "/etc/cron.d/x"),  # a job id no file could be named after, kept whole in the records
+        ("j" * 5000, "."),
+        ("..", ".."),
+    ],
+)
+def test_the_spool_sink_writes_inside_the_spool_whatever_the_job_id_or_host(
+    job: str, host: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RANKSCOPE_HOST", host)
+    spool = tmp_path / "spool"
+    hook = profiler_hook.attach(job=job, spool_dir=str(spool), window_s=0, patch_collectives=False)
+    assert (hook.enabled, hook.failures) == (True, 0)
+    _steps(hook, 3)
+    hook.close()
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert len(files) == 1 and files[0].parent.parent == spool, files
+    first = decode(files[0].read_bytes().splitlines()[0])
+    assert isinstance(first, RankInfo) and (first.job, first.host) == (job, host)
+
+
+def test_a_job_id_falling_back_to_none_is_warned_about_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Multi-node torchrun without --rdzv-id sets TORCHELASTIC_RUN_ID=none: unrelated runs would share it."""
+    monkeypatch.delenv("RANKSCOPE_JOB", raising=False)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    monkeypatch.setattr(profiler_hook.config, "_warned_shared_job", False)
+    with caplog.at_level(logging.WARNING, logger="profiler_hook.config"):
+        assert [Config().job, Config().job] == ["none", "none"]
+        Config(job="chosen")
+    assert len(caplog.records) == 1 and "TORCHELASTIC_RUN_ID=none" in caplog.text
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "3f2a")
+    monkeypatch.setattr(profiler_hook.config, "_warned_shared_job", False)
+    caplog.clear()
+    assert Config().job == "3f2a" and not caplog.records
+
+
+def test_the_hook_never_emits_nan_or_infinity() -> None:
+    """A non-finite float is no JSON: encode() refuses it, and the shipper drops and counts it."""
+    bad = Heartbeat(job="j", rank=0, host="h", time_us=1, step=3, progress_age_s=math.inf)
+    with pytest.raises(ValueError, match="NaN or infinity"):
+        encode(bad)
+    sink = _ListSink()
+    shipper = Shipper(sink, 10)
+    for record in (bad, dataclasses.replace(bad, coll_age_s=math.nan, progress_age_s=1.0)):
+        shipper.submit(record)
+    shipper.submit(Heartbeat(job="j", rank=0, host="h", time_us=2, step=4, progress_age_s=0.5))
+    shipper.close()
+    assert [decode(v).time_us for v in sink.got] == [2]
+    assert shipper.dropped == 2
