@@ -187,17 +187,31 @@ DEAD_LETTERS = Table(
     order_by=("source", "position"),
 )
 
-INGEST_OFFSETS = Table(
-    "ingest_offsets",
-    (("source", "String"), ("offset", "UInt64"), _TIME),
-    order_by=("source",),
+SPOOL_OFFSETS = Table(
+    "spool_offsets",
+    (
+        # The file's identity (``aggregator.spool.file_id``: device, inode and a hash of its first
+        # line), not its path: two spools ingested into one store may hold the same relative path,
+        # and a file replaced under its name is another file.
+        ("file", "String"),
+        ("path", "String"),
+        ("offset", "UInt64"),
+        ("in_line", "UInt8"),
+        _TIME,
+    ),
+    order_by=("file",),
     # Versioned by commit time, not by offset: after a spool file shrank the reader restarts at 0,
     # and a max-offset version would hide that smaller offset behind the stale larger one.
     version="time_us",
 )
+"""How far each spool file has been ingested. ``path`` (relative to the spool root) is for people;
+``in_line`` = 1 says the offset lies inside an oversized line that was dead-lettered already, whose
+rest up to its newline is skipped. A store made before this table keeps an unused
+``ingest_offsets`` table (keyed by path): its spool files are read once more from the start, which
+adds no rows (see above)."""
 
 TABLES: dict[str, Table] = {
-    t.name: t for t in (RANKS, STEPS, HEARTBEATS, WINDOWS, FUNCTIONS, DEAD_LETTERS, INGEST_OFFSETS)
+    t.name: t for t in (RANKS, STEPS, HEARTBEATS, WINDOWS, FUNCTIONS, DEAD_LETTERS, SPOOL_OFFSETS)
 }
 JOB_TABLES = ("ranks", "steps", "heartbeats", "windows", "functions")
 """The tables whose rows belong to a job."""
@@ -207,16 +221,52 @@ JOB_TABLES = ("ranks", "steps", "heartbeats", "windows", "functions")
 # A window summary is ~300 function rows: checking and serializing them value by value in Python
 # caps one aggregator near 100 summaries/s. Instead the aggregator inserts the wire values as they
 # came (``FORMAT JSONEachRow``) into WINDOW_INPUT, a Null table that stores nothing; two
-# materialized views explode each value into its ``windows`` row and its ``functions`` rows. The
-# engine parses strictly: a value of the wrong type fails the insert, and the constraint below
-# fails it when a field is missing (NULL) or the version or type is wrong. The aggregator then
-# falls back to checking that batch record by record in Python, which dead-letters the bad ones.
+# materialized views explode each value into its ``windows`` row and its ``functions`` rows.
+#
+# ClickHouse's JSON parser is lenient where ``profiler_hook.records.decode`` is not: it reads
+# "7" and "0.5" into number columns, wraps an integer that overflows, reads NaN, ``inf``, ``07``,
+# ``.5``, trailing commas, unknown escapes and raw control characters. So a value must pass, in
+# ClickHouse, everything decode() checks before it is stored this way:
+#
+# * WINDOW_JSON, a second Null table, takes the same values first (``FORMAT LineAsString``) and
+#   refuses any that is not strict JSON (``isValidJSON``: simdjson, RFC 8259);
+# * INPUT_SETTINGS refuse a boolean, number, array or object where a string is due, a boolean
+#   where a number is, a null outside a tuple, and any unknown or repeated field;
+# * the constraint of WINDOW_INPUT refuses a missing field, another version or type, a rank out of
+#   range, a non-finite float (and a null read into a function's float, as NaN), a null read into a
+#   function's integer (Nullable for that), a key repeated in ``busy``, and a string where a number
+#   is due: the aggregator counts the value's quote characters (``_quotes``, added in front of the
+#   value), which must be those of the strings the summary has (its keys, three per function, …);
+# * ``aggregator.store.Batch`` keeps out of this path a value that is not UTF-8 or that holds a run
+#   of 19 digits (an integer that might overflow Int64), and decodes those itself.
+#
+# A refused insert fails as a whole: the aggregator then checks that batch record by record in
+# Python, which dead-letters the bad ones with decode()'s reason and stores the rest.
 WINDOW_INPUT_NAME = "window_input"
-WINDOW_INPUT_OBJECTS = (WINDOW_INPUT_NAME, "windows_from_input", "functions_from_input")
-"""The input table and its two views."""
+WINDOW_JSON_NAME = "window_json"
+WINDOW_INPUT_OBJECTS = (WINDOW_INPUT_NAME, "windows_from_input", "functions_from_input", WINDOW_JSON_NAME)
+"""The input tables and views (all store nothing)."""
+WINDOW_INPUT_VERSION = 2
+"""Version of the input objects; a store holding another has them replaced (they hold no data)."""
+_INPUT_COMMENT = f"{_COMMENT}, window input {WINDOW_INPUT_VERSION}"
+INPUT_SETTINGS = {
+    "input_format_skip_unknown_fields": 0,
+    "input_format_null_as_default": 0,
+    "input_format_json_read_bools_as_numbers": 0,
+    "input_format_json_read_bools_as_strings": 0,
+    "input_format_json_read_numbers_as_strings": 0,
+    "input_format_json_read_objects_as_strings": 0,
+    "input_format_json_read_arrays_as_strings": 0,
+    "input_format_json_empty_as_default": 0,
+    "input_format_json_throw_on_bad_escape_sequence": 1,
+    "precise_float_parsing": 1,  # the correctly rounded float, as Python's json reads it
+}
+"""Settings of the JSONEachRow insert into WINDOW_INPUT."""
 _HEADER = [c for c in WINDOWS.columns if c[0] != "n_functions"]
 _REQUIRED = [name for name, type_ in _HEADER if not type_.startswith("Map")]
 _FUNCTION_ROW = [c for c in FUNCTIONS.columns if c not in _HEADER]
+QUOTES_FIELD = "_quotes"
+"""The field the aggregator puts in front of a window value: how many ``"`` it holds outside escapes."""
 
 
 def _plain(type_: str) -> str:
@@ -225,44 +275,82 @@ def _plain(type_: str) -> str:
     return inner[:-1] if inner != type_ else type_
 
 
-def _nullable(name: str, type_: str) -> tuple[str, str]:
-    if name == "rank":
-        type_ = "Int64"  # range-checked below rather than wrapped around by the parser
-    return name, f"Nullable({_plain(type_)})"
+def _function_input_type(type_: str) -> str:
+    return "Nullable(Int64)" if type_ == "Int64" else _plain(type_)
 
 
+_STRINGS = 2 + len(_HEADER) + 1 + 1 + sum(_plain(t) == "String" for _, t in _HEADER)
+"""Strings in a summary besides the keys of ``busy`` and the functions' strings: the keys ``v``,
+``type``, those of the header and ``functions``; the values of ``type`` and the header's strings."""
+_FUNCTION_STRINGS = sum(_plain(t) == "String" for _, t in _FUNCTION_ROW)
 _INPUT_COLUMNS = [
+    (QUOTES_FIELD, "UInt64"),
     ("v", "Nullable(Int64)"),
     ("type", "Nullable(String)"),
-    *(_nullable(name, type_) if name in _REQUIRED else (name, type_) for name, type_ in _HEADER),
+    # rank as Int64: range-checked by the constraint rather than wrapped around by the parser.
+    *(
+        (name, f"Nullable({'Int64' if name == 'rank' else _plain(t)})") if name in _REQUIRED else (name, t)
+        for name, t in _HEADER
+    ),
     # Plain String, not LowCardinality, inside the array: building a dictionary value by value while
     # parsing 300 tuples costs ~8% of the aggregator's CPU; the view converts whole columns instead.
-    ("functions", f"Array(Tuple({', '.join(_plain(t) for _, t in _FUNCTION_ROW)}))"),
+    # Integers Nullable: inside a tuple the parser reads null as 0 whatever the settings (and as NaN
+    # for a Float64, which isFinite refuses).
+    ("functions", f"Array(Tuple({', '.join(_function_input_type(t) for _, t in _FUNCTION_ROW)}))"),
 ]
+_FUNCTION_CHECK = " AND ".join(
+    f"isFinite(f.{i})" if t == "Float64" else f"isNotNull(f.{i})"
+    for i, (_, t) in enumerate(_FUNCTION_ROW, 1)
+    if t != "String" and not t.startswith("LowCardinality")
+)
 _INPUT_CHECK = " AND ".join(
-    [f"v = {WIRE_VERSION}", "type = 'window'", "rank BETWEEN 0 AND 2147483647"]
+    [
+        f"{QUOTES_FIELD} = 2 * ({_STRINGS} + length(busy) + {_FUNCTION_STRINGS} * length(functions))",
+        f"v = {WIRE_VERSION}",
+        "type = 'window'",
+        "rank BETWEEN 0 AND 2147483647",  # records.INT_RANGES
+        "arrayAll(x -> isFinite(x), mapValues(busy))",
+        "length(arrayDistinct(mapKeys(busy))) = length(busy)",
+        f"arrayAll(f -> {_FUNCTION_CHECK}, functions)",
+    ]
     + [f"`{name}` IS NOT NULL" for name in _REQUIRED]
 )
 
 
 def _window_input_ddl(database: str) -> list[str]:
-    """The Null input table and the two views that fill ``windows`` and ``functions`` from it."""
+    """The Null input tables and the two views that fill ``windows`` and ``functions``."""
     cols = ",\n    ".join(f"`{name}` {type_}" for name, type_ in _INPUT_COLUMNS)
     t = f"`{database}`.`{WINDOW_INPUT_NAME}`"
 
     def header(names: list[str]) -> str:
         return ", ".join(f"assumeNotNull(`{n}`) AS `{n}`" if n in _REQUIRED else f"`{n}`" for n in names)
 
-    fn = ", ".join(f"f.{i} AS `{name}`" for i, (name, _) in enumerate(_FUNCTION_ROW, 1))
+    fn = ", ".join(
+        f"assumeNotNull(f.{i}) AS `{name}`" if t == "Int64" else f"f.{i} AS `{name}`"
+        for i, (name, t) in enumerate(_FUNCTION_ROW, 1)
+    )
     return [
+        f"CREATE TABLE IF NOT EXISTS `{database}`.`{WINDOW_JSON_NAME}` (\n    json String,\n"
+        f"    CONSTRAINT strict_json CHECK isValidJSON(json)\n)\nENGINE = Null\nCOMMENT '{_INPUT_COMMENT}'",
         f"CREATE TABLE IF NOT EXISTS {t} (\n    {cols},\n    CONSTRAINT complete CHECK {_INPUT_CHECK}\n)\n"
-        f"ENGINE = Null\nCOMMENT '{_COMMENT}'",
+        f"ENGINE = Null\nCOMMENT '{_INPUT_COMMENT}'",
         f"CREATE MATERIALIZED VIEW IF NOT EXISTS `{database}`.`{WINDOW_INPUT_OBJECTS[1]}` TO `{database}`.`windows` "
         f"AS SELECT {header([n for n, _ in _HEADER])}, toInt32(length(functions)) AS n_functions FROM {t}",
         f"CREATE MATERIALIZED VIEW IF NOT EXISTS `{database}`.`{WINDOW_INPUT_OBJECTS[2]}` TO `{database}`.`functions` "
         f"AS SELECT {header([n for n, _ in FUNCTIONS.columns if n not in dict(_FUNCTION_ROW)])}, {fn} "
         f"FROM {t} ARRAY JOIN functions AS f",
     ]
+
+
+def _drop_stale_input(client: Any, database: str, found: dict[str, str]) -> None:
+    """Drop input objects of another WINDOW_INPUT_VERSION (they hold no data) so they are made anew."""
+    if WINDOW_INPUT_NAME not in found or found[WINDOW_INPUT_NAME] == _INPUT_COMMENT:
+        return
+    log.info("replacing the window input objects of %s (found %r)", database, found[WINDOW_INPUT_NAME])
+    for name in WINDOW_INPUT_OBJECTS[1:3]:
+        client.command(f"DROP VIEW IF EXISTS `{database}`.`{name}`")
+    for name in (WINDOW_INPUT_NAME, WINDOW_JSON_NAME):
+        client.command(f"DROP TABLE IF EXISTS `{database}`.`{name}`")
 
 
 def check_identifier(database: str) -> str:
@@ -291,6 +379,7 @@ def ensure_schema(client: Any, database: str = DEFAULT_DATABASE) -> None:
             f"{_COMMENT!r}: use another database or migrate it"
         )
     client.command(f"CREATE DATABASE IF NOT EXISTS `{database}`")
+    _drop_stale_input(client, database, dict(found))
     for table in TABLES.values():
         client.command(table.ddl(database))
     for ddl in _window_input_ddl(database):

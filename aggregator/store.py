@@ -15,18 +15,21 @@ Example::
         store.write(records)
         steps = store.steps("llama-7b-run3", since_step=100)
 
-Every row is checked against its column type before anything is inserted (see :class:`Batch`):
-clickhouse_connect would otherwise coerce ``"7"`` into an Int64 silently, or fail the whole insert
-on one out-of-range integer or unencodable string.
+Wire values are held to the rules of ``profiler_hook.records.decode`` (a JSON integer where an
+integer is due, within range, finite floats, valid Unicode…): each is stored exactly as sent or
+kept as a dead letter with the reason, never changed. Every row is also checked against its column
+type before anything is inserted (see :class:`Batch`): clickhouse_connect would otherwise coerce
+``"7"`` into an Int64 silently, or fail the whole insert on one out-of-range integer.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import clickhouse_connect
 import pandas as pd
@@ -46,18 +49,22 @@ from profiler_hook.records import (
     WindowSummary,
     decode,
 )
+from profiler_hook.records import check as check_record
 
 from .schema import (
     DEAD_LETTERS,
     DEFAULT_DATABASE,
     FUNCTIONS,
     HEARTBEATS,
-    INGEST_OFFSETS,
+    INPUT_SETTINGS,
     JOB_TABLES,
+    QUOTES_FIELD,
     RANKS,
+    SPOOL_OFFSETS,
     STEPS,
     TABLES,
     WINDOW_INPUT_NAME,
+    WINDOW_JSON_NAME,
     WINDOWS,
     Table,
     check_identifier,
@@ -69,6 +76,17 @@ log = logging.getLogger(__name__)
 
 class StoreError(RuntimeError):
     """The store could not be opened, written or read; the message says which and why."""
+
+
+class SpoolOffset(NamedTuple):
+    """How far one spool file has been ingested (see ``aggregator.schema.SPOOL_OFFSETS``)."""
+
+    path: str
+    """The file's path relative to its spool root when the offset was committed (for people)."""
+    offset: int
+    """Bytes ingested."""
+    in_line: bool = False
+    """The offset lies inside an oversized line already dead-lettered: skip to its newline."""
 
 
 # --- checking values against column types -------------------------------------------------------
@@ -86,14 +104,16 @@ def _int_check(lo: int, hi: int) -> Callable[[Any], Any]:
 
 
 def _float(v: Any) -> float:
-    if type(v) is float:
-        return v
-    if type(v) is not int:
+    if type(v) is int:
+        try:
+            v = float(v)
+        except OverflowError:
+            raise ValueError("is too large for Float64") from None
+    elif type(v) is not float:
         raise ValueError("must be a number")
-    try:
-        return float(v)
-    except OverflowError:
-        raise ValueError("is too large for Float64") from None
+    if not math.isfinite(v):
+        raise ValueError("must be finite")
+    return v  # type: ignore[no-any-return]
 
 
 def _str(v: Any) -> str:
@@ -118,6 +138,7 @@ def _map_check(value_check: Callable[[Any], Any]) -> Callable[[Any], Any]:
 
 _Int64 = _int_check(-(1 << 63), 1 << 63)
 _CHECKS: dict[str, Callable[[Any], Any]] = {
+    "UInt8": _int_check(0, 1 << 8),
     "Int32": _int_check(-(1 << 31), 1 << 31),
     "Int64": _Int64,
     "UInt64": _int_check(0, 1 << 64),
@@ -179,7 +200,33 @@ def _record_rows(record: Record) -> list[tuple[Table, tuple[Any, ...]]]:
 
 
 _WINDOW_PREFIX = b'{"v":%d,"type":"window",' % SCHEMA_VERSION
+_QUOTES = QUOTES_FIELD.encode()
 """How the hook's encode() starts a window summary: such values go to ClickHouse's JSON parser."""
+_DIGITS = bytes(48 if 48 <= i <= 57 else 32 for i in range(256))
+"""Maps every digit to ``0`` and every other byte to a space."""
+_LONG_NUMBER = b"0" * 19
+"""A run of 19 digits: a JSON integer that may not fit Int64, where ClickHouse would wrap it."""
+
+RAW_PREFIX_BYTES = 4096
+"""A dead letter's value longer than ``MAX_VALUE_BYTES`` is kept as its first this many bytes."""
+
+
+def _window_quotes(value: bytes) -> int | None:
+    """The ``"`` characters of a window value outside escapes, or None if ClickHouse must not parse it.
+
+    None for a value that is not UTF-8, or that holds a run of 19 digits: ClickHouse would store
+    such a value changed (see ``aggregator.schema``), so Python decodes it instead.
+    """
+    if not value.isascii():
+        try:
+            value.decode()
+        except UnicodeDecodeError:
+            return None
+    if _LONG_NUMBER in value.translate(_DIGITS):
+        return None
+    if b"\\" in value:  # escaped backslashes first: in ``\\"`` the quote ends a string
+        value = value.replace(b"\\\\", b"").replace(b'\\"', b"")
+    return value.count(b'"')
 
 
 def _now_us() -> int:
@@ -196,8 +243,9 @@ class Batch:
 
     def __init__(self) -> None:
         self.rows: dict[str, list[tuple[Any, ...]]] = {}
-        self.window_values: list[tuple[str, str | int, bytes, bytes]] = []
-        """Window summaries as they came (source, position, key, value), for ClickHouse to parse."""
+        self.window_values: list[tuple[str, str | int, bytes, bytes, int]] = []
+        """Window summaries as they came (source, position, key, value, quote characters in the
+        value), for ClickHouse to parse."""
         self.records = 0
         """Records added."""
         self.dead_letters = 0
@@ -212,8 +260,8 @@ class Batch:
         """Take one wire value, or keep it as a dead letter with the reason; never raises.
 
         A window summary in the hook's encoding is kept as bytes: :meth:`Store.write_batch` has
-        ClickHouse parse and check it (see ``aggregator.schema.WINDOW_INPUT_NAME``), which is ~30x
-        faster than checking its few hundred function rows here.
+        ClickHouse parse and check it by the same rules (see ``aggregator.schema.WINDOW_INPUT_NAME``),
+        which is ~6x faster than checking its few hundred function rows here.
         """
         self.nbytes += len(value)
         if (
@@ -222,21 +270,23 @@ class Batch:
             and b'"functions":[' in value
             and b'"busy":{' in value
         ):
-            self.window_values.append((source, position, key, value))
-            self.records += 1
-            return
+            quotes = _window_quotes(value)
+            if quotes is not None:
+                self.window_values.append((source, position, key, value, quotes))
+                self.records += 1
+                return
         self._add_decoded(source, position, key, value)
 
     def check_windows(self) -> None:
         """Check the window values record by record in Python instead: rows, or dead letters."""
         values, self.window_values = self.window_values, []
         self.records -= len(values)
-        for source, position, key, value in values:
+        for source, position, key, value, _ in values:
             self._add_decoded(source, position, key, value)
 
     def _add_decoded(self, source: str, position: str | int, key: bytes, value: bytes) -> None:
         try:
-            self.add(decode(value))
+            self._take(decode(value))  # decode() checked it
         except RecordError as exc:
             self.dead_letter(source, position, key, value, str(exc))
         except Exception as exc:
@@ -248,7 +298,11 @@ class Batch:
             self.dead_letter(source, position, key, value, f"unexpected {type(exc).__name__}: {exc}")
 
     def add(self, record: Record) -> None:
-        """Take one record's rows; raises RecordError (taking nothing) if a value does not fit."""
+        """Take one record's rows; raises RecordError (taking nothing) if a value breaks the rules
+        of ``profiler_hook.records.decode`` or does not fit its column."""
+        self._take(check_record(record))
+
+    def _take(self, record: Record) -> None:
         rows = _record_rows(record)
         for table, row in rows:
             self.rows.setdefault(table.name, []).append(row)
@@ -257,8 +311,12 @@ class Batch:
     def dead_letter(self, source: str, position: str | int, key: bytes, raw: bytes, reason: str) -> None:
         """Keep a value that could not be stored, with where it came from and why.
 
-        Bytes are decoded with ``backslashreplace``: invalid UTF-8 survives as ``\\xNN`` escapes.
+        Bytes are decoded with ``backslashreplace``: invalid UTF-8 survives as ``\\xNN`` escapes. A
+        value over ``MAX_VALUE_BYTES`` is kept as its first ``RAW_PREFIX_BYTES``, the reason saying so.
         """
+        if len(raw) > MAX_VALUE_BYTES:
+            reason = f"{reason} (kept: its first {RAW_PREFIX_BYTES} of {len(raw)} bytes)"
+            raw = raw[:RAW_PREFIX_BYTES]
         row = (
             source,
             str(position),
@@ -401,29 +459,35 @@ class Store:
         batch.dead_letter(source, position, key, raw, reason)
         self.write_batch(batch)
 
-    def set_offsets(self, offsets: Mapping[str, int]) -> None:
-        """Record how far each source has been ingested (bytes into a spool file)."""
+    def set_offsets(self, offsets: Mapping[str, SpoolOffset]) -> None:
+        """Record how far each spool file (by ``aggregator.spool.file_id``) has been ingested."""
         if not offsets:
             return
         # The version column must grow with every commit, even two in the same microsecond, so
         # that the latest commit wins even when it moves an offset backwards.
         now = max(_now_us(), self._last_commit_us + 1)
         self._last_commit_us = now
-        self._insert(INGEST_OFFSETS, [(s, o, now) for s, o in offsets.items()])
+        rows = [(f, o.path, o.offset, int(o.in_line), now) for f, o in offsets.items()]
+        self._insert(SPOOL_OFFSETS, rows)
 
-    def _insert_windows(self, values: list[tuple[str, str | int, bytes, bytes]]) -> None:
+    def _insert_windows(self, values: list[tuple[str, str | int, bytes, bytes, int]]) -> None:
+        """Have ClickHouse check the window values as strict JSON, then parse and store them."""
+        # Parallel parsing costs ~25% more CPU for these ~40 KB rows and gains no time here.
+        settings: dict[str, Any] = {"input_format_parallel_parsing": 0}
         try:
             self._client.raw_insert(
+                f"{self._db}.{WINDOW_JSON_NAME}",
+                insert_block=b"\n".join(v[3] for v in values),
+                settings=settings,
+                # One value per line (a value with a raw newline fails the check: Python decodes it).
+                fmt="LineAsString",
+            )
+            self._client.raw_insert(
                 f"{self._db}.{WINDOW_INPUT_NAME}",
-                insert_block=b"\n".join(v for *_, v in values),
-                # Parallel parsing costs ~25% more CPU for these ~40 KB rows and gains no time here.
+                insert_block=b"\n".join(b'{"%s":%d,%s' % (_QUOTES, q, v[1:]) for *_, v, q in values),
                 # Collapsing replaced rows within the block at insert (optimize_on_insert) costs
                 # ~13% of the CPU per summary; every read is FINAL, which collapses them anyway.
-                settings={
-                    "input_format_skip_unknown_fields": 1,
-                    "input_format_parallel_parsing": 0,
-                    "optimize_on_insert": 0,
-                },
+                settings={**settings, **INPUT_SETTINGS, "optimize_on_insert": 0},
                 fmt="JSONEachRow",
             )
         except ClickHouseError as exc:
@@ -455,18 +519,16 @@ class Store:
 
     # --- read side ------------------------------------------------------------------------------
 
-    def offset(self, source: str) -> int:
-        """How many bytes of ``source`` have been ingested (0 if never)."""
-        rows = self._query(
-            f"SELECT `offset` FROM {self._t(INGEST_OFFSETS)} FINAL WHERE source = {{source:String}}",
-            {"source": source},
-        ).result_rows
-        return int(rows[0][0]) if rows else 0
+    def offset(self, file: str) -> SpoolOffset:
+        """How far the spool file ``file`` (its ``aggregator.spool.file_id``) has been ingested."""
+        return self.offsets(file).get(file, SpoolOffset("", 0))
 
-    def offsets(self) -> dict[str, int]:
-        """Every source's ingested offset, in one query."""
-        rows = self._query(f"SELECT source, `offset` FROM {self._t(INGEST_OFFSETS)} FINAL").result_rows
-        return {source: int(offset) for source, offset in rows}
+    def offsets(self, file: str | None = None) -> dict[str, SpoolOffset]:
+        """Every spool file's ingested offset (only ``file``'s if given), in one query."""
+        where, params = ("WHERE file = {file:String}", {"file": file}) if file is not None else ("", {})
+        sql = f"SELECT file, path, `offset`, in_line FROM {self._t(SPOOL_OFFSETS)} FINAL {where}"
+        rows = self._query(sql, params).result_rows
+        return {f: SpoolOffset(path, int(offset), bool(in_line)) for f, path, offset, in_line in rows}
 
     def jobs(self) -> pd.DataFrame:
         """One row per job: ``job, ranks, world_size, first_us, last_us`` (latest job first)."""

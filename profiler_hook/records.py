@@ -20,7 +20,10 @@ Record types:
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar, NamedTuple
 
@@ -157,43 +160,214 @@ _TYPES: dict[str, type[_Base]] = {c.TYPE: c for c in (RankInfo, StepBatch, Heart
 
 
 def encode(record: Record) -> tuple[bytes, bytes]:
-    """The record's wire key and value."""
+    """The record's wire key and value; raises ValueError for a non-finite float (JSON has none,
+    and the aggregator would refuse it), so the shipper drops and counts such a record."""
     d: dict[str, Any] = {"v": SCHEMA_VERSION, "type": record.TYPE}
     for f in fields(record):
         name, value = f.name, getattr(record, f.name)
         if name in ("rows", "functions"):
             value = [list(r) for r in value]
         d[name] = value
-    return record.key, json.dumps(d, separators=(",", ":")).encode()
+    try:
+        return record.key, json.dumps(d, separators=(",", ":"), allow_nan=False).encode()
+    except ValueError as exc:
+        raise ValueError(f"{record.TYPE} record of {record.key!r} holds a NaN or infinity: {exc}") from None
 
 
-def _rows(raw: Any, row_type: Any, where: str) -> tuple:
-    if not isinstance(raw, list):
-        raise RecordError(f"{where} must be a list of rows")
-    n = len(row_type._fields)
-    out = []
-    for i, r in enumerate(raw):
-        if not isinstance(r, list) or len(r) != n:
-            raise RecordError(f"{where}[{i}] must be a list of {n} values {row_type._fields}")
-        out.append(row_type(*r))
-    return tuple(out)
+# --- the rules a wire value must meet --------------------------------------------------------------
+#
+# decode() applies them all, so that the spool reader and the Kafka consumer (which share it through
+# aggregator.store.Batch) store a value exactly as it was sent or dead-letter it with the reason,
+# never change it: the value is strict JSON (RFC 8259: no NaN or Infinity, no 07 or +7, no trailing
+# comma), no object repeats a key; an integer field holds a JSON integer (not "7", 7.0 or true)
+# within Int64, or the narrower range of INT_RANGES; a float field holds a JSON number (integer or
+# not), read as the nearest double as every JSON reader does, and finite (1e400 is refused); a
+# string field holds a string of valid Unicode (no lone surrogate). Fields a record type does not
+# know are ignored. aggregator.schema holds ClickHouse to the same rules for the window summaries
+# it parses itself.
+
+INT64 = (-(1 << 63), 1 << 63)
+"""Every integer field lies in ``[lo, hi)`` of this or of ``INT_RANGES``."""
+INT_RANGES: dict[str, tuple[int, int]] = {
+    "rank": (0, 1 << 31),
+    "local_rank": (0, 1 << 31),
+    "world_size": (1, 1 << 31),
+}
+"""Integer fields with a narrower range than INT64 (the store keeps them as Int32)."""
 
 
-_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
-    "str": str,
-    "int": int,
-    "float": (int, float),
-    "dict[str, float]": dict,
-    "dict[str, int]": dict,
+def _int(v: Any, lo: int = INT64[0], hi: int = INT64[1]) -> int:
+    if type(v) is not int:  # bool is an int subclass, and JSON true is not a count
+        raise ValueError("int")
+    if not lo <= v < hi:
+        raise ValueError(f"int in [{lo}, {hi})")
+    return v
+
+
+def _float(v: Any) -> float:
+    if type(v) is int:
+        try:
+            v = float(v)
+        except OverflowError:
+            raise ValueError("a finite float") from None
+    elif type(v) is not float:
+        raise ValueError("float")
+    if not math.isfinite(v):
+        raise ValueError("a finite float")
+    return v  # type: ignore[no-any-return]
+
+
+def _str(v: Any) -> str:
+    if type(v) is not str:
+        raise ValueError("str")
+    if not v.isascii():
+        try:
+            v.encode()
+        except UnicodeEncodeError:  # a lone surrogate from a JSON "\ud800" escape
+            raise ValueError("valid Unicode") from None
+    return v
+
+
+def _map(check: Callable[[Any], Any], what: str) -> Callable[[Any], Any]:
+    def checked(v: Any) -> Any:
+        if type(v) is not dict:
+            raise ValueError(what)
+        try:
+            return {_str(k): check(x) for k, x in v.items()}
+        except ValueError:
+            raise ValueError(what) from None
+
+    return checked
+
+
+_CHECKS: dict[str, Callable[[Any], Any]] = {
+    "int": _int,
+    "float": _float,
+    "str": _str,
+    "dict[str, float]": _map(_float, "dict[str, float] of finite floats"),
+    "dict[str, int]": _map(_int, "dict[str, int] of Int64 integers"),
 }
 
 
+def _check(name: str, type_: str) -> Callable[[Any], Any]:
+    if name in INT_RANGES:
+        lo, hi = INT_RANGES[name]
+        return lambda v: _int(v, lo, hi)
+    return _CHECKS[type_]
+
+
+_ROW_CHECKS = {
+    # NamedTuple annotations are ForwardRef('int') under ``from __future__ import annotations``.
+    row_type: tuple(
+        _check(name, getattr(t, "__forward_arg__", str(t))) for name, t in row_type.__annotations__.items()
+    )
+    for row_type in (StepRow, FunctionPattern)
+}
+
+
+_ROW_TYPES = {
+    row_type: tuple(
+        {"int": int, "float": float, "str": str}[getattr(t, "__forward_arg__", str(t))]
+        for t in row_type.__annotations__.values()
+    )
+    for row_type in (StepRow, FunctionPattern)
+}
+"""Each row type's value types (NamedTuple annotations are ForwardRef('int') here)."""
+if INT_RANGES.keys() & {*StepRow._fields, *FunctionPattern._fields}:
+    raise ImportError("a row column with a narrower range would pass _plainly_valid unchecked")
+
+
+def _plainly_valid(rows: Sequence[Any], types: tuple[type, ...]) -> bool:
+    """A fast check, column by column, of the common rows: lists of values of their exact types
+    (floats as floats), integers within Int64, finite floats, ASCII strings."""
+    if not set(map(type, rows)) <= {list, tuple} or set(map(len, rows)) != {len(types)}:
+        return False
+    for t, column in zip(types, zip(*rows, strict=True), strict=True):
+        if set(map(type, column)) != {t}:
+            return False
+        if t is int and not (INT64[0] <= min(column) and max(column) < INT64[1]):
+            return False
+        if t is float and not all(map(math.isfinite, column)):
+            return False
+        if t is str and not all(map(str.isascii, column)):
+            return False
+    return True
+
+
+def _rows(raw: Any, row_type: Any, where: str) -> tuple:
+    if type(raw) is not list and type(raw) is not tuple:
+        raise RecordError(f"{where} must be a list of rows")
+    if not raw or _plainly_valid(raw, _ROW_TYPES[row_type]):
+        return tuple(map(tuple.__new__, itertools.repeat(row_type), raw))
+    names = row_type._fields
+    checks = _ROW_CHECKS[row_type]
+    n = len(names)
+    out = []
+    for i, r in enumerate(raw):
+        if (type(r) is not list and not isinstance(r, tuple)) or len(r) != n:
+            raise RecordError(f"{where}[{i}] must be a list of {n} values {names}")
+        try:
+            out.append(row_type._make([check(x) for check, x in zip(checks, r, strict=True)]))
+        except ValueError:
+            for name, check, x in zip(names, checks, r, strict=True):
+                try:
+                    check(x)
+                except ValueError as exc:
+                    raise RecordError(f"{where}[{i}].{name} must be {exc}, got {x!r:.80}") from None
+            raise
+    return tuple(out)
+
+
+def _fields_of(cls: type[_Base], get: Callable[[str], Any], has: Callable[[str], bool]) -> dict[str, Any]:
+    """The checked constructor arguments of ``cls`` from ``get``; raises RecordError."""
+    kwargs: dict[str, Any] = {}
+    for f in fields(cls):
+        name = f.name
+        if not has(name):
+            if f.default is not MISSING or f.default_factory is not MISSING:
+                continue
+            raise RecordError(f"{cls.TYPE} record lacks field {name!r}")
+        value = get(name)
+        if name == "rows":
+            value = _rows(value, StepRow, "rows")
+        elif name == "functions":
+            value = _rows(value, FunctionPattern, "functions")
+        else:
+            try:
+                value = _check(name, str(f.type))(value)
+            except ValueError as exc:
+                raise RecordError(f"field {name!r} must be {exc}, got {value!r:.80}") from None
+        kwargs[name] = value
+    return kwargs
+
+
+def check(record: Record) -> Record:
+    """``record`` if its values meet the rules decode() applies; raises RecordError otherwise."""
+    _fields_of(type(record), lambda name: getattr(record, name), lambda name: True)
+    return record
+
+
+def _refuse_constant(name: str) -> Any:
+    raise RecordError(f"{name} is not a JSON number: non-finite numbers are refused")
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        seen: set[str] = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise RecordError(f"an object repeats the key {dup!r:.80}")
+    return d
+
+
 def decode(value: bytes) -> Record:
-    """Parse and validate one wire value; raises RecordError with the reason."""
+    """Parse and validate one wire value; raises RecordError with the reason (see the rules above)."""
     if len(value) > MAX_VALUE_BYTES:
         raise RecordError(f"value of {len(value)} bytes exceeds the {MAX_VALUE_BYTES}-byte limit")
     try:
-        d = json.loads(value)
+        d = json.loads(value, parse_constant=_refuse_constant, object_pairs_hook=_object)
+    except RecordError:
+        raise
     except (ValueError, RecursionError) as exc:
         # ValueError covers JSONDecodeError, UnicodeDecodeError and ints over Python's digit limit;
         # RecursionError a deeply nested array. Either must be a RecordError, or one bad line
@@ -201,27 +375,11 @@ def decode(value: bytes) -> Record:
         raise RecordError(f"not JSON: {exc}") from exc
     if not isinstance(d, dict):
         raise RecordError("value is not a JSON object")
-    if d.get("v") != SCHEMA_VERSION:
-        raise RecordError(f"unknown schema version {d.get('v')!r} (this reader knows {SCHEMA_VERSION})")
+    version = d.get("v")
+    if type(version) is not int or version != SCHEMA_VERSION:
+        raise RecordError(f"unknown schema version {version!r:.80} (this reader knows {SCHEMA_VERSION})")
     rtype = d.get("type")
     cls = _TYPES.get(rtype) if isinstance(rtype, str) else None  # an unhashable type would raise TypeError
     if cls is None:
-        raise RecordError(f"unknown record type {d.get('type')!r}")
-    kwargs: dict[str, Any] = {}
-    for f in fields(cls):
-        name = f.name
-        if name not in d:
-            if f.default is not MISSING or f.default_factory is not MISSING:
-                continue
-            raise RecordError(f"{cls.TYPE} record lacks field {name!r}")
-        field_value: Any = d[name]
-        if name == "rows":
-            field_value = _rows(field_value, StepRow, "rows")
-        elif name == "functions":
-            field_value = _rows(field_value, FunctionPattern, "functions")
-        else:
-            want = _FIELD_TYPES.get(str(f.type))
-            if want is not None and (not isinstance(field_value, want) or isinstance(field_value, bool)):
-                raise RecordError(f"field {name!r} must be {f.type}, got {field_value!r:.80}")
-        kwargs[name] = field_value
-    return cls(**kwargs)  # type: ignore[return-value]
+        raise RecordError(f"unknown record type {rtype!r:.80}")
+    return cls(**_fields_of(cls, d.__getitem__, d.__contains__))  # type: ignore[return-value]

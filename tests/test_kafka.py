@@ -423,6 +423,14 @@ def test_malformed_messages_are_dead_lettered_with_the_reason_and_the_rest_is_st
     bad_window["functions"][3][3] = "many"  # a call count
     no_job = json.loads(encode(good[-1])[1])
     del no_job["job"]
+    # What ClickHouse's JSON parser would have stored changed: a wrapped count, "7", NaN; and rank -1.
+    wrapped, quoted, nan = (json.loads(encode(good[-1])[1]) for _ in range(3))
+    wrapped["functions"][0][3] = 99999999999999999999
+    quoted["functions"][0][3] = "7"
+    nan["functions"][0][9] = float("nan")
+    heartbeat = json.loads(
+        encode(Heartbeat(job="dl", rank=0, host="h", time_us=1, step=1, progress_age_s=1.0))[1]
+    )
     oversized = json.dumps({"v": 1, "type": "heartbeat", "stack": "x" * MAX_VALUE_BYTES}).encode()
     bad: list[tuple[bytes | None, bytes | None]] = [
         (b"dl/0", b"\xff\xfenot json"),
@@ -435,6 +443,9 @@ def test_malformed_messages_are_dead_lettered_with_the_reason_and_the_rest_is_st
         # insert, and the batch is then checked record by record.
         (b"dl/0", json.dumps(bad_window, separators=(",", ":")).encode()),
         (b"dl/0", json.dumps(no_job, separators=(",", ":")).encode()),
+        *((b"dl/0", json.dumps(d, separators=(",", ":")).encode()) for d in (wrapped, quoted, nan)),
+        (b"dl/0", json.dumps({**heartbeat, "rank": -1}).encode()),
+        (b"dl/0", json.dumps({**heartbeat, "progress_age_s": float("inf")}).encode()),
     ]
     # One partition keyed by one rank: good and bad messages interleave in a known order.
     produce(broker, "dl", [encode(good[0]), *bad[:3], *(encode(r) for r in good[1:]), *bad[3:]])
@@ -453,14 +464,19 @@ def test_malformed_messages_are_dead_lettered_with_the_reason_and_the_rest_is_st
     assert by_order[0].startswith("not JSON")
     assert "unknown schema version 99" in by_order[1]
     assert "unknown record type 'gossip'" in by_order[2]
-    assert "steps.start_us must be an integer" in by_order[3]
-    assert "exceeds the 1048576-byte limit" in by_order[4]
+    assert "rows[0].start_us must be int, got 'yesterday'" in by_order[3]
+    assert f"exceeds the 1048576-byte limit (kept: its first 4096 of {len(oversized)} bytes)" in by_order[4]
     assert "not JSON" in by_order[5]  # an empty (null) value
-    assert "functions.count must be an integer, got 'many'" in by_order[6]
+    assert "functions[3].count must be int, got 'many'" in by_order[6]
     assert "window record lacks field 'job'" in by_order[7]
+    assert "functions[0].count must be int in [" in by_order[8]
+    assert "functions[0].count must be int, got '7'" in by_order[9]
+    assert "NaN is not a JSON number" in by_order[10]
+    assert "field 'rank' must be int in [0, 2147483648), got -1" in by_order[11]
+    assert "Infinity is not a JSON number" in by_order[12]
     raw = letters.set_index(letters["position"].astype(int))["raw"]
     assert raw[min(reasons)] == "\\xff\\xfenot json"  # the raw bytes, invalid UTF-8 escaped
-    assert len(raw[sorted(reasons)[4]]) == len(oversized)
+    assert raw[sorted(reasons)[4]] == oversized[:4096].decode()  # its start only
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     assert f"rankscope_aggregator_dead_letters_total {float(len(bad))}" in text
     assert f"rankscope_aggregator_stored_total {float(len(good))}" in text
