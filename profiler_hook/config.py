@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from dataclasses import dataclass, field
 from typing import Any
+
+log = logging.getLogger(__name__)
+_warned_shared_job = False
 
 
 @dataclass(kw_only=True, slots=True)
@@ -15,7 +19,9 @@ class Config:
     enable: bool = True
     """False turns every hook call into a no-op."""
     job: str = ""
-    """Job id shared by all ranks; default: $RANKSCOPE_JOB, $TORCHELASTIC_RUN_ID or 'default'."""
+    """Job id shared by all ranks; default: $RANKSCOPE_JOB, $TORCHELASTIC_RUN_ID or 'default'. A
+    ``TORCHELASTIC_RUN_ID`` of ``none`` (multi-node torchrun without ``--rdzv-id``) is used but
+    warned about once per process: unrelated runs would share that job id."""
     spool_dir: str = ""
     """Where the spool sink appends records; default: $RANKSCOPE_SPOOL or ./rankscope-spool."""
     sink: str = "spool"
@@ -68,6 +74,8 @@ class Config:
             raise ValueError(f"Config.trigger_ratio must be 0 or > 1, got {self.trigger_ratio}")
         if self.sink not in ("spool", "kafka", "none"):
             raise ValueError(f"Config.sink must be 'spool', 'kafka' or 'none', got {self.sink!r}")
+        if not self.job and not os.environ.get("RANKSCOPE_JOB"):
+            _warn_shared_job(os.environ.get("TORCHELASTIC_RUN_ID", ""))
         self.job = (
             self.job or os.environ.get("RANKSCOPE_JOB") or os.environ.get("TORCHELASTIC_RUN_ID") or "default"
         )
@@ -75,6 +83,17 @@ class Config:
         self.kafka_bootstrap = self.kafka_bootstrap or os.environ.get("RANKSCOPE_KAFKA", "")
         if self.sink == "kafka" and not self.kafka_bootstrap:
             raise ValueError("Config.kafka_bootstrap (or $RANKSCOPE_KAFKA) is required with sink='kafka'")
+
+
+def _warn_shared_job(run_id: str) -> None:
+    global _warned_shared_job
+    if run_id == "none" and not _warned_shared_job:
+        _warned_shared_job = True
+        log.warning(
+            "rankscope: the job id falls back to TORCHELASTIC_RUN_ID=none (torchrun without "
+            "--rdzv-id): unrelated runs would share the job 'none'; pass job= to attach(), set "
+            "$RANKSCOPE_JOB, or give torchrun --rdzv-id"
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

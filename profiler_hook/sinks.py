@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -28,8 +30,36 @@ class NullSink:
         pass
 
 
+_SAFE = "-_.+=@,~"
+"""Characters besides ASCII letters and digits that a path component keeps as they are."""
+MAX_COMPONENT_CHARS = 120
+"""A longer component is cut and given a hash of the whole name, to stay well within a file name."""
+
+
+def path_component(name: str) -> str:
+    """``name`` as one file-name component that always stays inside its directory.
+
+    Characters other than ASCII letters, digits and ``-_.+=@,~`` are percent-encoded (``/`` as
+    ``%2F``, NUL as ``%00``, ``é`` as ``%C3%A9``; a lone surrogate as its UTF-8 bytes), so different
+    names stay different; a leading dot becomes ``%2E`` (no ``.``, ``..`` or hidden files), an empty
+    name ``%``; one over ``MAX_COMPONENT_CHARS`` keeps its start and a hash of the whole name.
+    Example: ``path_component("../../x") == "%2E.%2F..%2Fx"``.
+    """
+    safe = urllib.parse.quote(name, safe=_SAFE, errors="surrogatepass")
+    if safe.startswith("."):
+        safe = "%2E" + safe[1:]
+    if len(safe) > MAX_COMPONENT_CHARS:
+        digest = hashlib.sha256(name.encode(errors="surrogatepass")).hexdigest()[:16]
+        safe = f"{safe[: MAX_COMPONENT_CHARS - 17]}-{digest}"
+    return safe or "%"
+
+
 class SpoolSink:
     """Appends one JSON value per line to ``<spool>/<job>/<host>-rank<R>-<pid>.jsonl``.
+
+    ``<job>`` and ``<host>`` are made safe by :func:`path_component`, so that the file is always
+    inside ``<spool>/<job>/`` whatever the job id or ``$RANKSCOPE_HOST`` hold (``../../x``, an
+    absolute path, a NUL, 5,000 characters); the records carry the job id and host unchanged.
 
     One file per process, so a line is only ever appended by one writer. A crash can leave the last
     line without its newline; readers treat such a line as unfinished and never consume it, and a
@@ -37,9 +67,9 @@ class SpoolSink:
     """
 
     def __init__(self, spool_dir: str | os.PathLike[str], job: str, ident: Identity) -> None:
-        directory = Path(spool_dir) / job
+        directory = Path(spool_dir) / path_component(job)
         directory.mkdir(parents=True, exist_ok=True)
-        self.path = directory / f"{ident.host}-rank{ident.rank}-{ident.pid}.jsonl"
+        self.path = directory / f"{path_component(ident.host)}-rank{ident.rank}-{ident.pid}.jsonl"
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self._torn = False
 

@@ -596,13 +596,13 @@ def test_a_job_id_falling_back_to_none_is_warned_about_once(
     """Multi-node torchrun without --rdzv-id sets TORCHELASTIC_RUN_ID=none: unrelated runs would share it."""
     monkeypatch.delenv("RANKSCOPE_JOB", raising=False)
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
-    monkeypatch.setattr(profiler_hook.config, "_warned_shared_job", False)
+    monkeypatch.setattr(profiler_hook.config, "_warned_shared_job", False, raising=False)
     with caplog.at_level(logging.WARNING, logger="profiler_hook.config"):
         assert [Config().job, Config().job] == ["none", "none"]
         Config(job="chosen")
     assert len(caplog.records) == 1 and "TORCHELASTIC_RUN_ID=none" in caplog.text
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "3f2a")
-    monkeypatch.setattr(profiler_hook.config, "_warned_shared_job", False)
+    monkeypatch.setattr(profiler_hook.config, "_warned_shared_job", False, raising=False)
     caplog.clear()
     assert Config().job == "3f2a" and not caplog.records
 
