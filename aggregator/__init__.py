@@ -11,6 +11,7 @@ Example::
 
 from __future__ import annotations
 
+from .errors import RankscopeError, UsageError
 from .schema import SCHEMA_VERSION, SchemaError, ensure_schema
 from .spool import IngestStats, ingest
 from .store import Batch, Store, StoreError
@@ -19,9 +20,11 @@ __all__ = [
     "SCHEMA_VERSION",
     "Batch",
     "IngestStats",
+    "RankscopeError",
     "SchemaError",
     "Store",
     "StoreError",
+    "UsageError",
     "ensure_schema",
     "ingest",
 ]

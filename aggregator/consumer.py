@@ -24,6 +24,7 @@ Example::
 
 from __future__ import annotations
 
+import difflib
 import logging
 import queue
 import threading
@@ -35,6 +36,7 @@ from typing import Any
 
 from profiler_hook.sinks import api_version_kwargs
 
+from .errors import UsageError
 from .metrics import Metrics
 from .store import Batch, Store, StoreError
 
@@ -51,7 +53,25 @@ class KafkaSettings:
     api_version: str = ""
     """E.g. ``"0.9"`` for the test broker; leave empty in production (the client probes)."""
     options: dict[str, Any] = field(default_factory=dict)
-    """Passed through to ``KafkaConsumer`` (SASL/SSL settings, fetch sizes…)."""
+    """Passed through to ``KafkaConsumer`` (SASL/SSL settings, fetch sizes…); see :meth:`check`."""
+
+    def check(self) -> None:
+        """Refuse (:class:`~aggregator.errors.UsageError`) an option ``KafkaConsumer`` does not know,
+        or one whose value is not of the type of its default (``session_timeout_ms="abc"``): the
+        client would take it and fail later, deep inside, or never."""
+        from kafka import KafkaConsumer
+
+        defaults = KafkaConsumer.DEFAULT_CONFIG
+        for key, value in self.options.items():
+            if key not in defaults:
+                near = difflib.get_close_matches(key, defaults, n=1)
+                hint = f" (did you mean {near[0]}?)" if near else ""
+                raise UsageError(f"unknown Kafka consumer option {key!r}{hint}")
+            want = _option_type(defaults[key])
+            if want is not None and not _is_a(value, want):
+                raise UsageError(
+                    f"Kafka option {key}={value!r} must be {_TYPE_NAMES[want]} (its default is {defaults[key]!r})"
+                )
 
     def consumer_kwargs(self) -> dict[str, Any]:
         kw: dict[str, Any] = {
@@ -65,10 +85,36 @@ class KafkaSettings:
             "heartbeat_interval_ms": 3_000,
             # Summaries are up to 1 MB; fetch several per partition per round trip.
             "max_partition_fetch_bytes": 8 << 20,
+            # One attempt to reach a broker when the API version is probed (see Aggregator._connect).
+            "bootstrap_timeout_ms": 10_000,
             **self.options,
         }
         kw.update(api_version_kwargs(self.api_version))
         return kw
+
+
+_TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+def _option_type(default: Any) -> type | None:
+    """The type a Kafka option must have, from its default value; None where any goes."""
+    return next((t for t in _TYPE_NAMES if type(default) is t), None)
+
+
+def _is_a(value: Any, want: type) -> bool:
+    if want is float:
+        return type(value) in (int, float)
+    return type(value) is want  # bool is not an int here, nor an int a bool
+
+
+def _bootstrapped(consumer: Any) -> bool:
+    """Whether ``consumer`` has reached a broker and read the cluster's metadata.
+
+    kafka-python 3 tells it only through its connection manager (``KafkaConsumer.bootstrap`` can
+    block for good once a background bootstrap without a deadline is under way); a client without
+    that attribute is taken as bootstrapped, as before.
+    """
+    return bool(getattr(getattr(consumer, "_manager", None), "bootstrapped", True))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -162,12 +208,14 @@ class Aggregator:
     def run(self, stop: threading.Event | None = None, idle_exit_s: float | None = None) -> AggregateStats:
         """Consume until ``stop`` is set (or, with ``idle_exit_s``, once idle that long: see :meth:`_drained`).
 
-        Stores and commits the pending batch before returning. Broker outages are waited out: the
-        client reconnects with backoff and this loop keeps polling.
+        Stores and commits the pending batch before returning. Broker outages are waited out, at
+        start-up too (see :meth:`_connect`): the client reconnects with backoff and this loop keeps
+        polling; the idle time counts only while a broker answers. Raises
+        :class:`~aggregator.errors.UsageError` for Kafka options the client does not take.
         """
-        from kafka import ConsumerRebalanceListener, KafkaConsumer
-        from kafka.errors import KafkaError
+        from kafka import ConsumerRebalanceListener
 
+        self.kafka.check()
         use_isal_gzip()
         agg = self
 
@@ -189,43 +237,11 @@ class Aggregator:
             self._stores.put(st)
         self._writer = ThreadPoolExecutor(max_workers=self._writers, thread_name_prefix="rankscope-writer")
         try:
-            self._consumer = KafkaConsumer(**self.kafka.consumer_kwargs())
-            self._consumer.subscribe([self.kafka.topic], listener=_Listener())
-            log.info("aggregator started", extra={"topic": self.kafka.topic, "group": self.kafka.group})
-            last_message = time.monotonic()
-            away = False  # the last idle check found the broker away
-            while not self._stop.is_set():
-                try:
-                    polled = self._consumer.poll(
-                        timeout_ms=self._poll_ms(), max_records=self.batching.records
-                    )
-                except KafkaError as exc:  # the broker is away: keep the batch, wait, poll again
-                    log.warning("Kafka poll failed; retrying: %s", exc)
-                    polled = {}
-                    self._stop.wait(self.batching.retry_s)
-                n = 0
-                for messages in polled.values():
-                    for m in messages:
-                        self._take(m)
-                    n += len(messages)
-                if n:
-                    last_message = time.monotonic()
-                    self._update_lag()
-                if self._due():
-                    self._flush()
-                else:
-                    self._finish(wait=False)  # commit what is stored already
-                if idle_exit_s is not None and time.monotonic() - last_message >= idle_exit_s:
-                    drained = self._drained()
-                    if drained and not away:
-                        log.info(
-                            "no messages for %.1f s and the group has read the topic; stopping", idle_exit_s
-                        )
-                        break
-                    # Ask again in a second; but once the broker is back from an outage the quiet
-                    # starts over, as producers need a moment to send what they held.
-                    last_message = time.monotonic() - (0.0 if drained else idle_exit_s - 1.0)
-                    away = drained is None
+            self._consumer = self._connect()
+            if self._consumer is not None:  # None: stopped before a broker answered
+                self._consumer.subscribe([self.kafka.topic], listener=_Listener())
+                log.info("aggregator started", extra={"topic": self.kafka.topic, "group": self.kafka.group})
+                self._consume(idle_exit_s)
             self._flush(wait=True)
         finally:
             # No autocommit: only what was stored above is committed.
@@ -250,6 +266,94 @@ class Aggregator:
         self._stop.set()
 
     # --- internals ------------------------------------------------------------------------------
+
+    def _connect(self) -> Any:
+        """A consumer that has reached a broker; None if :meth:`stop` came first.
+
+        No broker answering at start-up is an outage like one mid-run, and is waited out the same
+        way, for as long as it lasts (with ``idle_exit_s`` too: quiet while no broker answers is
+        not idle). Without an API version the client asks a broker for it while it is made, for up
+        to ``bootstrap_timeout_ms`` (10 s), and raises if none answers: it is made again after
+        ``retry_s``. With an API version it is made at once and reaches a broker in the background,
+        reconnecting with backoff (up to ``reconnect_backoff_max_ms``, 30 s), as it does mid-run;
+        until then the idle check's metadata request would block, so this waits for it here.
+        """
+        from kafka import KafkaConsumer
+        from kafka.errors import KafkaConfigurationError, KafkaError
+
+        kwargs = self.kafka.consumer_kwargs()
+        make_client = kwargs.get("kafka_client", KafkaConsumer.DEFAULT_CONFIG["kafka_client"])
+        where = self.kafka.bootstrap
+        t0 = time.monotonic()
+        warned = t0
+        made: list[Any] = []  # the clients an attempt made, to close if it fails
+
+        def client(**config: Any) -> Any:
+            made.append(make_client(**config))
+            return made[-1]
+
+        while not self._stop.is_set():
+            made.clear()
+            try:
+                consumer = KafkaConsumer(**{**kwargs, "kafka_client": client})
+            except KafkaConfigurationError as exc:
+                for c in made:
+                    c.close()
+                raise UsageError(f"Kafka consumer settings refused: {exc}") from None
+            except KafkaError as exc:
+                for c in made:  # the half-made consumer's network thread and sockets
+                    c.close()
+                log.warning(
+                    "no Kafka broker answers at %s (for %.0f s now): %s; trying again in %.1f s",
+                    where, time.monotonic() - t0, exc, self.batching.retry_s,
+                )  # fmt: skip
+                self._stop.wait(self.batching.retry_s)
+                continue
+            while not _bootstrapped(consumer) and not self._stop.wait(0.1):
+                if time.monotonic() - warned >= 10:
+                    warned = time.monotonic()
+                    log.warning("no Kafka broker answers at %s (for %.0f s now); waiting", where, warned - t0)
+            if _bootstrapped(consumer):
+                if time.monotonic() - t0 >= 1:
+                    log.warning("a Kafka broker at %s answers after %.0f s", where, time.monotonic() - t0)
+                return consumer
+            consumer.close(autocommit=False)
+        return None
+
+    def _consume(self, idle_exit_s: float | None) -> None:
+        """The loop of :meth:`run`: poll, batch, store, commit; until stopped or idle."""
+        from kafka.errors import KafkaError
+
+        last_message = time.monotonic()
+        away = False  # the last idle check found the broker away
+        while not self._stop.is_set():
+            try:
+                polled = self._consumer.poll(timeout_ms=self._poll_ms(), max_records=self.batching.records)
+            except KafkaError as exc:  # the broker is away: keep the batch, wait, poll again
+                log.warning("Kafka poll failed; retrying: %s", exc)
+                polled = {}
+                self._stop.wait(self.batching.retry_s)
+            n = 0
+            for messages in polled.values():
+                for m in messages:
+                    self._take(m)
+                n += len(messages)
+            if n:
+                last_message = time.monotonic()
+                self._update_lag()
+            if self._due():
+                self._flush()
+            else:
+                self._finish(wait=False)  # commit what is stored already
+            if idle_exit_s is not None and time.monotonic() - last_message >= idle_exit_s:
+                drained = self._drained()
+                if drained and not away:
+                    log.info("no messages for %.1f s and the group has read the topic; stopping", idle_exit_s)
+                    break
+                # Ask again in a second; but once the broker is back from an outage the quiet
+                # starts over, as producers need a moment to send what they held.
+                last_message = time.monotonic() - (0.0 if drained else idle_exit_s - 1.0)
+                away = drained is None
 
     def _poll_ms(self) -> int:
         if not len(self._batch):

@@ -18,6 +18,8 @@ from typing import Any
 
 from profiler_hook.records import SCHEMA_VERSION as WIRE_VERSION
 
+from .errors import RankscopeError
+
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
@@ -26,7 +28,7 @@ _COMMENT = f"rankscope schema {SCHEMA_VERSION}"
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
-class SchemaError(RuntimeError):
+class SchemaError(RankscopeError, RuntimeError):
     """The database holds tables this version cannot use, or its name is not a plain identifier."""
 
 
@@ -246,7 +248,7 @@ WINDOW_INPUT_NAME = "window_input"
 WINDOW_JSON_NAME = "window_json"
 WINDOW_INPUT_OBJECTS = (WINDOW_INPUT_NAME, "windows_from_input", "functions_from_input", WINDOW_JSON_NAME)
 """The input tables and views (all store nothing)."""
-WINDOW_INPUT_VERSION = 2
+WINDOW_INPUT_VERSION = 3
 """Version of the input objects; a store holding another has them replaced (they hold no data)."""
 _INPUT_COMMENT = f"{_COMMENT}, window input {WINDOW_INPUT_VERSION}"
 INPUT_SETTINGS = {
@@ -309,6 +311,7 @@ _INPUT_CHECK = " AND ".join(
         f"v = {WIRE_VERSION}",
         "type = 'window'",
         "rank BETWEEN 0 AND 2147483647",  # records.INT_RANGES
+        "dur_us >= 0",  # records.INT_RANGES
         "arrayAll(x -> isFinite(x), mapValues(busy))",
         "length(arrayDistinct(mapKeys(busy))) = length(busy)",
         f"arrayAll(f -> {_FUNCTION_CHECK}, functions)",

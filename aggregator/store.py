@@ -51,6 +51,8 @@ from profiler_hook.records import (
 )
 from profiler_hook.records import check as check_record
 
+from .embedded import fd2_captured, open_problem, path_problem
+from .errors import RankscopeError
 from .schema import (
     DEAD_LETTERS,
     DEFAULT_DATABASE,
@@ -74,7 +76,7 @@ from .schema import (
 log = logging.getLogger(__name__)
 
 
-class StoreError(RuntimeError):
+class StoreError(RankscopeError, RuntimeError):
     """The store could not be opened, written or read; the message says which and why."""
 
 
@@ -229,6 +231,10 @@ def _window_quotes(value: bytes) -> int | None:
     return value.count(b'"')
 
 
+_STORAGE_FAILURES = ("NOT_ENOUGH_SPACE", "No space left on device", "Read-only file system")
+"""In a refused insert's message: the store cannot write, whatever the values."""
+
+
 def _now_us() -> int:
     return time.time_ns() // 1000
 
@@ -347,20 +353,39 @@ class Store:
         ensure_schema(client, database)
 
     @classmethod
-    def embedded(cls, path: str | os.PathLike[str], database: str = DEFAULT_DATABASE) -> Store:
-        """Open (or create) a chDB store in directory ``path``, inside this process.
+    def embedded(
+        cls, path: str | os.PathLike[str], database: str = DEFAULT_DATABASE, create: bool = True
+    ) -> Store:
+        """Open (or, with ``create``, create) a chDB store in directory ``path``, inside this process.
 
         Stores on the same path share chDB's one engine per process; opening a different path
-        while one is open, or a path another process holds, raises :class:`StoreError`.
+        while one is open, or a path another process holds, raises :class:`StoreError`. So does a
+        path that is not a directory, a directory that holds files but no chDB store, and without
+        ``create`` a path that holds no rankscope store (no ``database``): nothing is made there.
         """
         abspath = os.path.abspath(os.fspath(path))
+        check_identifier(database)  # before chDB makes the directory
+        problem = path_problem(abspath, create)
+        if problem:
+            raise StoreError(problem)
+        printed: list[bytes] = []
         try:
-            client = clickhouse_connect.get_client(interface="chdb", path=abspath)
+            with fd2_captured(printed):
+                client = clickhouse_connect.get_client(interface="chdb", path=abspath)
         except ClickHouseError as exc:
-            raise StoreError(
-                f"cannot open the chDB store at {abspath}: {exc}. chDB allows one data directory per "
-                "process, and one process per directory: close the other Store, or stop the other process"
-            ) from exc
+            raise StoreError(open_problem(abspath, exc, b"".join(printed))) from exc
+        if not create:
+            try:
+                found = client.query(
+                    "SELECT count() FROM system.databases WHERE name = {db:String}",
+                    parameters={"db": database},
+                ).result_rows[0][0]
+            except BaseException:
+                client.close()
+                raise
+            if not found:
+                client.close()
+                raise StoreError(f"{abspath} is not a rankscope store (it has no database {database!r})")
         store = cls._owning(client, database)
         store.reopen = lambda: cls.embedded(abspath, database)
         return store
@@ -445,8 +470,8 @@ class Store:
             try:
                 self._insert_windows(batch.window_values)
             except StoreError as exc:
-                if not self._answers():
-                    raise
+                if not self._answers() or any(e in str(exc) for e in _STORAGE_FAILURES):
+                    raise  # not the values' fault: checking them one by one would fail the same way
                 log.warning("ClickHouse refused window summaries (%s); checking them one by one", exc)
                 batch.check_windows()
         for name, rows in batch.rows.items():

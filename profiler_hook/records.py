@@ -192,8 +192,11 @@ INT_RANGES: dict[str, tuple[int, int]] = {
     "rank": (0, 1 << 31),
     "local_rank": (0, 1 << 31),
     "world_size": (1, 1 << 31),
+    # A step's durations and counts, and a window's length, cannot be negative.
+    **dict.fromkeys(("dur_us", "data_us", "comm_us", "n_coll", "cpu_us", "nivcsw"), (0, INT64[1])),
+    "first_coll_us": (-1, INT64[1]),  # -1: the step entered no collective
 }
-"""Integer fields with a narrower range than INT64 (the store keeps them as Int32)."""
+"""Integer fields with a narrower range than INT64 (Int32 columns; durations and counts)."""
 
 
 def _int(v: Any, lo: int = INT64[0], hi: int = INT64[1]) -> int:
@@ -273,19 +276,22 @@ _ROW_TYPES = {
     for row_type in (StepRow, FunctionPattern)
 }
 """Each row type's value types (NamedTuple annotations are ForwardRef('int') here)."""
-if INT_RANGES.keys() & {*StepRow._fields, *FunctionPattern._fields}:
-    raise ImportError("a row column with a narrower range would pass _plainly_valid unchecked")
+_ROW_RANGES = {
+    row_type: tuple(INT_RANGES.get(name, INT64) for name in row_type._fields)
+    for row_type in (StepRow, FunctionPattern)
+}
+"""Each row type's integer ranges (INT64 unless INT_RANGES says otherwise), column by column."""
 
 
-def _plainly_valid(rows: Sequence[Any], types: tuple[type, ...]) -> bool:
+def _plainly_valid(rows: Sequence[Any], types: tuple[type, ...], ranges: tuple[tuple[int, int], ...]) -> bool:
     """A fast check, column by column, of the common rows: lists of values of their exact types
-    (floats as floats), integers within Int64, finite floats, ASCII strings."""
+    (floats as floats), integers within their ranges, finite floats, ASCII strings."""
     if not set(map(type, rows)) <= {list, tuple} or set(map(len, rows)) != {len(types)}:
         return False
-    for t, column in zip(types, zip(*rows, strict=True), strict=True):
+    for t, (lo, hi), column in zip(types, ranges, zip(*rows, strict=True), strict=True):
         if set(map(type, column)) != {t}:
             return False
-        if t is int and not (INT64[0] <= min(column) and max(column) < INT64[1]):
+        if t is int and not (lo <= min(column) and max(column) < hi):
             return False
         if t is float and not all(map(math.isfinite, column)):
             return False
@@ -297,7 +303,7 @@ def _plainly_valid(rows: Sequence[Any], types: tuple[type, ...]) -> bool:
 def _rows(raw: Any, row_type: Any, where: str) -> tuple:
     if type(raw) is not list and type(raw) is not tuple:
         raise RecordError(f"{where} must be a list of rows")
-    if not raw or _plainly_valid(raw, _ROW_TYPES[row_type]):
+    if not raw or _plainly_valid(raw, _ROW_TYPES[row_type], _ROW_RANGES[row_type]):
         return tuple(map(tuple.__new__, itertools.repeat(row_type), raw))
     names = row_type._fields
     checks = _ROW_CHECKS[row_type]

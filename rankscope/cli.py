@@ -23,11 +23,10 @@ def _demo(a: argparse.Namespace) -> int:
 
 
 def _ingest(a: argparse.Namespace) -> int:
-    from aggregator import Store, ingest
+    from aggregator import Store, UsageError, ingest
 
     if not Path(a.spool).is_dir():
-        print(f"rankscope ingest: spool directory {a.spool} does not exist", file=sys.stderr)
-        return 2
+        raise UsageError(f"spool directory {a.spool} does not exist")
     with Store.embedded(a.store) as store:
         st = ingest(a.spool, store)
     print(
@@ -46,33 +45,30 @@ def _option(kv: str) -> tuple[str, Any]:
         return key, value
 
 
+def _clickhouse_address(address: str) -> tuple[str, int | None]:
+    from aggregator import UsageError
+
+    host, sep, port = address.partition(":")
+    if not host:
+        raise UsageError(f"--clickhouse {address}: give HOST or HOST:PORT")
+    if not sep:
+        return host, None
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise UsageError(f"--clickhouse {address}: the port must be a number from 1 to 65535")
+    return host, int(port)
+
+
 def _aggregate(a: argparse.Namespace) -> int:
-    from aggregator import Store, StoreError
+    from aggregator import Store, UsageError
     from aggregator.consumer import Aggregator, BatchSettings, KafkaSettings
     from aggregator.metrics import Metrics
+    from aggregator.schema import check_identifier
 
+    # Everything the user gave is checked before anything is opened or served.
     if not a.kafka:
-        print("rankscope aggregate: give --kafka HOST:PORT or set $RANKSCOPE_KAFKA", file=sys.stderr)
-        return 2
-    try:
-        if a.clickhouse:
-            host, _, port = a.clickhouse.partition(":")
-            store = Store.server(
-                host=host,
-                port=int(port) if port else None,
-                username=a.clickhouse_user,
-                password=os.environ.get("RANKSCOPE_CLICKHOUSE_PASSWORD", ""),
-                database=a.database,
-                secure=a.clickhouse_secure,
-            )
-        else:
-            store = Store.embedded(a.store, database=a.database)
-    except StoreError as exc:
-        print(f"rankscope aggregate: {exc}", file=sys.stderr)
-        return 2
-    metrics = Metrics()
-    if a.metrics_port is not None:
-        metrics.serve(a.metrics_port)
+        raise UsageError("give --kafka HOST:PORT or set $RANKSCOPE_KAFKA")
+    check_identifier(a.database)
+    address = _clickhouse_address(a.clickhouse) if a.clickhouse else None
     kafka = KafkaSettings(
         bootstrap=a.kafka,
         topic=a.topic,
@@ -80,6 +76,21 @@ def _aggregate(a: argparse.Namespace) -> int:
         api_version=a.kafka_api_version,
         options=dict(a.kafka_option),
     )
+    kafka.check()
+    metrics = Metrics()
+    if a.metrics_port is not None:
+        metrics.serve(a.metrics_port)
+    if address is not None:
+        store = Store.server(
+            host=address[0],
+            port=address[1],
+            username=a.clickhouse_user,
+            password=os.environ.get("RANKSCOPE_CLICKHOUSE_PASSWORD", ""),
+            database=a.database,
+            secure=a.clickhouse_secure,
+        )
+    else:
+        store = Store.embedded(a.store, database=a.database)
     agg = Aggregator(store, kafka, BatchSettings(records=a.batch_records, seconds=a.batch_seconds), metrics)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: agg.stop())
@@ -93,29 +104,22 @@ def _aggregate(a: argparse.Namespace) -> int:
 
 
 def _diagnose(a: argparse.Namespace) -> int:
-    from aggregator import Store
+    from aggregator import Store, UsageError
     from diagnosis import diagnose
 
     from .render import print_diagnosis
 
-    if not Path(a.store).is_dir():
-        print(
-            f"rankscope diagnose: store directory {a.store} does not exist; run `rankscope ingest` first",
-            file=sys.stderr,
-        )
-        return 2
-    with Store.embedded(a.store) as store:
+    if a.job == "":
+        raise UsageError("--job is empty: give a job id, or leave --job out for the most recent job")
+    if not os.path.lexists(a.store):
+        raise UsageError(f"store directory {a.store} does not exist; run `rankscope ingest` first")
+    with Store.embedded(a.store, create=False) as store:  # a directory that is no store stays untouched
         jobs = store.jobs()
         if jobs.empty:
-            print(f"rankscope diagnose: no jobs in {a.store}", file=sys.stderr)
-            return 2
-        job = a.job or str(jobs.sort_values(by="last_us")["job"].iloc[-1])
+            raise UsageError(f"no jobs in {a.store}")
+        job = a.job if a.job is not None else str(jobs.sort_values(by="last_us")["job"].iloc[-1])
         if job not in set(jobs["job"]):
-            print(
-                f"rankscope diagnose: no job {job!r} in {a.store}; jobs: {', '.join(jobs['job'])}",
-                file=sys.stderr,
-            )
-            return 2
+            raise UsageError(f"no job {job!r} in {a.store}; jobs: {', '.join(map(repr, jobs['job']))}")
         data = store.job_data(job)
     d = diagnose(data)
     if a.json:
@@ -126,6 +130,18 @@ def _diagnose(a: argparse.Namespace) -> int:
 
 
 _LOG_RECORD_FIELDS = {*vars(logging.makeLogRecord({})), "message", "asctime"}
+
+
+class TextFormatter(logging.Formatter):
+    """``LEVEL logger: message``, with what the job sent (job ids, paths) :func:`printable`."""
+
+    def __init__(self) -> None:
+        super().__init__("%(levelname)s %(name)s: %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        from .render import printable
+
+        return "\n".join(printable(line) for line in super().format(record).split("\n"))
 
 
 class JsonFormatter(logging.Formatter):
@@ -216,14 +232,21 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; its exit status. An error the user can act on (:class:`RankscopeError`:
+    a store in use, a full disk, an option that does not fit…) is one line on stderr and status 2."""
     a = parser().parse_args(argv)
     handler = logging.StreamHandler()
-    if a.log_format == "json":
-        handler.setFormatter(JsonFormatter())
-    else:
-        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(JsonFormatter() if a.log_format == "json" else TextFormatter())
     logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING, handlers=[handler])
-    return int(a.func(a))
+    from aggregator.errors import RankscopeError, one_line
+
+    try:
+        return int(a.func(a))
+    except RankscopeError as exc:
+        from .render import printable
+
+        print(f"rankscope {a.command}: {printable(one_line(str(exc)))}", file=sys.stderr, flush=True)
+        return 2
 
 
 if __name__ == "__main__":

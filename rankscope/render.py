@@ -31,14 +31,38 @@ _KEYS = (
 )
 
 
+_JOINERS = frozenset("\u200c\u200d")
+"""Zero-width (non-)joiners: not printable by ``str.isprintable`` but parts of emoji and of words in
+some scripts, and harmless to a terminal; kept."""
+
+
+def printable(text: str) -> str:
+    """``text`` safe to write to a terminal: each character ``str.isprintable`` refuses (escape and
+    other control characters, line breaks, bidi overrides, lone surrogates…) shown as its Python
+    escape, e.g. ``\\x1b``.
+
+    Job ids, host and function names come from the training job: an ESC in one would otherwise
+    reach the terminal raw (move the cursor, change colours, rewrite what was printed).
+    """
+    if text.isprintable():
+        return text
+    return "".join(
+        ch if ch.isprintable() or ch in _JOINERS else ch.encode("unicode_escape").decode("ascii")
+        for ch in text
+    )
+
+
 def format_diagnosis(d: Diagnosis) -> str:
+    """The diagnosis as lines of text; every value from the job is :func:`printable`."""
     a = d.analyzed
     steps = a.get("steps") or []
     span = f"steps {steps[0]}-{steps[1]}" if steps else "no steps"
     lines = [
         f"rankscope diagnosis of job {d.job}: {a.get('ranks', 0)} ranks, {span}, {a.get('windows', 0)} windows"
     ]
-    if not d.findings:
+    if not d.findings and not steps:
+        lines.append("  no findings: the job has no steps yet, so there is nothing to compare its ranks on")
+    elif not d.findings:
         lines.append("  no findings: every rank keeps pace with its peers")
     for i, f in enumerate(d.findings, 1):
         where = f"rank{'s' if len(f.ranks) > 1 else ''} {', '.join(map(str, f.ranks))}"
@@ -50,7 +74,7 @@ def format_diagnosis(d: Diagnosis) -> str:
         ev = ", ".join(f"{k}={f.evidence[k]}" for k in _KEYS if k in f.evidence)
         if ev:
             lines.append(f"     evidence: {ev}")
-    return "\n".join(lines)
+    return "\n".join(printable(line) for line in lines)
 
 
 def print_diagnosis(d: Diagnosis, file: TextIO | None = None) -> None:

@@ -51,7 +51,11 @@ def write_report(path: str | Path, diagnosis: Diagnosis, data: JobData) -> Path:
     """
     culprits = sorted({r for f in diagnosis.findings for r in f.ranks})
     hosts = data.hosts()
-    parts = [_header(diagnosis), _heatmap(data, diagnosis, culprits, hosts), _charts(data, culprits, hosts)]
+    parts = [
+        _header(diagnosis, not data.steps.empty),
+        _heatmap(data, diagnosis, culprits, hosts),
+        _charts(data, culprits, hosts),
+    ]
     title = _e(f"rankscope: job {diagnosis.job}")
     page = f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{title}</title>'
     page += f"<style>{_CSS}</style></head><body>\n" + "\n".join(parts) + "\n</body></html>\n"
@@ -64,12 +68,16 @@ def _e(value: object) -> str:
     return html.escape(str(value))
 
 
-def _header(diagnosis: Diagnosis) -> str:
+def _header(diagnosis: Diagnosis, has_steps: bool = True) -> str:
     a = diagnosis.analyzed
     meta = ", ".join(f"{k} {_e(v)}" for k, v in a.items() if k in ("ranks", "steps", "windows"))
     out = [f"<h1>Job <code>{_e(diagnosis.job)}</code></h1>", f'<div class="meta">analyzed: {meta}</div>']
     out.append("<h2>Findings</h2>")
-    if not diagnosis.findings:
+    if not diagnosis.findings and not has_steps:
+        out.append(
+            '<p class="note">No findings: the job has no steps yet, so there is nothing to compare.</p>'
+        )
+    elif not diagnosis.findings:
         out.append('<p class="ok">No findings: the job looks healthy.</p>')
     out += [_finding(f) for f in diagnosis.findings]
     return "\n".join(out)
