@@ -54,6 +54,24 @@ def _library_module(top: str) -> bool:
     return bool(where) and ("-packages/" in where or where.startswith(_library_dirs()))
 
 
+def _torch_modules() -> frozenset[str]:
+    """Names of torch's own module classes (Linear, DistributedDataParallel, FSDPModule...)."""
+    global _TORCH_MODULES
+    nn = sys.modules.get("torch.nn")
+    if _TORCH_MODULES is None and nn is not None:
+        seen, todo = set(), [nn.Module]
+        while todo:
+            for c in todo.pop().__subclasses__():
+                if c.__name__ not in seen and c.__module__.startswith("torch."):
+                    seen.add(c.__name__)
+                todo.append(c)
+        _TORCH_MODULES = frozenset(seen)
+    return _TORCH_MODULES or frozenset()
+
+
+_TORCH_MODULES: frozenset[str] | None = None
+
+
 @functools.lru_cache(maxsize=8192)
 def library_frame(name: str) -> bool:
     """Whether a profiled Python function (``"torch/nn/modules/module.py(1751): _call_impl"``,
@@ -64,8 +82,7 @@ def library_frame(name: str) -> bool:
     if name.startswith("<"):
         return True
     if name.startswith("nn.Module: "):  # the profiler's module events: "nn.Module: Linear_1"
-        nn = sys.modules.get("torch.nn")
-        return nn is not None and hasattr(nn, name[11:].rsplit("_", 1)[0])  # torch's own class
+        return name[11:].rsplit("_", 1)[0] in _torch_modules()
     path = name.split("(", 1)[0]
     if path.startswith("/"):  # a file outside every sys.path entry (an editable install's)
         return "-packages/" in path or path.startswith((*_library_dirs(), _HOOK_DIR))

@@ -397,7 +397,7 @@ class ShardReader:
             if (clock.step - clock.onset) % clock.fault.stall_every == 0:
                 time.sleep(self.delay_s)  # slow storage: the fetch waits, the CPU is idle
         elif clock.kind == "hang" and clock.fault.hang_at == "dataloader" and clock.active():
-            _block(time.time() + HANG_S)  # a read from storage that never returns
+            threading.Event().wait(HANG_S)  # a read from storage that never returns
 
 
 def run_rank(rank: int, spec: JobSpec) -> dict[str, Any]:
