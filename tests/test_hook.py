@@ -362,6 +362,7 @@ def test_hook_in_spawned_gloo_ranks(tmp_path: Path) -> None:
             world_size=4,
             port=free_port(),
             max_steps=300,
+            loop="manual",  # one all-reduce per step, counted exactly (DDP: tests/test_collectives.py)
             hook=hook,
             log_dir=str(tmp_path / "logs"),
             progress=False,
