@@ -87,7 +87,7 @@ def _classify(
         }
         if code is not extra:
             ev["entered_through"] = extra.name
-        op = functions.top_of_kinds(excess, ("op", "kernel", "memcpy"))
+        op = functions.top_of_kinds(excess, functions.WORK_KINDS)
         if op is not None:
             ev["operator"] = op.name
         return "code_path", code.name, extra.excess_us / total, ev

@@ -18,7 +18,7 @@ import pandas as pd
 
 MAX_PEERS = 32
 """Peers compared against (evenly spread over the rest): enough for a stable median at any scale."""
-_WORK_KINDS = ("op", "kernel", "memcpy")
+WORK_KINDS = ("op", "kernel", "memcpy")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -162,7 +162,7 @@ def innermost_code(excess: list[FunctionExcess], min_us: float) -> FunctionExces
     return max(inner or code, key=lambda e: e.excess_us)
 
 
-def top_slower(excess: list[FunctionExcess], kinds: tuple[str, ...] = _WORK_KINDS) -> FunctionExcess | None:
+def top_slower(excess: list[FunctionExcess], kinds: tuple[str, ...] = WORK_KINDS) -> FunctionExcess | None:
     """The costliest operator/kernel the culprit runs as often as its peers, only slower."""
     same = [e for e in excess if e.kind in kinds and not e.extra]
     return same[0] if same else None
@@ -171,7 +171,7 @@ def top_slower(excess: list[FunctionExcess], kinds: tuple[str, ...] = _WORK_KIND
 def work_excess(excess: list[FunctionExcess]) -> float:
     """The culprit's excess per step in operators, kernels and copies it runs as often as its peers
     (an upper bound: CPU operators nest, and the parent's time includes the child's)."""
-    return sum(e.excess_us for e in excess if e.kind in _WORK_KINDS and not e.extra)
+    return sum(e.excess_us for e in excess if e.kind in WORK_KINDS and not e.extra)
 
 
 def top_of_kind(excess: list[FunctionExcess], kind: str) -> FunctionExcess | None:

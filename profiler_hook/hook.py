@@ -80,6 +80,7 @@ class Hook:
             rank=ident.rank,
             world_size=ident.world_size,
             job=cfg.job,
+            ready=self._warm,
         )
         self.tracker = CollectiveTracker()
         if not self.enabled:

@@ -66,6 +66,7 @@ class Schedule:
         job: str,
         store: Callable[[], Any] = default_store,
         clock: Callable[[], float] = time.monotonic,
+        ready: threading.Event | None = None,
     ) -> None:
         self.window_s, self.window_steps, self.trigger_ratio = window_s, window_steps, trigger_ratio
         self.rank, self.world_size = rank, world_size
@@ -76,6 +77,11 @@ class Schedule:
         """Windows this rank learnt of only after their step had passed."""
         self._store_fn, self._clock = store, clock
         self._key, self._req_key = f"rankscope/{job}/window", f"rankscope/{job}/requests"
+        self._ready_key = f"rankscope/{job}/ready"
+        self._ready = ready
+        """Set when this rank's profiler can start without stalling; rank 0 plans no window until
+        every rank has said so, or a rank still warming up would miss windows the others take."""
+        self._ready_sent = self._all_ready = False
         self._durs: deque[int] = deque(maxlen=TRIGGER_HISTORY)
         self._want = False
         """This rank's trigger fired and the request is not sent yet."""
@@ -132,6 +138,12 @@ class Schedule:
         store = self._store_fn() if self.world_size > 1 else None
         if self.world_size > 1 and store is None:
             return  # no process group yet: ranks could not agree
+        if self._ready is not None and not self._ready_sent:
+            if not self._ready.is_set():
+                return
+            if store is not None:
+                store.add(self._ready_key, 1)
+            self._ready_sent = True
         if self.rank != 0 and store is not None:
             if self._want:
                 store.add(self._req_key, 1)
@@ -141,6 +153,10 @@ class Schedule:
             return
         if self.planned >= 0 and self.planned + self.window_steps > step:
             return  # a window is planned or running: requests wait for it to end, not dropped
+        if store is not None and self._ready is not None and not self._all_ready:
+            if store.add(self._ready_key, 0) < self.world_size:
+                return  # some rank is not ready to profile yet
+            self._all_ready = True
         now = self._clock()
         requests = store.add(self._req_key, 0) if store is not None else 0
         asked = self._want or requests > self._requests_seen

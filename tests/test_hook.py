@@ -222,7 +222,9 @@ def _store() -> torch.distributed.TCPStore:
     return torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
 
-def _two_ranks(window_s: float, clock: list[float]) -> tuple[Schedule, Schedule]:
+def _two_ranks(
+    window_s: float, clock: list[float], ready: tuple[threading.Event | None, ...] = (None, None)
+) -> tuple[Schedule, Schedule]:
     """Rank 0's and rank 1's schedules of one job, each with its own client of one real store."""
     master = _store()
     return tuple(  # type: ignore[return-value]
@@ -235,9 +237,26 @@ def _two_ranks(window_s: float, clock: list[float]) -> tuple[Schedule, Schedule]
             job="j",
             store=lambda: torch.distributed.TCPStore("127.0.0.1", master.port, is_master=False),
             clock=lambda: clock[0],
+            ready=ready[rank],
         )
         for rank in (0, 1)
     )
+
+
+def test_no_window_is_planned_until_every_rank_can_profile() -> None:
+    """A rank still importing what the profiler needs would skip windows the others take."""
+    clock, ready = [0.0], (threading.Event(), threading.Event())
+    planner, follower = _two_ranks(30, clock, ready)
+    ready[0].set()
+    clock[0] += 31
+    for s in (planner, follower, planner):
+        s.poll(100)
+    assert planner.plans == follower.plans == 0  # rank 1 is still warming up
+    ready[1].set()
+    follower.poll(101)
+    planner.poll(101)
+    follower.poll(101)
+    assert planner.plans == follower.plans == 1 and planner.planned == follower.planned > 101
 
 
 def test_ranks_agree_on_window_steps_through_the_store_at_any_step_time() -> None:
