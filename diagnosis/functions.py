@@ -36,6 +36,8 @@ class FunctionExcess:
     waits: bool = False
     """A Python frame that calls a collective (directly or deeper): its time includes waiting
     for the other ranks, so it is not where the rank's own extra work is."""
+    callers: frozenset[str] = frozenset()
+    """The Python functions that call this one on the culprit, directly or through others."""
 
     @property
     def excess_us(self) -> float:
@@ -98,6 +100,7 @@ def compare(functions: pd.DataFrame, rank: int, peers: list[int]) -> list[Functi
             rank_count=float(r.rank_n),
             peer_count=float(r.peer_n),
             waits=nm in waiting,
+            callers=frozenset(_callers(parents, nm)),
         )
         for (k, nm, st), r in out.head(200).iterrows()
     ]
@@ -149,15 +152,14 @@ def innermost_code(excess: list[FunctionExcess], min_us: float) -> FunctionExces
     library or an installed package) that holds at least ``min_us`` of the culprit's excess per step.
 
     A function's time includes its callees', so every caller of the culprit function holds the
-    excess too; the innermost one names where it is spent. Stacks are a few frames deep, so callers
-    are followed from function to function. Frames that call collectives are left out: their time
-    includes waiting for the other ranks.
+    excess too; the innermost one names where it is spent (callers as :func:`compare` found them on
+    the culprit). Frames that call collectives are left out: their time includes waiting for the
+    other ranks.
     """
     code = [e for e in excess if e.kind == "python" and not e.waits and e.excess_us >= min_us]
     if not code:
         return None
-    parents = _parents((e.name, e.stack) for e in excess if e.kind in ("python", "pylib"))
-    enclosing = {c for e in code for c in _callers(parents, e.name)}
+    enclosing = {c for e in code for c in e.callers}
     inner = [e for e in code if e.name not in enclosing]
     return max(inner or code, key=lambda e: e.excess_us)
 

@@ -56,8 +56,6 @@ class Hook:
         self.paused = False
         self.failures = 0
         """Hook calls that failed (and were logged): the training loop never sees them."""
-        self.skipped_windows = 0
-        """Planned windows not taken because the profiler was not warmed up yet."""
         self._warm = threading.Event()
         self.step_num = -1
         self._rows: list[StepRow] = []
@@ -246,7 +244,7 @@ class Hook:
 
     def _warm_up(self) -> None:
         """Import what torch.profiler's first ``start()`` imports (``torch._inductor``: ~1.7 s of
-        CPU), off the training thread; until it is done, windows are skipped, not waited for."""
+        CPU), off the training thread; the schedule plans no window until every rank's is done."""
         try:
             import torch._inductor.config  # noqa: F401
         except Exception as exc:  # the profiler will import it, or fail, on its own
@@ -257,9 +255,6 @@ class Hook:
     def _maybe_start_window(self) -> None:
         s = self.step_num
         if s != self.schedule.planned or self._prof is not None:
-            return
-        if not self._warm.is_set():
-            self.skipped_windows += 1
             return
         cfg = self.cfg
         from torch.profiler import ProfilerActivity, profile
