@@ -518,6 +518,22 @@ class Store:
         except ClickHouseError as exc:
             raise StoreError(f"insert of {len(values)} window summaries failed: {exc}") from exc
 
+    def create(self, table: Table) -> None:
+        """Create ``table`` (a :class:`~aggregator.schema.Table` another layer owns) if missing."""
+        try:
+            self._client.command(table.ddl(self._db))
+        except ClickHouseError as exc:
+            raise StoreError(f"cannot create {self._db}.{table.name}: {exc}") from exc
+
+    def insert(self, table: Table, rows: list[tuple[Any, ...]]) -> None:
+        """Insert ``rows`` (tuples in ``table``'s column order) into ``table``."""
+        self._insert(table, rows)
+
+    def select(self, table: Table, where: str = "", params: dict[str, Any] | None = None) -> pd.DataFrame:
+        """``SELECT * FROM table FINAL [WHERE where]``; values only as bound ``params``."""
+        sql = f"SELECT * FROM {self._t(table)} FINAL" + (f" WHERE {where}" if where else "")
+        return self._frame(sql, params or {}, table.column_names)
+
     def _answers(self) -> bool:
         """Whether the database answers a trivial query (tells bad data from a database that is down)."""
         try:
@@ -572,6 +588,19 @@ class Store:
             )
             GROUP BY job ORDER BY last_us DESC, job"""
         return self._frame(sql, {}, ("job", "ranks", "world_size", "first_us", "last_us"))
+
+    def step_rates(self, last_s: float = 60.0) -> pd.DataFrame:
+        """One row per job: ``job, step, steps_per_s`` over its last ``last_s`` seconds of steps."""
+        sql = f"""
+            SELECT s.job AS job, max(s.step) AS step,
+                   (max(s.step) - min(s.step)) / greatest((max(s.start_us) - min(s.start_us)) / 1e6, 1e-3)
+                       AS steps_per_s
+            FROM {self._t(STEPS)} AS s
+            INNER JOIN (SELECT job, max(start_us) AS t FROM {self._t(STEPS)} GROUP BY job) AS l
+                ON s.job = l.job
+            WHERE s.start_us >= l.t - {{span:Int64}}
+            GROUP BY s.job"""
+        return self._frame(sql, {"span": int(last_s * 1e6)}, ("job", "step", "steps_per_s"))
 
     def ranks(self, job: str) -> pd.DataFrame:
         """The ``rank`` records of ``job``, one row per rank (its latest start)."""

@@ -58,8 +58,27 @@ def _clickhouse_address(address: str) -> tuple[str, int | None]:
     return host, int(port)
 
 
+def _open_store(a: argparse.Namespace, create: bool = True) -> Any:
+    """The store the options name: ``--clickhouse`` (a server) or ``--store`` (embedded chDB)."""
+    from aggregator import Store
+    from aggregator.schema import check_identifier
+
+    check_identifier(a.database)
+    if a.clickhouse:
+        host, port = _clickhouse_address(a.clickhouse)
+        return Store.server(
+            host=host,
+            port=port,
+            username=a.clickhouse_user,
+            password=os.environ.get("RANKSCOPE_CLICKHOUSE_PASSWORD", ""),
+            database=a.database,
+            secure=a.clickhouse_secure,
+        )
+    return Store.embedded(a.store, database=a.database, create=create)
+
+
 def _aggregate(a: argparse.Namespace) -> int:
-    from aggregator import Store, UsageError
+    from aggregator import UsageError
     from aggregator.consumer import Aggregator, BatchSettings, KafkaSettings
     from aggregator.metrics import Metrics
     from aggregator.schema import check_identifier
@@ -68,7 +87,8 @@ def _aggregate(a: argparse.Namespace) -> int:
     if not a.kafka:
         raise UsageError("give --kafka HOST:PORT or set $RANKSCOPE_KAFKA")
     check_identifier(a.database)
-    address = _clickhouse_address(a.clickhouse) if a.clickhouse else None
+    if a.clickhouse:
+        _clickhouse_address(a.clickhouse)
     kafka = KafkaSettings(
         bootstrap=a.kafka,
         topic=a.topic,
@@ -80,17 +100,7 @@ def _aggregate(a: argparse.Namespace) -> int:
     metrics = Metrics()
     if a.metrics_port is not None:
         metrics.serve(a.metrics_port)
-    if address is not None:
-        store = Store.server(
-            host=address[0],
-            port=address[1],
-            username=a.clickhouse_user,
-            password=os.environ.get("RANKSCOPE_CLICKHOUSE_PASSWORD", ""),
-            database=a.database,
-            secure=a.clickhouse_secure,
-        )
-    else:
-        store = Store.embedded(a.store, database=a.database)
+    store = _open_store(a)
     agg = Aggregator(store, kafka, BatchSettings(records=a.batch_records, seconds=a.batch_seconds), metrics)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: agg.stop())
@@ -104,28 +114,70 @@ def _aggregate(a: argparse.Namespace) -> int:
 
 
 def _diagnose(a: argparse.Namespace) -> int:
-    from aggregator import Store, UsageError
+    from aggregator import UsageError
     from diagnosis import diagnose
 
     from .render import print_diagnosis
 
     if a.job == "":
         raise UsageError("--job is empty: give a job id, or leave --job out for the most recent job")
-    if not os.path.lexists(a.store):
+    if a.store and not os.path.lexists(a.store):
         raise UsageError(f"store directory {a.store} does not exist; run `rankscope ingest` first")
-    with Store.embedded(a.store, create=False) as store:  # a directory that is no store stays untouched
+    where = a.store or a.clickhouse
+    with _open_store(a, create=False) as store:  # a directory that is no store stays untouched
         jobs = store.jobs()
         if jobs.empty:
-            raise UsageError(f"no jobs in {a.store}")
+            raise UsageError(f"no jobs in {where}")
         job = a.job if a.job is not None else str(jobs.sort_values(by="last_us")["job"].iloc[-1])
         if job not in set(jobs["job"]):
-            raise UsageError(f"no job {job!r} in {a.store}; jobs: {', '.join(map(repr, jobs['job']))}")
+            raise UsageError(f"no job {job!r} in {where}; jobs: {', '.join(map(repr, jobs['job']))}")
         data = store.job_data(job)
     d = diagnose(data)
     if a.json:
         print(json.dumps(d.to_dict(), indent=2))
     else:
         print_diagnosis(d)
+    return 0
+
+
+def _serve(a: argparse.Namespace) -> int:
+    import ipaddress
+
+    import uvicorn
+
+    from aggregator import UsageError
+    from api import ServeSettings, Service, create_app
+    from api.auth import Tokens
+    from api.notify import Webhook
+    from api.tickets import Rules
+
+    tokens = Tokens.load(a.tokens)
+    try:
+        loopback = ipaddress.ip_address(a.host).is_loopback
+    except ValueError:
+        loopback = a.host == "localhost"
+    if not loopback and not tokens.enabled and not a.insecure:
+        raise UsageError(
+            f"--host {a.host} is reachable from other machines and no tokens are set: give --tokens FILE "
+            "or $RANKSCOPE_TOKENS, or --insecure to serve without authentication"
+        )
+    if a.spool and not Path(a.spool).is_dir():
+        raise UsageError(f"spool directory {a.spool} does not exist")
+    settings = ServeSettings(
+        spool=a.spool,
+        interval_s=a.interval,
+        ended_after_s=a.ended_after,
+        rules=Rules(resolve_after_s=a.resolve_after),
+        webhooks=[Webhook(u) for u in a.webhook] + [Webhook(u, "slack") for u in a.slack_webhook],
+        base_url=a.base_url or f"http://{a.host}:{a.port}",
+    )
+    with _open_store(a) as store:
+        service = Service(store, settings)
+        service.start()
+        try:
+            uvicorn.run(create_app(service, tokens), host=a.host, port=a.port, log_level="warning")
+        finally:
+            service.stop()
     return 0
 
 
@@ -202,16 +254,7 @@ def parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="passed to KafkaConsumer, e.g. security_protocol=SASL_SSL (repeatable)",
     )
-    where = a.add_mutually_exclusive_group(required=True)
-    where.add_argument("--store", help="embedded chDB data directory")
-    where.add_argument(
-        "--clickhouse", metavar="HOST[:PORT]", help="ClickHouse server (HTTP port, default 8123)"
-    )
-    a.add_argument(
-        "--clickhouse-user", default="default", help="password from $RANKSCOPE_CLICKHOUSE_PASSWORD"
-    )
-    a.add_argument("--clickhouse-secure", action="store_true", help="HTTPS (default port 8443)")
-    a.add_argument("--database", default="rankscope", help="database (default: rankscope)")
+    _store_options(a)
     a.add_argument("--batch-records", type=int, default=5000, help="write every N messages (default: 5000)")
     a.add_argument("--batch-seconds", type=float, default=1.0, help="…or every S seconds (default: 1)")
     a.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
@@ -224,11 +267,49 @@ def parser() -> argparse.ArgumentParser:
     a.set_defaults(func=_aggregate)
 
     g = sub.add_parser("diagnose", help="diagnose a job in the store")
-    g.add_argument("--store", required=True, help="chDB data directory")
+    _store_options(g)
     g.add_argument("--job", help="job id (default: the most recent job)")
     g.add_argument("--json", action="store_true", help='print {"job": ..., "findings": [...]} as JSON')
     g.set_defaults(func=_diagnose)
+
+    v = sub.add_parser(
+        "serve", help="the always-on service: ingest, diagnose every job, tickets, API and web page"
+    )
+    _store_options(v)
+    v.add_argument("--spool", help="spool directory the hooks write, watched continuously")
+    v.add_argument("--host", default="127.0.0.1", help="listen address (default: 127.0.0.1)")
+    v.add_argument("--port", type=int, default=8080, help="listen port (default: 8080)")
+    v.add_argument("--interval", type=float, default=5.0, help="seconds between cycles (default: 5)")
+    v.add_argument(
+        "--resolve-after", type=float, default=60.0, help="resolve a ticket healthy this long (default: 60 s)"
+    )
+    v.add_argument(
+        "--ended-after", type=float, default=60.0, help="a job silent this long has ended (default: 60 s)"
+    )
+    v.add_argument("--webhook", action="append", default=[], metavar="URL",
+                   help="POST Alertmanager-style JSON on ticket open/resolve (repeatable)")  # fmt: skip
+    v.add_argument("--slack-webhook", action="append", default=[], metavar="URL",
+                   help="POST Slack-style text on ticket open/resolve (repeatable)")  # fmt: skip
+    v.add_argument(
+        "--base-url", help="where people reach this service, for links (default: from --host/--port)"
+    )
+    v.add_argument("--tokens", help="file of 'TOKEN read|write' lines (also: $RANKSCOPE_TOKENS)")
+    v.add_argument("--insecure", action="store_true", help="allow a non-loopback --host without tokens")
+    v.set_defaults(func=_serve)
     return p
+
+
+def _store_options(p: argparse.ArgumentParser) -> None:
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--store", help="embedded chDB data directory")
+    where.add_argument(
+        "--clickhouse", metavar="HOST[:PORT]", help="ClickHouse server (HTTP port, default 8123)"
+    )
+    p.add_argument(
+        "--clickhouse-user", default="default", help="password from $RANKSCOPE_CLICKHOUSE_PASSWORD"
+    )
+    p.add_argument("--clickhouse-secure", action="store_true", help="HTTPS (default port 8443)")
+    p.add_argument("--database", default="rankscope", help="database (default: rankscope)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,6 +9,7 @@ import html
 import math
 import re
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
@@ -49,19 +50,65 @@ def write_report(path: str | Path, diagnosis: Diagnosis, data: JobData) -> Path:
     >>> write_report("job.html", diagnose(data), data)  # doctest: +SKIP
     PosixPath('job.html')
     """
+    out = Path(path)
+    out.write_text(render_report(diagnosis, data), encoding="utf-8")
+    return out
+
+
+def render_report(diagnosis: Diagnosis, data: JobData, extra: str = "", head: str = "") -> str:
+    """The page :func:`write_report` writes, as a string; ``extra`` (HTML) goes after the findings,
+    ``head`` (HTML) into ``<head>``."""
     culprits = sorted({r for f in diagnosis.findings for r in f.ranks})
     hosts = data.hosts()
     parts = [
         _header(diagnosis, not data.steps.empty),
+        extra,
         _heatmap(data, diagnosis, culprits, hosts),
         _charts(data, culprits, hosts),
     ]
-    title = _e(f"rankscope: job {diagnosis.job}")
-    page = f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{title}</title>'
-    page += f"<style>{_CSS}</style></head><body>\n" + "\n".join(parts) + "\n</body></html>\n"
-    out = Path(path)
-    out.write_text(page, encoding="utf-8")
-    return out
+    return page(f"rankscope: job {diagnosis.job}", "\n".join(parts), head)
+
+
+def page(title: str, body: str, head: str = "") -> str:
+    """A whole HTML page in the report's style around ``body``."""
+    return (
+        f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{_e(title)}</title>{head}'
+        f"<style>{_CSS}</style></head><body>\n{body}\n</body></html>\n"
+    )
+
+
+def heatmap_data(data: JobData) -> dict[str, Any]:
+    """The heatmap's numbers: ``ranks`` and, per function shown, its ms per step on each rank."""
+    wide = _per_step(data)
+    if wide.empty:
+        return {"ranks": [], "functions": []}
+    cols = _columns(wide, set())
+    return {
+        "ranks": [int(r) for r in wide.columns],
+        "functions": [
+            {"kind": kind, "name": name, "ms_per_step": [round(v / 1e3, 4) for v in wide.loc[(kind, name)]]}
+            for (kind, name), _ in cols
+        ],
+    }
+
+
+def step_series(data: JobData, points: int = MAX_POINTS) -> dict[str, Any]:
+    """Per rank, step time and own time (ms) by step, smoothed and cut to about ``points`` points."""
+    s = data.steps
+    if s.empty:
+        return {"ranks": {}}
+    ranks = sorted(int(r) for r in s["rank"].unique())
+    dur, own = _series(s, s["dur_us"], ranks, points), _series(s, s["dur_us"] - s["comm_us"], ranks, points)
+    return {
+        "ranks": {
+            str(r): {
+                "step": [int(x) for x in dur[r].index],
+                "step_ms": [round(float(v), 3) for v in dur[r]],
+                "own_ms": [round(float(v), 3) for v in own[r]],
+            }
+            for r in ranks
+        }
+    }
 
 
 def _e(value: object) -> str:
@@ -239,14 +286,16 @@ def _el(tag: str, body: str = "", **attrs: object) -> str:
     return f"<{tag}{at}>{body}</{tag}>" if body else f"<{tag}{at}/>"
 
 
-def _series(steps: pd.DataFrame, values: pd.Series, ranks: list[int]) -> dict[int, pd.Series]:
-    """Per rank, ``values`` in ms by step: a rolling median, then at most ``MAX_POINTS`` points."""
+def _series(
+    steps: pd.DataFrame, values: pd.Series, ranks: list[int], points: int = MAX_POINTS
+) -> dict[int, pd.Series]:
+    """Per rank, ``values`` in ms by step: a rolling median, then at most ``points`` points."""
     out = {}
     frame = steps.assign(v=values / 1000)
     for rank, g in frame[frame["rank"].isin(ranks)].groupby("rank"):
         s = g.sort_values("step").set_index("step")["v"]
         s = s.rolling(SMOOTH_STEPS, center=True, min_periods=1).median()
-        stride = max(1, math.ceil(len(s) / MAX_POINTS))
+        stride = max(1, math.ceil(len(s) / points))
         out[int(rank)] = pd.concat([s.iloc[::stride], s.iloc[-1:]]).groupby(level=0).last()
     return out
 

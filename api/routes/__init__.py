@@ -1,0 +1,1 @@
+"""One router per resource: jobs, tickets, and the service's own health and metrics."""

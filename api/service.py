@@ -1,0 +1,240 @@
+"""The always-on service behind ``rankscope serve``: ingest, diagnose every running job, keep tickets.
+
+One cycle (every ``interval_s``): read what the spool gained (offsets committed as ``rankscope
+ingest`` does; with Kafka, ``rankscope aggregate`` fills the same store), diagnose each job that
+sent something since its last diagnosis, keep the diagnosis in the history, and reconcile the job's
+tickets (:mod:`api.tickets`), notifying the webhooks of tickets opened and resolved. A job that
+sent nothing for ``ended_after_s`` has ended: its tickets resolve.
+
+The store is used by one thread at a time (``lock``): chDB is one engine per process.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aggregator import RankscopeError, Store, ingest
+from diagnosis import Diagnosis, Finding, JobData, diagnose
+
+from . import storage
+from .notify import Notifier, Webhook
+from .tickets import Event, Rules, Ticket, reconcile
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, slots=True)
+class ServeSettings:
+    spool: str | None = None
+    """Spool directory the hooks write, watched every cycle (None: the store is filled otherwise)."""
+    interval_s: float = 5.0
+    """Seconds between cycles."""
+    ended_after_s: float = 60.0
+    """A job that sent nothing (steps, heartbeats) for this long has ended."""
+    rules: Rules = field(default_factory=Rules)
+    webhooks: list[Webhook] = field(default_factory=list)
+    base_url: str = "http://127.0.0.1:8080"
+    """Where people reach this service: links in notifications."""
+
+
+@dataclass(slots=True)
+class JobState:
+    """What the service knows about one job after its last cycle."""
+
+    job: str
+    ranks: int
+    world_size: int
+    first_us: int
+    last_us: int
+    step: int = -1
+    steps_per_s: float = 0.0
+    diagnosis: dict[str, Any] | None = None
+    diagnosed_us: int = 0
+    data_last_us: int = -1
+    """The job's ``last_us`` when it was last diagnosed: a job is diagnosed again only after it grew."""
+
+    def state(self, now_us: int, ended_after_s: float) -> str:
+        if now_us - self.last_us >= ended_after_s * 1e6:
+            return "ended"
+        findings = (self.diagnosis or {}).get("findings", [])
+        if any(f["cause"] == "hang" for f in findings):
+            return "hung"
+        return "slow" if findings else "running"
+
+
+@dataclass(slots=True)
+class Stats:
+    cycles: int = 0
+    cycle_errors: int = 0
+    last_cycle_s: float = 0.0
+    last_cycle_end: float = 0.0
+    ingested: int = 0
+    dead_letters: int = 0
+    problem: str = ""
+    """Why the last cycle failed ('' if it did not): the store is unreachable, full…"""
+
+
+class Service:
+    def __init__(self, store: Store, settings: ServeSettings) -> None:
+        self.store, self.settings = store, settings
+        self.lock = threading.RLock()
+        self.stats = Stats()
+        self.jobs: dict[str, JobState] = {}
+        self.now_us = time.time_ns() // 1000
+        """The time of the last cycle: the API tells jobs' states as of then."""
+        with self.lock:
+            storage.create_tables(store)
+            self.tickets = {t.id: t for t in map(Ticket.from_dict, storage.load_tickets(store))}
+            self._resume_jobs()
+        self.notifier = Notifier(settings.webhooks, self._record_delivery)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # --- the loop -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="rankscope-serve", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.notifier.close()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.cycle()
+            self._stop.wait(self.settings.interval_s)
+
+    def cycle(self, now_us: int | None = None) -> None:
+        """One cycle; ``now_us`` (default: the clock) decides which jobs have ended. Never raises."""
+        t0 = time.perf_counter()
+        try:
+            self.now_us = now_us if now_us is not None else time.time_ns() // 1000
+            self._cycle(self.now_us)
+            self.stats.problem = ""
+        except RankscopeError as exc:
+            self.stats.cycle_errors += 1
+            self.stats.problem = str(exc).splitlines()[0][:500]
+            log.warning("rankscope serve: cycle failed: %s", self.stats.problem)
+        except Exception as exc:  # a bug must not stop the service watching the other jobs
+            self.stats.cycle_errors += 1
+            self.stats.problem = f"{type(exc).__name__}: {exc}"[:500]
+            log.exception("rankscope serve: cycle failed")
+        self.stats.cycles += 1
+        self.stats.last_cycle_s = time.perf_counter() - t0
+        self.stats.last_cycle_end = time.time()
+
+    def _cycle(self, now_us: int) -> None:
+        with self.lock:
+            if self.settings.spool and Path(self.settings.spool).is_dir():
+                st = ingest(self.settings.spool, self.store)
+                self.stats.ingested += st.records
+                self.stats.dead_letters += st.dead_letters
+            jobs, rates = self.store.jobs(), self.store.step_rates().set_index("job")
+        for row in jobs.itertuples(index=False):
+            job = str(row.job)
+            js = self.jobs.get(job)
+            if js is None:
+                js = self.jobs[job] = JobState(job, 0, 0, 0, 0)
+            js.ranks, js.world_size = int(row.ranks), int(row.world_size)
+            js.first_us, js.last_us = int(row.first_us), int(row.last_us)
+            if job in rates.index:
+                js.step, js.steps_per_s = int(rates.at[job, "step"]), float(rates.at[job, "steps_per_s"])
+            ended = now_us - js.last_us >= self.settings.ended_after_s * 1e6
+            if js.last_us != js.data_last_us:
+                self._diagnose(js, now_us, ended)
+            elif ended and any(t.active for t in self.tickets.values() if t.job == job):
+                self._reconcile(js, [], now_us, ended=True)
+
+    def _diagnose(self, js: JobState, now_us: int, ended: bool) -> None:
+        with self.lock:
+            data = self.store.job_data(js.job)
+        d = diagnose(data)
+        doc = {**d.to_dict(), "time_us": now_us, "data_last_us": js.last_us}
+        js.diagnosis, js.diagnosed_us, js.data_last_us = doc, now_us, js.last_us
+        with self.lock:
+            storage.save_diagnosis(self.store, js.job, now_us, doc)
+        self._reconcile(js, d.findings, now_us, ended)
+
+    def _reconcile(self, js: JobState, findings: list[Finding], now_us: int, ended: bool) -> None:
+        world = max(js.world_size, js.ranks)
+        changes = reconcile(self.tickets, js.job, findings, now_us, world, self.settings.rules, ended)
+        if not changes:
+            return
+        with self.lock:
+            storage.save_tickets(self.store, [c.ticket.to_dict() for c in changes])
+        for c in changes:
+            if c.kind != "updated" and not c.ticket.silenced:
+                self.notifier.send(c.ticket.to_dict(), self.ticket_link(c.ticket.id))
+            if c.kind != "updated":
+                log.warning(
+                    "rankscope serve: ticket %s %s: %s", c.ticket.id, c.kind, c.ticket.events[-1].reason
+                )
+
+    def _resume_jobs(self) -> None:
+        """After a restart: each job's latest diagnosis, so that nothing is diagnosed (or ticketed) twice."""
+        jobs = self.store.jobs()
+        for job in jobs["job"]:
+            last = storage.diagnoses(self.store, str(job), 1)
+            if last:
+                doc = last[0]["diagnosis"]
+                self.jobs[str(job)] = JobState(
+                    str(job), 0, 0, 0, 0, diagnosis=doc, diagnosed_us=last[0]["time_us"],
+                    data_last_us=int(doc.get("data_last_us", -1)),
+                )  # fmt: skip
+
+    # --- what the API reads ---------------------------------------------------------------------
+
+    def ticket_link(self, ticket_id: str) -> str:
+        return f"{self.settings.base_url.rstrip('/')}/tickets/{ticket_id}"
+
+    def job_data(self, job: str) -> JobData:
+        with self.lock:
+            return self.store.job_data(job)
+
+    def diagnosis(self, job: str) -> Diagnosis | None:
+        doc = self.jobs[job].diagnosis if job in self.jobs else None
+        if doc is None:
+            return None
+        return Diagnosis(
+            job=doc["job"], findings=[Finding(**f) for f in doc["findings"]], analyzed=doc["analyzed"]
+        )
+
+    def history(self, job: str, limit: int) -> list[dict[str, Any]]:
+        with self.lock:
+            return storage.diagnoses(self.store, job, limit)
+
+    def deliveries(self, ticket_id: str) -> list[dict[str, Any]]:
+        with self.lock:
+            return storage.deliveries(self.store, ticket_id)
+
+    def change_ticket(self, ticket_id: str, action: str, reason: str) -> Ticket:
+        """``acknowledge``, ``resolve``, ``silence`` or ``unsilence`` a ticket by hand."""
+        t = self.tickets[ticket_id]
+        now = time.time_ns() // 1000
+        if action == "acknowledge" and t.state == "open":
+            t.move(now, "acknowledged", reason or "acknowledged")
+        elif action == "resolve" and t.active:
+            t.move(now, "resolved", reason or "resolved by hand")
+            if not t.silenced:
+                self.notifier.send(t.to_dict(), self.ticket_link(t.id))
+        elif action in ("silence", "unsilence"):
+            t.silenced = action == "silence"
+            t.updated_us = now
+            t.events.append(Event(now, t.state, reason or f"{action}d"))
+        with self.lock:
+            storage.save_tickets(self.store, [t.to_dict()])
+        return t
+
+    def _record_delivery(
+        self, ticket: str, time_us: int, url: str, status: str, attempt: int, error: str
+    ) -> None:
+        with self.lock:
+            storage.save_delivery(self.store, ticket, time_us, url, status, attempt, error)

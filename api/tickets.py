@@ -1,0 +1,211 @@
+"""Slowdown tickets: opened, updated and resolved from a job's successive diagnoses.
+
+The rules follow what operators already run:
+
+- **Dedup by fingerprint** (PagerDuty's dedup key, Alertmanager's alert fingerprint): job + cause +
+  scope + culprit (the ranks, or the NIC, host or switch). A finding with the fingerprint of an
+  unresolved ticket updates it (evidence, confidence, lost time) instead of opening another.
+- **Resolve** (Alertmanager's ``resolve_timeout``): once the fingerprint has been absent from the
+  job's diagnoses for ``resolve_after_s``, or when the job has ended.
+- **Regressions** (Sentry): the fingerprint returning after its ticket resolved opens a new
+  occurrence, ``<fingerprint>-<n>``, linked to the one before. Ids are a function of the findings
+  alone, so two services diagnosing the same job name the same ticket.
+- **Grouping**: a NIC-, host- or switch-level ticket absorbs the rank-level tickets of its ranks.
+
+Everything here is pure: findings and times in, ticket changes out; :mod:`api.storage` keeps them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+from diagnosis import Finding
+
+State = Literal["open", "acknowledged", "resolved"]
+STATES: tuple[State, ...] = ("open", "acknowledged", "resolved")
+_GROUPS = ("nic", "host", "switch")
+
+
+@dataclass(slots=True)
+class Event:
+    time_us: int
+    state: str
+    """The ticket's state after the event."""
+    reason: str
+
+
+@dataclass(slots=True, kw_only=True)
+class Ticket:
+    id: str
+    fingerprint: str
+    occurrence: int
+    job: str
+    cause: str
+    scope: str
+    culprit: str
+    """What the fingerprint names: ``ranks 2``, ``host node1``, ``switch leaf3``, ``job``."""
+    ranks: list[int]
+    hosts: list[str]
+    function: str
+    summary: str
+    confidence: float
+    evidence: dict[str, Any]
+    state: State = "open"
+    silenced: bool = False
+    """No notifications (the ticket still updates and resolves)."""
+    opened_us: int
+    updated_us: int
+    last_seen_us: int
+    """When a diagnosis last held the finding."""
+    resolved_us: int = 0
+    lost_rank_s: float = 0.0
+    """Severity: the job time lost so far, in rank-seconds (the culprit's extra time x ranks waiting)."""
+    previous: str = ""
+    """The id of the occurrence before this one, if the fault came back."""
+    events: list[Event] = field(default_factory=list)
+
+    @property
+    def active(self) -> bool:
+        return self.state != "resolved"
+
+    @property
+    def severity(self) -> str:
+        """``critical`` for a hang or ≥ 1 rank-hour lost, ``major`` from 1 rank-minute, else ``minor``."""
+        if self.cause == "hang" or self.lost_rank_s >= 3600:
+            return "critical"
+        return "major" if self.lost_rank_s >= 60 else "minor"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "severity": self.severity}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Ticket:
+        d = {k: v for k, v in d.items() if k != "severity"}
+        d["events"] = [Event(**e) for e in d.get("events", [])]
+        return cls(**d)
+
+    def move(self, now_us: int, state: State, reason: str) -> None:
+        self.state = state
+        self.updated_us = now_us
+        if state == "resolved":
+            self.resolved_us = now_us
+        self.events.append(Event(now_us, state, reason))
+
+
+def culprit(f: Finding) -> str:
+    if f.scope in _GROUPS:
+        return f"{f.scope} {f.evidence.get(f.scope, ','.join(f.hosts))}"
+    if f.scope == "job":
+        return "job"
+    return "ranks " + ",".join(map(str, f.ranks))
+
+
+def fingerprint(job: str, f: Finding) -> str:
+    key = "\x1f".join((job, f.cause, f.scope, culprit(f)))
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def lost_rank_s(f: Finding, world_size: int) -> float:
+    """The job time ``f`` has cost so far: extra time per step x steps x ranks kept waiting."""
+    ev = f.evidence
+    if f.cause == "hang":
+        return float(ev.get("stalled_for_s", 0.0)) * max(world_size - len(f.ranks), 1)
+    extra_ms = float(ev.get("rank_value_ms", 0.0)) - float(ev.get("peer_median_ms", 0.0))
+    if f.scope == "job":
+        extra_ms = float(ev.get("now_ms", 0.0)) - float(ev.get("baseline_ms", 0.0))
+        return max(extra_ms, 0.0) / 1e3 * float(ev.get("held_steps", 0)) * world_size
+    if f.scope in _GROUPS:
+        per = [e for e in ev.get("per_rank", {}).values() if isinstance(e, dict)]
+        extra_ms = max((e.get("rank_value_ms", 0.0) - e.get("peer_median_ms", 0.0) for e in per), default=0.0)
+        held = max((e.get("held_steps", 0) for e in per), default=0)
+    else:
+        held = ev.get("held_steps", 0)
+    return max(extra_ms, 0.0) / 1e3 * float(held) * max(world_size - len(f.ranks), 1)
+
+
+@dataclass(frozen=True, slots=True)
+class Rules:
+    resolve_after_s: float = 60.0
+    """A ticket resolves once its finding has been absent this long (Alertmanager's resolve_timeout)."""
+
+
+@dataclass(slots=True)
+class Change:
+    ticket: Ticket
+    kind: Literal["opened", "updated", "resolved"]
+
+
+def reconcile(
+    tickets: dict[str, Ticket],
+    job: str,
+    findings: list[Finding],
+    now_us: int,
+    world_size: int,
+    rules: Rules = Rules(),
+    ended: bool = False,
+) -> list[Change]:
+    """Apply one diagnosis of ``job`` to ``tickets`` (id -> ticket, changed in place); the changes.
+
+    ``ended``: the job sends nothing any more; its unresolved tickets resolve.
+    """
+    changes: list[Change] = []
+    latest: dict[str, Ticket] = {}
+    for old in sorted(tickets.values(), key=lambda t: t.occurrence):
+        if old.job == job:
+            latest[old.fingerprint] = old
+    seen: set[str] = set()
+    for f in findings if not ended else []:
+        fp = fingerprint(job, f)
+        seen.add(fp)
+        t = latest.get(fp)
+        if t is not None and t.active:
+            t.confidence, t.evidence, t.summary, t.function = f.confidence, f.evidence, f.summary, f.function
+            t.ranks, t.hosts = list(f.ranks), list(f.hosts)
+            t.lost_rank_s = round(max(t.lost_rank_s, lost_rank_s(f, world_size)), 1)
+            t.last_seen_us = t.updated_us = now_us
+            changes.append(Change(t, "updated"))
+            continue
+        occurrence = t.occurrence + 1 if t is not None else 1
+        new = Ticket(
+            id=f"{fp}-{occurrence}",
+            fingerprint=fp,
+            occurrence=occurrence,
+            job=job,
+            cause=f.cause,
+            scope=f.scope,
+            culprit=culprit(f),
+            ranks=list(f.ranks),
+            hosts=list(f.hosts),
+            function=f.function,
+            summary=f.summary,
+            confidence=f.confidence,
+            evidence=f.evidence,
+            opened_us=now_us,
+            updated_us=now_us,
+            last_seen_us=now_us,
+            lost_rank_s=round(lost_rank_s(f, world_size), 1),
+            previous=t.id if t is not None else "",
+        )
+        reason = f"{f.cause} on {new.culprit}: {f.summary}"
+        if t is not None:
+            reason = f"returned after {t.id} resolved; " + reason
+        new.events.append(Event(now_us, "open", reason))
+        tickets[new.id] = new
+        latest[fp] = new
+        changes.append(Change(new, "opened"))
+    groups = [t for t in latest.values() if t.active and t.scope in _GROUPS and t.fingerprint in seen]
+    for t in latest.values():
+        if not t.active:
+            continue
+        if ended:
+            t.move(now_us, "resolved", "the job ended")
+        elif t.fingerprint not in seen and now_us - t.last_seen_us >= rules.resolve_after_s * 1e6:
+            t.move(now_us, "resolved", f"healthy for {rules.resolve_after_s:g} s")
+        elif t.scope == "rank" and (g := next((g for g in groups if set(t.ranks) <= set(g.ranks)), None)):
+            t.move(now_us, "resolved", f"absorbed by {g.id} ({g.culprit})")
+        else:
+            continue
+        changes.append(Change(t, "resolved"))
+    return changes

@@ -1,0 +1,397 @@
+"""``rankscope serve``: the service's cycle, tickets, webhooks, the API and the pages, on real chDB.
+
+The jobs are the recorded real runs (tests/fixtures): a 4-rank job whose rank 2 computes slower,
+and a healthy one. Each test's service reads them from a spool, as ``rankscope serve --spool`` does,
+into a database of its own in one embedded store (chDB runs one engine per process).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from itertools import count
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from aggregator import Store, ingest
+from api import ServeSettings, Service, create_app
+from api.auth import Tokens
+from api.notify import Webhook
+from api.tickets import Rules, Ticket, fingerprint, reconcile
+from diagnosis import Finding, diagnose
+from rankscope.cli import main
+
+FIXTURES = Path(__file__).parent / "fixtures"
+JOBS = ("compute-r2", "healthy")
+READ, WRITE = "r" * 20, "w" * 20
+_databases = count()
+
+
+class Receiver:
+    """A local webhook receiver: answers each POST with the next of ``codes`` (then 200), keeps bodies."""
+
+    def __init__(self, codes: tuple[int, ...] = ()) -> None:
+        self.bodies: list[dict[str, Any]] = []
+        self.codes = list(codes)
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                code = outer.codes.pop(0) if outer.codes else 200
+                if code == 200:
+                    outer.bodies.append(body)
+                self.send_response(code)
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_port}/hook"
+
+    def wait_for(self, n: int, timeout_s: float = 10.0) -> list[dict[str, Any]]:
+        deadline = time.monotonic() + timeout_s
+        while len(self.bodies) < n and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self.bodies
+
+
+@pytest.fixture(scope="module")
+def spool(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("spool")
+    for job in JOBS:
+        (root / job).mkdir()
+        for gz in (FIXTURES / job).glob("*.jsonl.gz"):
+            (root / job / gz.name.removesuffix(".gz")).write_bytes(gzip.decompress(gz.read_bytes()))
+    return root
+
+
+@pytest.fixture(scope="module")
+def store_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("store")
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    r = Receiver()
+    yield r
+    r.server.shutdown()
+
+
+def _service(store_dir: Path, spool: Path, **settings: Any) -> tuple[Store, Service]:
+    """A service on a database of its own, which already holds the spool (so the test sets the clock)."""
+    store = Store.embedded(store_dir, database=f"serve{next(_databases)}")
+    ingest(spool, store)
+    settings.setdefault("ended_after_s", 3600.0)  # the two recorded jobs ran a minute apart
+    return store, Service(store, ServeSettings(spool=str(spool), **settings))
+
+
+def _last_us(svc: Service) -> int:
+    return int(svc.store.jobs()["last_us"].max())
+
+
+@pytest.fixture
+def served(store_dir: Path, spool: Path, receiver: Receiver) -> Iterator[tuple[Service, TestClient]]:
+    store, svc = _service(store_dir, spool, webhooks=[Webhook(receiver.url)])
+    yield svc, TestClient(create_app(svc, Tokens({READ: "read", WRITE: "write"})))
+    svc.stop()
+    store.close()
+
+
+def _running(svc: Service) -> int:
+    """Cycle at a time when the jobs still run: one second after the last record of the latest job."""
+    now = _last_us(svc) + 1_000_000
+    svc.cycle(now_us=now)
+    return now
+
+
+def _get(client: TestClient, path: str, token: str = READ) -> Any:
+    r = client.get(path, headers={"Authorization": f"Bearer {token}"})
+    assert r.status_code == 200, (path, r.status_code, r.text)
+    return r.json()
+
+
+# --- the cycle and the tickets it keeps --------------------------------------------------------
+
+
+def test_the_slow_rank_gets_one_ticket_and_the_healthy_job_none(
+    served: tuple[Service, TestClient], receiver: Receiver
+) -> None:
+    svc, client = served
+    _running(svc)
+    tickets = _get(client, "/api/v1/tickets")
+    assert [(t["job"], t["cause"], t["ranks"], t["state"]) for t in tickets] == [
+        ("compute-r2", "compute", [2], "open")
+    ]
+    t = tickets[0]
+    assert t["culprit"] == "ranks 2" and t["hosts"] == ["node1"] and t["lost_rank_s"] > 0
+    assert t["events"][0]["state"] == "open" and "compute" in t["events"][0]["reason"]
+    assert _get(client, "/api/v1/tickets?job=healthy") == []
+    firing = receiver.wait_for(1)[0]
+    assert firing["status"] == "firing" and firing["version"] == "4"
+    alert = firing["alerts"][0]
+    assert alert["labels"]["job"] == "compute-r2" and alert["labels"]["culprit"] == "ranks 2"
+    assert alert["endsAt"] == "0001-01-01T00:00:00Z" and alert["generatorURL"].endswith(f"/tickets/{t['id']}")
+
+
+def test_a_cycle_without_new_records_changes_nothing(served: tuple[Service, TestClient]) -> None:
+    svc, client = served
+    now = _running(svc)
+    before = _get(client, "/api/v1/tickets")
+    history = _get(client, "/api/v1/jobs/compute-r2/diagnoses")
+    svc.cycle(now_us=now + 1_000_000)
+    assert _get(client, "/api/v1/tickets") == before
+    assert len(_get(client, "/api/v1/jobs/compute-r2/diagnoses")) == len(history) == 1
+
+
+def test_an_ended_job_resolves_its_ticket_and_the_webhook_hears_both(
+    served: tuple[Service, TestClient], receiver: Receiver
+) -> None:
+    svc, client = served
+    now = _running(svc)
+    svc.cycle(now_us=now + 3601_000_000)  # nothing for longer than ended_after_s: ended
+    (t,) = _get(client, "/api/v1/tickets?job=compute-r2")
+    assert t["state"] == "resolved" and t["events"][-1]["reason"] == "the job ended"
+    assert _get(client, "/api/v1/jobs/compute-r2")["state"] == "ended"
+    bodies = receiver.wait_for(2)
+    assert [b["status"] for b in bodies] == ["firing", "resolved"]
+    assert bodies[1]["alerts"][0]["endsAt"] != "0001-01-01T00:00:00Z"
+    deliveries = _get(client, f"/api/v1/tickets/{t['id']}")["deliveries"]
+    assert [(d["status"], d["ok"]) for d in deliveries] == [("firing", 1), ("resolved", 1)]
+
+
+def test_a_restarted_service_keeps_its_tickets_and_opens_none_twice(
+    served: tuple[Service, TestClient], store_dir: Path, spool: Path
+) -> None:
+    svc, _ = served
+    now = _running(svc)
+    before = {t.id: t.to_dict() for t in svc.tickets.values()}
+    again = Service(Store.embedded(store_dir, database=svc.store.database), svc.settings)
+    again.cycle(now_us=now + 1_000_000)
+    assert {t.id: t.to_dict() for t in again.tickets.values()} == before
+
+
+def test_a_dead_webhook_is_retried_with_backoff_and_every_attempt_kept(store_dir: Path, spool: Path) -> None:
+    flaky = Receiver(codes=(500, 503))
+    store, svc = _service(store_dir, spool, webhooks=[Webhook(flaky.url)])
+    svc.notifier._backoff_s = 0.05
+    try:
+        _running(svc)
+        assert flaky.wait_for(1)
+        (t,) = svc.tickets.values()
+        deadline = time.monotonic() + 5
+        while len(svc.deliveries(t.id)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        attempts = [(d["attempt"], d["ok"], d["error"]) for d in svc.deliveries(t.id)]
+        assert attempts == [(1, 0, "HTTPError: HTTP Error 500: Internal Server Error"),
+                            (2, 0, "HTTPError: HTTP Error 503: Service Unavailable"), (3, 1, "")]  # fmt: skip
+    finally:
+        svc.stop()
+        store.close()
+        flaky.server.shutdown()
+
+
+# --- the API -------------------------------------------------------------------------------------
+
+
+def test_jobs_list_and_one_job(served: tuple[Service, TestClient]) -> None:
+    svc, client = served
+    _running(svc)
+    jobs = {j["job"]: j for j in _get(client, "/api/v1/jobs")}
+    assert set(jobs) == set(JOBS)
+    slow = jobs["compute-r2"]
+    assert slow["state"] == "slow" and slow["ranks"] == 4 and slow["findings"] == 1
+    assert slow["open_tickets"] and slow["steps_per_s"] > 0 and slow["step"] > 0
+    assert jobs["healthy"]["state"] == "running" and jobs["healthy"]["open_tickets"] == []
+    assert [j["job"] for j in _get(client, "/api/v1/jobs?state=slow")] == ["compute-r2"]
+    assert _get(client, "/api/v1/jobs/healthy")["findings"] == 0
+
+
+def test_the_diagnosis_is_what_rankscope_diagnose_prints(served: tuple[Service, TestClient]) -> None:
+    svc, client = served
+    _running(svc)
+    got = _get(client, "/api/v1/jobs/compute-r2/diagnosis")
+    want = diagnose(svc.store.job_data("compute-r2")).to_dict()
+    for d in (got, want):
+        d["analyzed"].pop("seconds")
+    assert got == want
+
+
+def test_the_data_behind_the_pictures(served: tuple[Service, TestClient]) -> None:
+    svc, client = served
+    _running(svc)
+    heat = _get(client, "/api/v1/jobs/compute-r2/heatmap")
+    assert heat["ranks"] == [0, 1, 2, 3] and heat["functions"]
+    assert all(len(f["ms_per_step"]) == 4 for f in heat["functions"])
+    steps = _get(client, "/api/v1/jobs/compute-r2/steps?points=20")["ranks"]
+    assert set(steps) == {"0", "1", "2", "3"}
+    assert all(len(r["step"]) == len(r["step_ms"]) == len(r["own_ms"]) <= 22 for r in steps.values())
+    windows = _get(client, "/api/v1/jobs/compute-r2/windows")
+    assert {w["rank"] for w in windows} == {0, 1, 2, 3}
+
+
+def test_ticket_filters_and_actions_with_scopes(served: tuple[Service, TestClient]) -> None:
+    svc, client = served
+    _running(svc)
+    (t,) = _get(client, "/api/v1/tickets?state=active&cause=compute")
+    assert (
+        _get(client, "/api/v1/tickets?cause=hang") == []
+        and _get(client, "/api/v1/tickets?state=resolved") == []
+    )
+    url = f"/api/v1/tickets/{t['id']}/acknowledge"
+    assert client.post(url).status_code == 401
+    assert client.post(url, headers={"Authorization": f"Bearer {READ}"}).status_code == 403
+    assert (
+        client.get("/api/v1/tickets", headers={"Authorization": "Bearer wrong-token-123456"}).status_code
+        == 401
+    )
+    r = client.post(url, json={"reason": "on it"}, headers={"Authorization": f"Bearer {WRITE}"})
+    assert r.status_code == 200 and r.json()["state"] == "acknowledged"
+    assert r.json()["events"][-1]["reason"] == "on it"
+    r = client.post(f"/api/v1/tickets/{t['id']}/silence", headers={"Authorization": f"Bearer {WRITE}"})
+    assert r.json()["silenced"] is True
+    assert _get(client, f"/api/v1/tickets/{t['id']}")["state"] == "acknowledged"
+
+
+@pytest.mark.parametrize(
+    ("path", "status"),
+    [
+        ("/api/v1/jobs/nope", 404),
+        ("/api/v1/jobs/nope/diagnosis", 404),
+        ("/api/v1/tickets/nope", 404),
+        ("/api/v1/jobs?state=bogus", 422),
+        ("/api/v1/jobs/compute-r2/steps?points=0", 422),
+        ("/api/v1/tickets?cause=bogus", 422),
+        ("/tickets/nope", 404),
+    ],
+)
+def test_errors_are_one_line_with_their_status(
+    served: tuple[Service, TestClient], path: str, status: int
+) -> None:
+    svc, client = served
+    _running(svc)
+    r = client.get(path, headers={"Authorization": f"Bearer {READ}"})
+    assert r.status_code == status and "detail" in r.json()
+
+
+def test_a_store_that_cannot_be_read_is_503_with_the_reason(served: tuple[Service, TestClient]) -> None:
+    svc, client = served
+    now = _running(svc)
+    svc.store.client.command(f"DROP TABLE {svc.store.database}.steps")
+    r = client.get("/api/v1/jobs/compute-r2/heatmap", headers={"Authorization": f"Bearer {READ}"})
+    assert r.status_code == 503 and "steps" in r.json()["detail"] and "\n" not in r.json()["detail"]
+    svc.cycle(now_us=now + 1_000_000)
+    health = client.get("/healthz")
+    assert health.status_code == 503 and health.json()["problem"]
+
+
+def test_health_metrics_and_openapi(served: tuple[Service, TestClient]) -> None:
+    svc, client = served
+    _running(svc)
+    assert client.get("/healthz").json()["status"] == "ok"
+    text = client.get("/metrics").text
+    assert 'rankscope_serve_tickets{state="open"} 1.0' in text and "rankscope_serve_jobs_watched 2.0" in text
+    paths = client.get("/openapi.json").json()["paths"]
+    for p in ("/api/v1/jobs", "/api/v1/jobs/{job}", "/api/v1/jobs/{job}/diagnosis", "/api/v1/tickets",
+              "/api/v1/tickets/{ticket_id}"):  # fmt: skip
+        assert p in paths
+
+
+def test_pages_show_the_culprit_and_the_ticket(served: tuple[Service, TestClient]) -> None:
+    svc, client = served
+    _running(svc)
+    (t,) = svc.tickets.values()
+    client.cookies.set("rankscope_token", READ)
+    jobs = client.get("/").text
+    assert "compute-r2" in jobs and "healthy" in jobs and t.id in jobs
+    page = client.get("/jobs/compute-r2").text
+    assert "rank 2" in page and "compute" in page and t.id in page
+    ticket = client.get(f"/tickets/{t.id}").text
+    assert "Timeline" in ticket and "ranks 2" in ticket and "compute-r2" in ticket
+    client.cookies.clear()
+    assert client.get("/").status_code == 401
+
+
+# --- ticket rules, pure ----------------------------------------------------------------------------
+
+
+def _finding(
+    cause: str = "compute", ranks: tuple[int, ...] = (2,), scope: str = "rank", **ev: Any
+) -> Finding:
+    return Finding(
+        cause=cause, ranks=list(ranks), hosts=["h1"], function="f", confidence=0.9, summary="s",
+        evidence={"rank_value_ms": 15.0, "peer_median_ms": 10.0, "held_steps": 100, **ev}, scope=scope,
+    )  # fmt: skip
+
+
+def test_a_fault_that_returns_after_resolving_is_a_new_linked_occurrence() -> None:
+    tickets: dict[str, Ticket] = {}
+    rules, s = Rules(resolve_after_s=30), 1_000_000
+    assert [c.kind for c in reconcile(tickets, "j", [_finding()], 0, 8, rules)] == ["opened"]
+    assert [c.kind for c in reconcile(tickets, "j", [_finding()], 10 * s, 8, rules)] == ["updated"]
+    assert reconcile(tickets, "j", [], 20 * s, 8, rules) == []  # absent 10 s: not yet
+    assert [c.kind for c in reconcile(tickets, "j", [], 41 * s, 8, rules)] == ["resolved"]
+    (again,) = reconcile(tickets, "j", [_finding()], 50 * s, 8, rules)
+    fp = fingerprint("j", _finding())
+    assert again.kind == "opened" and again.ticket.id == f"{fp}-2" and again.ticket.previous == f"{fp}-1"
+    assert "returned" in again.ticket.events[0].reason
+    assert tickets[f"{fp}-1"].events[-1].reason == "healthy for 30 s"
+
+
+def test_a_host_ticket_absorbs_the_rank_tickets_it_explains() -> None:
+    tickets: dict[str, Ticket] = {}
+    reconcile(tickets, "j", [_finding(ranks=(8,)), _finding(ranks=(3,))], 0, 16)
+    host = _finding(ranks=tuple(range(8, 16)), scope="host", host="node1")
+    changes = reconcile(tickets, "j", [host, _finding(ranks=(3,))], 1, 16)
+    kinds = {(c.ticket.culprit, c.kind) for c in changes}
+    assert kinds == {("host node1", "opened"), ("ranks 8", "resolved"), ("ranks 3", "updated")}
+    assert "absorbed by" in next(t for t in tickets.values() if t.culprit == "ranks 8").events[-1].reason
+
+
+def test_severity_is_the_time_the_waiting_ranks_lost() -> None:
+    tickets: dict[str, Ticket] = {}
+    (c,) = reconcile(tickets, "j", [_finding()], 0, 8)
+    assert c.ticket.lost_rank_s == pytest.approx(5e-3 * 100 * 7) and c.ticket.severity == "minor"
+    (c,) = reconcile(tickets, "j", [_finding(held_steps=2e5)], 1, 8)
+    assert c.ticket.severity == "critical"  # 5 ms x 200,000 steps x 7 ranks > 1 rank-hour
+    hang = _finding(cause="hang", stalled_for_s=40)
+    assert reconcile({}, "j", [hang], 0, 8)[0].ticket.severity == "critical"
+
+
+def test_ticket_ids_depend_on_the_findings_alone() -> None:
+    a: dict[str, Ticket] = {}
+    b: dict[str, Ticket] = {}
+    reconcile(a, "j", [_finding()], 5, 8)
+    reconcile(b, "j", [_finding()], 9, 8)
+    assert list(a) == list(b)  # two services diagnosing one job name its ticket alike
+
+
+# --- the command ---------------------------------------------------------------------------------
+
+
+def test_serve_refuses_an_open_address_without_tokens(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["serve", "--store", str(tmp_path / "s"), "--host", "0.0.0.0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--insecure" in err and not (tmp_path / "s").exists()
+
+
+def test_tokens_must_be_long_and_scoped(tmp_path: Path) -> None:
+    from aggregator import UsageError
+
+    (tmp_path / "t").write_text(f"# ops\n{WRITE} write\n{READ} read\n")
+    assert Tokens.load(str(tmp_path / "t"), env="").scope_of(WRITE) == "write"
+    with pytest.raises(UsageError, match="16"):
+        Tokens.load(None, env="short:read")
+    with pytest.raises(UsageError, match="scope"):
+        Tokens.load(None, env=f"{READ}:admin")
