@@ -74,7 +74,7 @@ class _OnsetWatch(threading.Thread):
         self._stop.set()
 
 
-def _run_job(sc: Scenario, spec: JobSpec, markers: Path) -> tuple[dict[str, Any] | None, str, list[str]]:
+def run_job(sc: Scenario, spec: JobSpec, markers: Path) -> tuple[dict[str, Any] | None, str, list[str]]:
     """Run the job with its external fault; returns (onset marker, error, cleanup errors)."""
     if sc.script:  # a user-style training script under torchrun; it injects its fault itself
         return torchrun_job.run(sc, spec, markers, START_S)
@@ -141,7 +141,7 @@ def run_scenario(sc: Scenario, store: Store, workdir: Path, probe_s: float = PRO
     base: dict[str, Any] = {"name": sc.name, "kind": sc.kind, "about": sc.about, "job": job}
     t0 = time.perf_counter()
     try:
-        onset, error, cleanup = _run_job(sc, spec, markers)
+        onset, error, cleanup = run_job(sc, spec, markers)
     except Unavailable as exc:
         return {**base, "skipped": str(exc)}
     run_s = time.perf_counter() - t0
