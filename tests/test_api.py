@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
+import shutil
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -18,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import uvicorn
 from fastapi.testclient import TestClient
 
 from aggregator import Store, ingest
@@ -27,6 +31,7 @@ from api.notify import Webhook
 from api.tickets import Rules, Ticket, fingerprint, reconcile
 from diagnosis import Finding, diagnose
 from rankscope.cli import main
+from rankscope.workload import free_port
 
 FIXTURES = Path(__file__).parent / "fixtures"
 JOBS = ("compute-r2", "healthy")
@@ -175,8 +180,9 @@ def test_a_restarted_service_keeps_its_tickets_and_opens_none_twice(
     svc, _ = served
     now = _running(svc)
     before = {t.id: t.to_dict() for t in svc.tickets.values()}
-    again = Service(Store.embedded(store_dir, database=svc.store.database), svc.settings)
-    again.cycle(now_us=now + 1_000_000)
+    with Store.embedded(store_dir, database=svc.store.database) as store:
+        again = Service(store, svc.settings)
+        again.cycle(now_us=now + 1_000_000)
     assert {t.id: t.to_dict() for t in again.tickets.values()} == before
 
 
@@ -319,6 +325,53 @@ def test_pages_show_the_culprit_and_the_ticket(served: tuple[Service, TestClient
     assert "Timeline" in ticket and "ranks 2" in ticket and "compute-r2" in ticket
     client.cookies.clear()
     assert client.get("/").status_code == 401
+
+
+def _chromium(*args: str, profile: Path) -> str:
+    """Headless Chromium, as SERVICES.md starts it; its stdout."""
+    exe = shutil.which("chromium")
+    if exe is None:
+        if os.environ.get("CI"):
+            pytest.fail("chromium is missing: ./dev test installs it")
+        pytest.skip("chromium is not installed (./dev test installs it)")
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+             "--disable-component-update", "--disable-sync", f"--user-data-dir={profile}"]  # fmt: skip
+    out = subprocess.run([exe, *flags, *args], capture_output=True, text=True, timeout=120, check=True)
+    return out.stdout
+
+
+def test_a_browser_shows_the_culprit_and_the_ticket(
+    served: tuple[Service, TestClient], tmp_path: Path
+) -> None:
+    """The pages as a person sees them: served by uvicorn, loaded by a real headless Chromium."""
+    svc, _ = served
+    _running(svc)
+    (t,) = svc.tickets.values()
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(svc), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        base = f"http://127.0.0.1:{port}"
+        jobs = _chromium("--dump-dom", f"{base}/", profile=tmp_path / "p1")
+        assert "compute-r2" in jobs and "healthy" in jobs and t.id in jobs
+        job = _chromium("--dump-dom", f"{base}/jobs/compute-r2", profile=tmp_path / "p2")
+        assert '<span class="cause">compute</span>' in job and "rank 2 (node1)" in job and t.id in job
+        assert "Where each rank spends its time" in job and "<polyline" in job
+        ticket = _chromium("--dump-dom", f"{base}/tickets/{t.id}", profile=tmp_path / "p3")
+        assert "Timeline" in ticket and "ranks 2" in ticket
+        shot = tmp_path / "job.png"
+        _chromium(f"--screenshot={shot}", "--window-size=1300,1500", f"{base}/jobs/compute-r2",
+                  profile=tmp_path / "p4")  # fmt: skip
+        assert shot.stat().st_size > 20_000
+        if os.environ.get("RANKSCOPE_SCREENSHOT"):  # how the README's picture is made
+            shutil.copy(shot, os.environ["RANKSCOPE_SCREENSHOT"])
+    finally:
+        server.should_exit = True
+        thread.join(10)
 
 
 # --- ticket rules, pure ----------------------------------------------------------------------------
