@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from aggregator import RankscopeError, Store, ingest
+from aggregator.consumer import Aggregator, BatchSettings, KafkaSettings
 from diagnosis import Diagnosis, Finding, JobData, diagnose
 
 from . import storage
@@ -32,6 +33,8 @@ log = logging.getLogger(__name__)
 class ServeSettings:
     spool: str | None = None
     """Spool directory the hooks write, watched every cycle (None: the store is filled otherwise)."""
+    kafka: KafkaSettings | None = None
+    """Consume the hooks' topic too, as one member of the consumer group (``rankscope aggregate``)."""
     interval_s: float = 5.0
     """Seconds between cycles."""
     ended_after_s: float = 60.0
@@ -94,18 +97,39 @@ class Service:
         self.notifier = Notifier(settings.webhooks, self._record_delivery)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.aggregator: Aggregator | None = None
+        self._consumer: threading.Thread | None = None
 
     # --- the loop -------------------------------------------------------------------------------
 
     def start(self) -> None:
+        if self.settings.kafka is not None:
+            self._consumer = threading.Thread(target=self._consume, name="rankscope-kafka", daemon=True)
+            self._consumer.start()
         self._thread = threading.Thread(target=self._run, name="rankscope-serve", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
+        for thread in (self._thread, self._consumer):
+            if thread is not None:
+                thread.join()
         self.notifier.close()
+
+    def _consume(self) -> None:
+        """Kafka into the store, on connections of its own (the aggregator's writers are threads)."""
+        assert self.settings.kafka is not None
+        reopen = self.store.reopen
+        store = reopen() if reopen is not None else self.store
+        try:
+            self.aggregator = Aggregator(store, self.settings.kafka, BatchSettings())
+            self.aggregator.run(stop=self._stop)
+        except Exception as exc:  # the spool and the API go on; /healthz says why Kafka stopped
+            self.stats.problem = f"Kafka consumer stopped: {type(exc).__name__}: {exc}"[:500]
+            log.exception("rankscope serve: the Kafka consumer stopped")
+        finally:
+            if store is not self.store:
+                store.close()
 
     def _run(self) -> None:
         while not self._stop.is_set():

@@ -163,8 +163,21 @@ def _serve(a: argparse.Namespace) -> int:
         )
     if a.spool and not Path(a.spool).is_dir():
         raise UsageError(f"spool directory {a.spool} does not exist")
+    kafka = None
+    if a.kafka:
+        from aggregator.consumer import KafkaSettings
+
+        kafka = KafkaSettings(
+            bootstrap=a.kafka,
+            topic=a.topic,
+            group=a.group,
+            api_version=a.kafka_api_version,
+            options=dict(a.kafka_option),
+        )
+        kafka.check()
     settings = ServeSettings(
         spool=a.spool,
+        kafka=kafka,
         interval_s=a.interval,
         ended_after_s=a.ended_after,
         rules=Rules(resolve_after_s=a.resolve_after),
@@ -236,24 +249,7 @@ def parser() -> argparse.ArgumentParser:
         "aggregate",
         help="consume the hooks' records from Kafka into ClickHouse (one consumer-group member)",
     )
-    a.add_argument(
-        "--kafka",
-        default=os.environ.get("RANKSCOPE_KAFKA"),
-        help="bootstrap servers (default: $RANKSCOPE_KAFKA)",
-    )
-    a.add_argument("--topic", default="rankscope", help="topic the hooks produce to (default: rankscope)")
-    a.add_argument(
-        "--group", default="rankscope-aggregator", help="consumer group (default: rankscope-aggregator)"
-    )
-    a.add_argument("--kafka-api-version", default="", help="e.g. 0.9 for old brokers (default: probe)")
-    a.add_argument(
-        "--kafka-option",
-        type=_option,
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="passed to KafkaConsumer, e.g. security_protocol=SASL_SSL (repeatable)",
-    )
+    _kafka_options(a)
     _store_options(a)
     a.add_argument("--batch-records", type=int, default=5000, help="write every N messages (default: 5000)")
     a.add_argument("--batch-seconds", type=float, default=1.0, help="…or every S seconds (default: 1)")
@@ -277,6 +273,9 @@ def parser() -> argparse.ArgumentParser:
     )
     _store_options(v)
     v.add_argument("--spool", help="spool directory the hooks write, watched continuously")
+    _kafka_options(
+        v, "also consume the hooks' Kafka topic from these bootstrap servers (default: $RANKSCOPE_KAFKA)"
+    )
     v.add_argument("--host", default="127.0.0.1", help="listen address (default: 127.0.0.1)")
     v.add_argument("--port", type=int, default=8080, help="listen port (default: 8080)")
     v.add_argument("--interval", type=float, default=5.0, help="seconds between cycles (default: 5)")
@@ -297,6 +296,29 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("--insecure", action="store_true", help="allow a non-loopback --host without tokens")
     v.set_defaults(func=_serve)
     return p
+
+
+def _kafka_options(
+    p: argparse.ArgumentParser, help_: str = "bootstrap servers (default: $RANKSCOPE_KAFKA)"
+) -> None:
+    p.add_argument(
+        "--kafka",
+        default=os.environ.get("RANKSCOPE_KAFKA"),
+        help=help_,
+    )
+    p.add_argument("--topic", default="rankscope", help="topic the hooks produce to (default: rankscope)")
+    p.add_argument(
+        "--group", default="rankscope-aggregator", help="consumer group (default: rankscope-aggregator)"
+    )
+    p.add_argument("--kafka-api-version", default="", help="e.g. 0.9 for old brokers (default: probe)")
+    p.add_argument(
+        "--kafka-option",
+        type=_option,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="passed to KafkaConsumer, e.g. security_protocol=SASL_SSL (repeatable)",
+    )
 
 
 def _store_options(p: argparse.ArgumentParser) -> None:

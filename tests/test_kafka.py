@@ -517,3 +517,31 @@ def test_gzip_message_sets_are_inflated_by_isal_and_come_out_the_same() -> None:
     for module in (kafka.record.legacy_records, kafka.record.default_records):
         assert module.gzip_decode.__module__.startswith("isal")
         assert module.gzip_decode(gzip_encode(payload)) == payload
+
+
+def test_serve_consumes_the_topic_and_opens_the_ticket(broker: KafkaBroker, tmp_path: Path) -> None:
+    """``rankscope serve --kafka``: a recorded real run (rank 2 computes slower) arrives by Kafka."""
+    from api import ServeSettings, Service
+
+    fixture = Path(__file__).parent / "fixtures" / "compute-r2"
+    items = []
+    for gz in sorted(fixture.glob("*.jsonl.gz")):
+        key = f"compute-r2/{gz.name.split('rank')[1].split('.')[0]}".encode()
+        items += [(key, line) for line in gzip.decompress(gz.read_bytes()).splitlines()]
+    produce(broker, "serve", items)
+    with Store.embedded(tmp_path / "db") as store:
+        svc = Service(
+            store, ServeSettings(kafka=settings(broker, "serve"), interval_s=0.5, ended_after_s=1e9)
+        )
+        svc.start()
+        try:
+            deadline = time.monotonic() + 60
+            while not svc.tickets and time.monotonic() < deadline:
+                time.sleep(0.2)
+        finally:
+            svc.stop()
+        assert svc.aggregator is not None and svc.aggregator.stats.consumed == len(items)
+        assert [(t.job, t.cause, t.ranks, t.state) for t in svc.tickets.values()] == [
+            ("compute-r2", "compute", [2], "open")
+        ]
+        assert store.counts("compute-r2")["ranks"] == 4
