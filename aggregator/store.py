@@ -633,13 +633,31 @@ class Store:
         )
         return self._frame(sql, {"job": job}, HEARTBEATS.column_names)
 
-    def job_data(self, job: str) -> JobData:
-        """Everything the diagnosis reads about ``job``, as one :class:`diagnosis.JobData`."""
+    def job_data(self, job: str, since_us: int | None = None) -> JobData:
+        """Everything the diagnosis reads about ``job``, as one :class:`diagnosis.JobData`.
+
+        With ``since_us``, only the steps that started and the windows taken from then on (the
+        ranks and each rank's latest heartbeat whenever they came): what a running job's
+        diagnosis needs, in time that does not grow with the job's age.
+        """
+        if since_us is None:
+            steps, functions = self.steps(job), self.functions(job)
+        else:
+            steps = self._select(
+                STEPS, job, "AND start_us >= {since:Int64}", {"since": since_us}, "rank, step"
+            )
+            where = (
+                f"AND window IN (SELECT window FROM {self._t(WINDOWS)} "
+                "WHERE job = {job:String} AND time_us >= {since:Int64})"
+            )
+            functions = self._select(
+                FUNCTIONS, job, where, {"since": since_us}, "window, rank, kind, name, stack"
+            )
         return JobData(
             job=job,
             ranks=self.ranks(job),
-            steps=self.steps(job),
-            functions=self.functions(job),
+            steps=steps,
+            functions=functions,
             heartbeats=self.heartbeats_latest(job),
         )
 

@@ -39,6 +39,9 @@ class ServeSettings:
     """Seconds between cycles."""
     ended_after_s: float = 60.0
     """A job that sent nothing (steps, heartbeats) for this long has ended."""
+    recent_s: float = 600.0
+    """Each diagnosis reads the job's last this-many seconds of steps and windows: a fault that
+    stopped leaves the findings (its ticket resolves), and a cycle costs the same at any job age."""
     rules: Rules = field(default_factory=Rules)
     webhooks: list[Webhook] = field(default_factory=list)
     base_url: str = "http://127.0.0.1:8080"
@@ -179,7 +182,7 @@ class Service:
 
     def _diagnose(self, js: JobState, now_us: int, ended: bool) -> None:
         with self.lock:
-            data = self.store.job_data(js.job)
+            data = self.store.job_data(js.job, since_us=js.last_us - int(self.settings.recent_s * 1e6))
         d = diagnose(data)
         doc = {**d.to_dict(), "time_us": now_us, "data_last_us": js.last_us}
         js.diagnosis, js.diagnosed_us, js.data_last_us = doc, now_us, js.last_us
@@ -220,8 +223,11 @@ class Service:
         return f"{self.settings.base_url.rstrip('/')}/tickets/{ticket_id}"
 
     def job_data(self, job: str) -> JobData:
+        """What the pictures show: the data the job's diagnoses read."""
+        js = self.jobs.get(job)
+        since = js.last_us - int(self.settings.recent_s * 1e6) if js is not None else None
         with self.lock:
-            return self.store.job_data(job)
+            return self.store.job_data(job, since_us=since)
 
     def diagnosis(self, job: str) -> Diagnosis | None:
         doc = self.jobs[job].diagnosis if job in self.jobs else None

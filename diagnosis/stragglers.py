@@ -36,6 +36,9 @@ class Settings:
     from 12 to 10 s on the two latest runs, and added no finding on healthy jobs."""
     chunks: int = 6
     """The analyzed steps are split into this many consecutive chunks."""
+    min_chunk_steps: int = 5
+    """Fewer steps than this per chunk (30 in all) is too few to tell a straggler from noise: a
+    diagnosis of a job's first second, or of the last 0.5 s of one, found a healthy rank 1.49x."""
     min_ratio: float = 1.10
     """A rank's mean own time (per step, relative to the step's median) must exceed the ranks' median
     by this factor to count as slow in a chunk."""
@@ -213,6 +216,8 @@ def find(steps: pd.DataFrame, s: Settings | None = None) -> list[Straggler]:
     g = grid(steps, s, cols)
     if g is None or len(g.ranks) < 3:
         return []  # two ranks cannot outvote each other
+    if len(g.chunk) < s.chunks * s.min_chunk_steps:
+        return []
     own = g.values["own_us"]
     step_med = np.clip(nanmedian(own, axis=0), 1.0, None)
     g.values["rel"] = own / step_med[None, :]

@@ -174,6 +174,36 @@ def test_an_ended_job_resolves_its_ticket_and_the_webhook_hears_both(
     assert [(d["status"], d["ok"]) for d in deliveries] == [("firing", 1), ("resolved", 1)]
 
 
+def test_a_fault_that_stopped_resolves_its_ticket_while_the_job_runs(
+    served: tuple[Service, TestClient],
+) -> None:
+    svc, client = served
+    now = _running(svc)
+    (t,) = _get(client, "/api/v1/tickets")
+    # The job goes on healthy: its recent records (here: its last 0.5 s) show no straggler.
+    svc.settings.recent_s = 0.5
+    svc.jobs["compute-r2"].data_last_us = -1  # as if new records had come
+    svc.cycle(now_us=now + 30_000_000)
+    assert _get(client, f"/api/v1/tickets/{t['id']}")["state"] == "open"  # absent 30 s: not yet
+    svc.jobs["compute-r2"].data_last_us = -1
+    svc.cycle(now_us=now + 61_000_000)
+    got = _get(client, f"/api/v1/tickets/{t['id']}")
+    assert got["state"] == "resolved" and got["events"][-1]["reason"] == "healthy for 60 s"
+    assert _get(client, "/api/v1/jobs/compute-r2")["state"] == "running"
+
+
+def test_recent_reads_hold_only_the_recent_steps_and_windows(served: tuple[Service, TestClient]) -> None:
+    svc, _ = served
+    full = svc.store.job_data("compute-r2")
+    since = int(full.steps["start_us"].quantile(0.5)) if "start_us" in full.steps else 0
+    recent = svc.store.job_data("compute-r2", since_us=since)
+    assert 0 < len(recent.steps) < len(full.steps) and (recent.steps["start_us"] >= since).all()
+    windows = svc.store.windows("compute-r2")
+    kept = set(windows.loc[windows["time_us"] >= since, "window"])
+    assert set(recent.functions["window"]) == kept and len(kept) < full.functions["window"].nunique()
+    assert len(recent.ranks) == len(full.ranks) == 4
+
+
 def test_a_restarted_service_keeps_its_tickets_and_opens_none_twice(
     served: tuple[Service, TestClient], store_dir: Path, spool: Path
 ) -> None:
