@@ -77,9 +77,24 @@ def _open_store(a: argparse.Namespace, create: bool = True) -> Any:
     return Store.embedded(a.store, database=a.database, create=create)
 
 
+def _kafka_settings(a: argparse.Namespace) -> Any:
+    """The consumer's settings from the Kafka options, checked."""
+    from aggregator.consumer import KafkaSettings
+
+    kafka = KafkaSettings(
+        bootstrap=a.kafka,
+        topic=a.topic,
+        group=a.group,
+        api_version=a.kafka_api_version,
+        options=dict(a.kafka_option),
+    )
+    kafka.check()
+    return kafka
+
+
 def _aggregate(a: argparse.Namespace) -> int:
     from aggregator import UsageError
-    from aggregator.consumer import Aggregator, BatchSettings, KafkaSettings
+    from aggregator.consumer import Aggregator, BatchSettings
     from aggregator.metrics import Metrics
     from aggregator.schema import check_identifier
 
@@ -89,14 +104,7 @@ def _aggregate(a: argparse.Namespace) -> int:
     check_identifier(a.database)
     if a.clickhouse:
         _clickhouse_address(a.clickhouse)
-    kafka = KafkaSettings(
-        bootstrap=a.kafka,
-        topic=a.topic,
-        group=a.group,
-        api_version=a.kafka_api_version,
-        options=dict(a.kafka_option),
-    )
-    kafka.check()
+    kafka = _kafka_settings(a)
     metrics = Metrics()
     if a.metrics_port is not None:
         metrics.serve(a.metrics_port)
@@ -163,18 +171,7 @@ def _serve(a: argparse.Namespace) -> int:
         )
     if a.spool and not Path(a.spool).is_dir():
         raise UsageError(f"spool directory {a.spool} does not exist")
-    kafka = None
-    if a.kafka:
-        from aggregator.consumer import KafkaSettings
-
-        kafka = KafkaSettings(
-            bootstrap=a.kafka,
-            topic=a.topic,
-            group=a.group,
-            api_version=a.kafka_api_version,
-            options=dict(a.kafka_option),
-        )
-        kafka.check()
+    kafka = _kafka_settings(a) if a.kafka else None
     settings = ServeSettings(
         spool=a.spool,
         kafka=kafka,
