@@ -16,6 +16,7 @@ are tracked whenever they go through ``torch.distributed``'s Python functions, a
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from typing import Any
@@ -100,13 +101,16 @@ def _allreduce(tracker: CollectiveTracker, group: str, pg: Any, bucket: Any) -> 
     tensor = bucket.buffer()
     tensor.div_(pg.size())
     call = tracker.enter(group, "all_reduce", tensor.element_size() * tensor.numel(), blocking=False)
-    fut = pg.allreduce([tensor]).get_future()
-    tracker.exit_on_completion(call, fut)
-    return fut.then(_first)
+    # One Python callback, not two: it completes the call and unwraps the result (half the GIL
+    # hand-offs on the thread that completes the work).
+    return pg.allreduce([tensor]).get_future().then(functools.partial(_completed, tracker, call))
 
 
-def _first(fut: Any) -> Any:
-    return fut.value()[0]
+def _completed(tracker: CollectiveTracker, call: Any, fut: Any) -> Any:
+    result = fut.value()[0]  # raises the collective's error into DDP, as allreduce_hook does
+    with contextlib.suppress(Exception):  # tracking must never fail the gradient sync
+        tracker.exit(call)
+    return result
 
 
 def _builtin(comm_hook_type: Any) -> Any:
