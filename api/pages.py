@@ -84,7 +84,7 @@ def jobs_page(svc: Svc) -> HTMLResponse:
         if rows
         else '<p class="note">No jobs yet: point the hooks\' spool (or Kafka) at this service.</p>'
     )
-    active = [t for t in svc.tickets.values() if t.active]
+    active = [t for t in list(svc.tickets.values()) if t.active]
     body = f"<h1>rankscope</h1><h2>Jobs</h2>{table}<h2>Open tickets</h2>" + _ticket_rows(
         sorted(active, key=lambda t: -t.updated_us)
     )
@@ -98,7 +98,7 @@ def job_page(job: str, svc: Svc) -> HTMLResponse:
         raise HTTPException(404, f"no job {job!r}")
     d = svc.diagnosis(job) or Diagnosis(job=job, findings=[])
     state = js.state(svc.now_us, svc.settings.ended_after_s)
-    tickets = sorted((t for t in svc.tickets.values() if t.job == job), key=lambda t: -t.updated_us)
+    tickets = sorted((t for t in list(svc.tickets.values()) if t.job == job), key=lambda t: -t.updated_us)
     extra = (
         f'<p class="meta">state <span class="st {state}">{state}</span> · step {js.step} · '
         f'{js.steps_per_s:.2f} steps/s · diagnosed {_time(js.diagnosed_us)} · <a href="/">all jobs</a></p>'

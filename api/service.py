@@ -91,6 +91,8 @@ class Service:
         self.lock = threading.RLock()
         self.stats = Stats()
         self.jobs: dict[str, JobState] = {}
+        """Job id -> state; with :attr:`tickets`, written by the cycle's thread only (readers copy
+        ``list(d.values())`` first: a copy made in C, not a Python loop another thread can interleave)."""
         self.now_us = time.time_ns() // 1000
         """The time of the last cycle: the API tells jobs' states as of then."""
         with self.lock:
