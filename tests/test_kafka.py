@@ -245,8 +245,10 @@ def test_a_hooked_multi_rank_job_is_stored_exactly_once_by_rankscope_aggregate(
     assert len(records) == sent
     with Store.embedded(tmp_path / "db") as store:
         assert_stored_once(store, "kj", records)
-        windows = store.counts("kj")["windows"]
-        assert windows >= 2 and windows % 2 == 0  # the same windows on both ranks
+        by_rank = store.windows("kj").groupby("rank")["window"].apply(set)
+        # Both ranks profiled the same windows (a rank that reads a plan after its step has passed
+        # skips that one: profiler_hook.schedule; under CI load it happened once in this 0.5 s schedule).
+        assert len(by_rank) == 2 and len(by_rank[0] & by_rank[1]) >= 2
         # The ranks talk over loopback, which never touches a NIC: no send-rate pattern.
         fns = store.functions("kj")
         assert not (fns["name"] == "net_send@tcp").any()
