@@ -9,17 +9,16 @@ from __future__ import annotations
 import json
 from datetime import datetime, timezone
 from html import escape as _e
-from typing import Annotated
 from urllib.parse import quote
 
-from fastapi import APIRouter, Depends, HTTPException, Request
+from fastapi import APIRouter, Depends
 from fastapi.responses import HTMLResponse
 
 from diagnosis import Diagnosis
 from rankscope.report import page, render_report
 
 from .auth import need_read
-from .service import Service
+from .deps import Svc, known_job, known_ticket
 from .tickets import Ticket
 
 router = APIRouter(tags=["pages"], include_in_schema=False, dependencies=[Depends(need_read)])
@@ -31,13 +30,6 @@ border-bottom:1px solid #eee;text-align:left;font-size:13.5px}table.list th{colo
 .st.slow,.st.open{background:#b2182b}.st.hung{background:#6a1b9a}.st.ended{background:#888}
 .st.acknowledged{background:#ef6c00}
 """
-
-
-def _svc(request: Request) -> Service:
-    return request.app.state.service
-
-
-Svc = Annotated[Service, Depends(_svc)]
 
 
 def _time(us: int) -> str:
@@ -93,9 +85,7 @@ def jobs_page(svc: Svc) -> HTMLResponse:
 
 @router.get("/jobs/{job}", response_class=HTMLResponse)
 def job_page(job: str, svc: Svc) -> HTMLResponse:
-    js = svc.jobs.get(job)
-    if js is None:
-        raise HTTPException(404, f"no job {job!r}")
+    js = known_job(svc, job)
     d = svc.diagnosis(job) or Diagnosis(job=job, findings=[])
     state = js.state(svc.now_us, svc.settings.ended_after_s)
     tickets = sorted((t for t in list(svc.tickets.values()) if t.job == job), key=lambda t: -t.updated_us)
@@ -110,9 +100,7 @@ def job_page(job: str, svc: Svc) -> HTMLResponse:
 
 @router.get("/tickets/{ticket_id}", response_class=HTMLResponse)
 def ticket_page(ticket_id: str, svc: Svc) -> HTMLResponse:
-    t = svc.tickets.get(ticket_id)
-    if t is None:
-        raise HTTPException(404, f"no ticket {ticket_id!r}")
+    t = known_ticket(svc, ticket_id)
     timeline = "".join(
         f'<tr><td>{_time(e.time_us)}</td><td><span class="st {e.state}">{e.state}</span></td><td>{_e(e.reason)}</td></tr>'
         for e in t.events

@@ -2,24 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import APIRouter, Depends, HTTPException, Query, Request
+from fastapi import APIRouter, Depends, HTTPException, Query
 
 from rankscope.report import heatmap_data, step_series
 
 from ..auth import need_read
+from ..deps import Svc, known_job
 from ..models import JobOut
 from ..service import JobState, Service
 
 router = APIRouter(prefix="/api/v1/jobs", tags=["jobs"], dependencies=[Depends(need_read)])
-
-
-def service(request: Request) -> Service:
-    return request.app.state.service
-
-
-Svc = Annotated[Service, Depends(service)]
 
 
 def job_out(svc: Service, js: JobState, now_us: int) -> JobOut:
@@ -38,13 +32,6 @@ def job_out(svc: Service, js: JobState, now_us: int) -> JobOut:
     )
 
 
-def known(svc: Service, job: str) -> JobState:
-    js = svc.jobs.get(job)
-    if js is None:
-        raise HTTPException(404, f"no job {job!r}")
-    return js
-
-
 @router.get("", response_model=list[JobOut])
 def list_jobs(
     svc: Svc, state: str | None = Query(None, pattern="^(running|slow|hung|ended)$")
@@ -57,13 +44,13 @@ def list_jobs(
 
 @router.get("/{job}", response_model=JobOut)
 def get_job(job: str, svc: Svc) -> JobOut:
-    return job_out(svc, known(svc, job), svc.now_us)
+    return job_out(svc, known_job(svc, job), svc.now_us)
 
 
 @router.get("/{job}/diagnosis")
 def get_diagnosis(job: str, svc: Svc) -> dict[str, Any]:
     """The latest diagnosis, in the shape ``rankscope diagnose --json`` prints."""
-    d = svc.diagnosis(known(svc, job).job)
+    d = svc.diagnosis(known_job(svc, job).job)
     if d is None:
         raise HTTPException(404, f"job {job!r} has not been diagnosed yet")
     return d.to_dict()
@@ -72,24 +59,24 @@ def get_diagnosis(job: str, svc: Svc) -> dict[str, Any]:
 @router.get("/{job}/diagnoses")
 def get_history(job: str, svc: Svc, limit: int = Query(50, ge=1, le=1000)) -> list[dict[str, Any]]:
     """The job's diagnoses, newest first: ``{"time_us", "diagnosis"}`` each."""
-    return svc.history(known(svc, job).job, limit)
+    return svc.history(known_job(svc, job).job, limit)
 
 
 @router.get("/{job}/heatmap")
 def get_heatmap(job: str, svc: Svc) -> dict[str, Any]:
     """Rank x function: each shown function's ms per step on each rank, from the profiling windows."""
-    return heatmap_data(svc.job_data(known(svc, job).job))
+    return heatmap_data(svc.job_data(known_job(svc, job).job))
 
 
 @router.get("/{job}/steps")
 def get_steps(job: str, svc: Svc, points: int = Query(400, ge=2, le=5000)) -> dict[str, Any]:
     """Per rank: step time and own time (ms) by step, smoothed, at most about ``points`` points."""
-    return step_series(svc.job_data(known(svc, job).job), points)
+    return step_series(svc.job_data(known_job(svc, job).job), points)
 
 
 @router.get("/{job}/windows")
 def get_windows(job: str, svc: Svc) -> list[dict[str, Any]]:
     """The profiling windows: one row per window and rank."""
     with svc.lock:
-        df = svc.store.windows(known(svc, job).job)
+        df = svc.store.windows(known_job(svc, job).job)
     return [{k: (v.item() if hasattr(v, "item") else v) for k, v in r.items()} for r in df.to_dict("records")]

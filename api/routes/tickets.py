@@ -2,32 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Annotated
-
-from fastapi import APIRouter, Depends, HTTPException, Query, Request
+from fastapi import APIRouter, Depends, Query
 
 from diagnosis import CAUSES
 
 from ..auth import need_read, need_write
+from ..deps import Svc, known_ticket
 from ..models import Action, TicketDetail, TicketOut
-from ..service import Service
-from ..tickets import Ticket
 
 router = APIRouter(prefix="/api/v1/tickets", tags=["tickets"], dependencies=[Depends(need_read)])
-
-
-def service(request: Request) -> Service:
-    return request.app.state.service
-
-
-Svc = Annotated[Service, Depends(service)]
-
-
-def known(svc: Service, ticket_id: str) -> Ticket:
-    t = svc.tickets.get(ticket_id)
-    if t is None:
-        raise HTTPException(404, f"no ticket {ticket_id!r}")
-    return t
 
 
 @router.get("", response_model=list[TicketOut])
@@ -51,13 +34,13 @@ def list_tickets(
 
 @router.get("/{ticket_id}", response_model=TicketDetail)
 def get_ticket(ticket_id: str, svc: Svc) -> dict:
-    t = known(svc, ticket_id)
+    t = known_ticket(svc, ticket_id)
     return {**t.to_dict(), "deliveries": svc.deliveries(t.id)}
 
 
 def _action(name: str):  # type: ignore[no-untyped-def]
     def act(ticket_id: str, svc: Svc, body: Action | None = None) -> dict:
-        return svc.change_ticket(known(svc, ticket_id).id, name, body.reason if body else "").to_dict()
+        return svc.change_ticket(known_ticket(svc, ticket_id).id, name, body.reason if body else "").to_dict()
 
     act.__name__ = name
     act.__doc__ = f"{name.capitalize()} the ticket (write scope); the change joins its timeline."

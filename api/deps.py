@@ -1,0 +1,32 @@
+"""What the routers and pages share: the service of the app, and the 404 of an unknown job or ticket."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, HTTPException, Request
+
+from .service import JobState, Service
+from .tickets import Ticket
+
+
+def _service(request: Request) -> Service:
+    return request.app.state.service
+
+
+Svc = Annotated[Service, Depends(_service)]
+"""A route parameter: the app's :class:`Service`."""
+
+
+def known_job(svc: Service, job: str) -> JobState:
+    js = svc.jobs.get(job)
+    if js is None:
+        raise HTTPException(404, f"no job {job!r}")
+    return js
+
+
+def known_ticket(svc: Service, ticket_id: str) -> Ticket:
+    t = svc.tickets.get(ticket_id)
+    if t is None:
+        raise HTTPException(404, f"no ticket {ticket_id!r}")
+    return t
