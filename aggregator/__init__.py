@@ -12,12 +12,12 @@ Example::
 from __future__ import annotations
 
 from .errors import RankscopeError, UsageError
-from .schema import SCHEMA_VERSION, SchemaError, ensure_schema
+from .schema import STORE_VERSION, SchemaError, ensure_schema
 from .spool import IngestStats, ingest
 from .store import Batch, Store, StoreError
 
 __all__ = [
-    "SCHEMA_VERSION",
+    "STORE_VERSION",
     "Batch",
     "IngestStats",
     "RankscopeError",

@@ -5,8 +5,10 @@ sort key is the identity of a row, so a record ingested twice (a replay after a 
 again after its offsets were lost) collapses to one row in queries that use ``FINAL``. Times are
 Int64 microseconds since the Unix epoch, as on the wire.
 
-Each table carries the comment ``rankscope schema <SCHEMA_VERSION>``; :func:`ensure_schema` refuses
-a database whose tables were made by another version instead of writing rows that do not fit.
+Each table carries the comment ``rankscope schema <STORE_VERSION>``; :func:`ensure_schema` migrates
+a database of an older version (``MIGRATIONS``) and refuses one of a newer or unknown version
+instead of writing rows that do not fit. (The wire format has a version of its own,
+``profiler_hook.records.WIRE_VERSION``.)
 """
 
 from __future__ import annotations
@@ -16,15 +18,15 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from profiler_hook.records import SCHEMA_VERSION as WIRE_VERSION
+from profiler_hook.records import WIRE_VERSION
 
 from .errors import RankscopeError
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+STORE_VERSION = 2
 DEFAULT_DATABASE = "rankscope"
-_COMMENT = f"rankscope schema {SCHEMA_VERSION}"
+_COMMENT = f"rankscope schema {STORE_VERSION}"
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -102,6 +104,9 @@ STEPS = Table(
         ("first_coll_us", "Int64"),
         ("cpu_us", "Int64"),
         ("nivcsw", "Int64"),
+        # The row holds the totals of steps ``step .. step + n_steps - 1`` (Store.steps() reads them
+        # back one row per step); schema 1 had one row per step.
+        ("n_steps", "Int64"),
     ),
     order_by=("job", "rank", "step"),
     # A rank restarted from a checkpoint runs some steps again; the later run is the one that counts.
@@ -248,7 +253,7 @@ WINDOW_INPUT_NAME = "window_input"
 WINDOW_JSON_NAME = "window_json"
 WINDOW_INPUT_OBJECTS = (WINDOW_INPUT_NAME, "windows_from_input", "functions_from_input", WINDOW_JSON_NAME)
 """The input tables and views (all store nothing)."""
-WINDOW_INPUT_VERSION = 3
+WINDOW_INPUT_VERSION = 4
 """Version of the input objects; a store holding another has them replaced (they hold no data)."""
 _INPUT_COMMENT = f"{_COMMENT}, window input {WINDOW_INPUT_VERSION}"
 INPUT_SETTINGS = {
@@ -375,7 +380,12 @@ def ensure_schema(client: Any, database: str = DEFAULT_DATABASE) -> None:
         "SELECT name, comment FROM system.tables WHERE database = {db:String}",
         parameters={"db": database},
     ).result_rows
-    wrong = {name: comment for name, comment in found if name in TABLES and comment != _COMMENT}
+    older = {name for name, comment in found if name in TABLES and comment in MIGRATIONS}
+    wrong = {
+        name: comment
+        for name, comment in found
+        if name in TABLES and comment != _COMMENT and name not in older
+    }
     if wrong:
         raise SchemaError(
             f"database {database!r} has tables from another schema version {wrong}; this code writes "
@@ -385,6 +395,22 @@ def ensure_schema(client: Any, database: str = DEFAULT_DATABASE) -> None:
     _drop_stale_input(client, database, dict(found))
     for table in TABLES.values():
         client.command(table.ddl(database))
+    for name in sorted(older):
+        _migrate(client, database, name, dict(found)[name])
     for ddl in _window_input_ddl(database):
         client.command(ddl)
-    log.debug("schema %s ready in database %s", SCHEMA_VERSION, database)
+    log.debug("schema %s ready in database %s", STORE_VERSION, database)
+
+
+MIGRATIONS: dict[str, dict[str, list[str]]] = {
+    "rankscope schema 1": {"steps": ["ADD COLUMN IF NOT EXISTS `n_steps` Int64 DEFAULT 1"]},
+}
+"""For each older schema's comment, the ALTERs that bring its tables (by name) to this version."""
+
+
+def _migrate(client: Any, database: str, name: str, comment: str) -> None:
+    """Bring table ``name`` from the schema of ``comment`` to this one (each step is idempotent)."""
+    for alter in MIGRATIONS[comment].get(name, []):
+        client.command(f"ALTER TABLE `{database}`.`{name}` {alter}")
+    client.command(f"ALTER TABLE `{database}`.`{name}` MODIFY COMMENT '{_COMMENT}'")
+    log.info("table %s.%s migrated from %r to %r", database, name, comment, _COMMENT)

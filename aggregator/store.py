@@ -39,8 +39,8 @@ from diagnosis.data import JobData
 from profiler_hook.records import (
     FUNCTION_COLUMNS,
     MAX_VALUE_BYTES,
-    SCHEMA_VERSION,
     STEP_COLUMNS,
+    WIRE_VERSION,
     Heartbeat,
     RankInfo,
     Record,
@@ -201,7 +201,7 @@ def _record_rows(record: Record) -> list[tuple[Table, tuple[Any, ...]]]:
     raise TypeError(f"not a record: {type(record).__name__}")
 
 
-_WINDOW_PREFIX = b'{"v":%d,"type":"window",' % SCHEMA_VERSION
+_WINDOW_PREFIX = b'{"v":%d,"type":"window",' % WIRE_VERSION
 _QUOTES = QUOTES_FIELD.encode()
 """How the hook's encode() starts a window summary: such values go to ClickHouse's JSON parser."""
 _DIGITS = bytes(48 if 48 <= i <= 57 else 32 for i in range(256))
@@ -592,9 +592,9 @@ class Store:
     def step_rates(self, last_s: float = 60.0) -> pd.DataFrame:
         """One row per job: ``job, step, steps_per_s`` over its last ``last_s`` seconds of steps."""
         sql = f"""
-            SELECT s.job AS job, max(s.step) AS step,
-                   (max(s.step) - min(s.step)) / greatest((max(s.start_us) - min(s.start_us)) / 1e6, 1e-3)
-                       AS steps_per_s
+            SELECT s.job AS job, max(s.step + s.n_steps - 1) AS step,
+                   (max(s.step + s.n_steps) - min(s.step))
+                       / greatest((max(s.start_us + s.dur_us) - min(s.start_us)) / 1e6, 1e-3) AS steps_per_s
             FROM {self._t(STEPS)} AS s
             INNER JOIN (SELECT job, max(start_us) AS t FROM {self._t(STEPS)} GROUP BY job) AS l
                 ON s.job = l.job
@@ -607,10 +607,12 @@ class Store:
         return self._select(RANKS, job, "", {}, "rank")
 
     def steps(self, job: str, since_step: int | None = None) -> pd.DataFrame:
-        """Step rows of ``job`` (only steps ``>= since_step`` if given), ordered by rank and step."""
+        """One row per step of ``job`` (only steps ``>= since_step`` if given), ordered by rank and
+        step: the stored rows of ``n_steps`` steps each read back as that many steps with the row's
+        mean values (durations and counts as floats)."""
         if since_step is None:
-            return self._select(STEPS, job, "", {}, "rank, step")
-        return self._select(STEPS, job, "AND step >= {since:Int64}", {"since": since_step}, "rank, step")
+            return self._steps(job, "", {})
+        return self._steps(job, "AND step + n_steps > {since:Int64}", {"since": since_step}, since_step)
 
     def windows(self, job: str) -> pd.DataFrame:
         """Window summaries of ``job`` (without functions), ordered by window and rank."""
@@ -643,9 +645,7 @@ class Store:
         if since_us is None:
             steps, functions = self.steps(job), self.functions(job)
         else:
-            steps = self._select(
-                STEPS, job, "AND start_us >= {since:Int64}", {"since": since_us}, "rank, step"
-            )
+            steps = self._steps(job, "AND start_us + dur_us > {since:Int64}", {"since": since_us})
             where = (
                 f"AND window IN (SELECT window FROM {self._t(WINDOWS)} "
                 "WHERE job = {job:String} AND time_us >= {since:Int64})"
@@ -684,6 +684,28 @@ class Store:
 
     def _t(self, table: Table) -> str:
         return f"`{self._db}`.`{table.name}`"
+
+    def _steps(
+        self, job: str, where: str, params: dict[str, Any], since_step: int = -(1 << 63)
+    ) -> pd.DataFrame:
+        """The step rows that match ``where``, one row per step (see :meth:`steps`)."""
+        # A rank restarted from a checkpoint may have rows of other lengths over the same steps: the
+        # later run (larger start) counts, as ReplacingMergeTree keeps it for rows of one step.
+        sql = f"""
+            SELECT job, rank, host, s + i AS step, t + intDiv(d * i, n) AS start_us, d / n AS dur_us,
+                   da / n AS data_us, c / n AS comm_us, nc / n AS n_coll, fc AS first_coll_us,
+                   cpu / n AS cpu_us, cs / n AS nivcsw
+            FROM (
+                SELECT job, rank, host, step AS s, start_us AS t, dur_us AS d, data_us AS da,
+                       comm_us AS c, n_coll AS nc, first_coll_us AS fc, cpu_us AS cpu, nivcsw AS cs,
+                       n_steps AS n
+                FROM {self._t(STEPS)} FINAL WHERE job = {{job:String}} {where}
+            )
+            ARRAY JOIN range(toUInt64(n)) AS i
+            WHERE s + i >= {{since_step:Int64}}
+            ORDER BY rank, step, start_us DESC LIMIT 1 BY rank, step"""
+        columns = [c for c in STEPS.column_names if c != "n_steps"]
+        return self._frame(sql, {"job": job, "since_step": since_step, **params}, columns)
 
     def _select(self, table: Table, job: str, where: str, params: dict[str, Any], order: str) -> pd.DataFrame:
         sql = f"SELECT * FROM {self._t(table)} FINAL WHERE job = {{job:String}} {where} ORDER BY {order}"

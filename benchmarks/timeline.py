@@ -34,7 +34,12 @@ def step_arrivals(spool_job_dir: str | Path) -> pd.DataFrame:
                 except ValueError:
                     continue
                 rank, sent = int(d["rank"]), int(d["time_us"])
-                rows.extend((rank, int(r[0]), sent) for r in d["rows"])
+                # A row covers ``n_steps`` steps from ``step`` on (its last column; one in version 1).
+                rows.extend(
+                    (rank, s, sent)
+                    for r in d["rows"]
+                    for s in range(int(r[0]), int(r[0]) + (r[9] if len(r) > 9 else 1))
+                )
     df = pd.DataFrame(rows, columns=["rank", "step", "sent_us"])
     return df.groupby(["rank", "step"], as_index=False)["sent_us"].min()
 

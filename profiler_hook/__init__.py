@@ -13,8 +13,8 @@ from .config import Config, Identity
 from .hook import Hook
 from .records import (
     FUNCTION_COLUMNS,
-    SCHEMA_VERSION,
     STEP_COLUMNS,
+    WIRE_VERSION,
     FunctionPattern,
     Heartbeat,
     RankInfo,
@@ -57,8 +57,8 @@ def attach(
 
 __all__ = [
     "FUNCTION_COLUMNS",
-    "SCHEMA_VERSION",
     "STEP_COLUMNS",
+    "WIRE_VERSION",
     "Config",
     "FunctionPattern",
     "Heartbeat",

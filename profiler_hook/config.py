@@ -29,7 +29,14 @@ class Config:
     queue_size: int = 10_000
     """Records held for the background shipper; beyond this they are dropped and counted."""
     flush_s: float = 2.0
-    """Seconds between shipments of the always-on step rows."""
+    """Seconds between shipments of the always-on step rows (at the first block that ends after)."""
+    step_block_s: float = 2.0
+    """Each always-on step row sums a block of consecutive steps that lasts about this long (a
+    power-of-two number of steps, aligned on step numbers, so every rank's rows cover the same
+    steps); 0: one row per step. One row per 10 ms step is ~400 KB a minute per rank; rows of 2 s
+    keep a rank's always-on volume under 10 KB a minute at any step time, and the store reads each
+    back as its steps. The diagnosis needs no finer grain: it compares ranks over chunks of several
+    seconds (see ``profiler_hook.blocks``)."""
     heartbeat_s: float = 5.0
     """Seconds between heartbeats from the watchdog thread (a hang is named within a few of these)."""
     stall_s: float = 10.0
@@ -65,6 +72,8 @@ class Config:
         for name in ("queue_size", "window_steps", "max_functions"):
             if getattr(self, name) < 1:
                 raise ValueError(f"Config.{name} must be >= 1, got {getattr(self, name)}")
+        if self.step_block_s < 0:
+            raise ValueError(f"Config.step_block_s must be >= 0, got {self.step_block_s}")
         for name in ("flush_s", "heartbeat_s", "stall_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"Config.{name} must be > 0, got {getattr(self, name)}")

@@ -22,10 +22,11 @@ from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
 
 from . import ddp
+from .blocks import StepBlocks
 from .collectives import CollectiveTracker
 from .config import Config, Identity
 from .netstat import Counters, send_patterns, tcp_counters
-from .records import FunctionPattern, Heartbeat, RankInfo, StepBatch, StepRow, WindowSummary
+from .records import FunctionPattern, Heartbeat, RankInfo, StepBatch, WindowSummary
 from .schedstat import Waits, run_queue_wait, wait_pattern
 from .schedule import Schedule
 from .shipper import Shipper
@@ -58,7 +59,7 @@ class Hook:
         """Hook calls that failed (and were logged): the training loop never sees them."""
         self._warm = threading.Event()
         self.step_num = -1
-        self._rows: list[StepRow] = []
+        self._blocks = StepBlocks(cfg.step_block_s)
         self._last_flush = time.perf_counter()
         self._mark_ns = time.perf_counter_ns()
         self._epoch_offset_ns = time.time_ns() - self._mark_ns
@@ -156,24 +157,22 @@ class Hook:
             now = time.perf_counter_ns()
             comm_ns, n_coll, first_ns = self.tracker.take_step()
             cpu_us, nivcsw = _usage()
-            self._rows.append(
-                StepRow(
-                    step=self.step_num,
-                    start_us=(self._mark_ns + self._epoch_offset_ns) // 1000,
-                    dur_us=(now - self._mark_ns) // 1000,
-                    data_us=self._data_ns // 1000,
-                    comm_us=comm_ns // 1000,
-                    n_coll=n_coll,
-                    first_coll_us=(first_ns - self._mark_ns) // 1000 if first_ns >= 0 else -1,
-                    cpu_us=cpu_us - self._usage[0],
-                    nivcsw=nivcsw - self._usage[1],
-                )
+            closed = self._blocks.add(
+                self.step_num,
+                (self._mark_ns + self._epoch_offset_ns) // 1000,
+                (now - self._mark_ns) // 1000,
+                self._data_ns // 1000,
+                comm_ns // 1000,
+                n_coll,
+                (first_ns - self._mark_ns) // 1000 if first_ns >= 0 else -1,
+                cpu_us - self._usage[0],
+                nivcsw - self._usage[1],
             )
             self._usage = (cpu_us, nivcsw)
             self.schedule.note_step(self.step_num, now - self._mark_ns)
             self._mark_ns, self._data_ns = now, 0
             self._maybe_stop_window()
-            if time.perf_counter() - self._last_flush >= self.cfg.flush_s:
+            if closed and time.perf_counter() - self._last_flush >= self.cfg.flush_s:
                 self._flush_steps()
         except Exception as exc:
             self._fail("end_step", exc)
@@ -184,6 +183,7 @@ class Hook:
         if not self.enabled or self.paused:
             return
         self.paused = True
+        self._blocks.close()
         self.schedule.pause()
         with contextlib.suppress(Exception):
             self.tracker.unpatch()
@@ -215,6 +215,7 @@ class Hook:
                 self._prof = None
             for t in self._summarizers:
                 t.join(max(0.0, deadline - time.monotonic()))
+            self._blocks.close()
             self._flush_steps()
             self.watchdog.close()
             self.shipper.submit(self.watchdog.beat())
@@ -237,9 +238,8 @@ class Hook:
         log.warning("rankscope: %s failed (%s: %s); training continues", where, type(exc).__name__, exc)
 
     def _flush_steps(self) -> None:
-        if self._rows:
-            self.shipper.submit(StepBatch(**self._origin(), rows=tuple(self._rows)))
-            self._rows = []
+        if rows := self._blocks.take():
+            self.shipper.submit(StepBatch(**self._origin(), rows=tuple(rows)))
         self._last_flush = time.perf_counter()
 
     def _warm_up(self) -> None:

@@ -13,7 +13,8 @@ Bulky parts are encoded as rows (lists) with a fixed column order, named by ``ST
 Record types:
 
 ``rank``       once at start: identity and topology labels of the rank.
-``steps``      always on, every few seconds: one row per finished training step.
+``steps``      always on, every few seconds: one row per block of finished training steps (one row
+               per step when steps take longer than ``Config.step_block_s``).
 ``heartbeat``  always on, from a watchdog thread: progress, the collective in flight, a stack if stalled.
 ``window``     one per profiling window: per-function execution patterns and busy fractions.
 """
@@ -27,7 +28,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar, NamedTuple
 
-SCHEMA_VERSION = 1
+WIRE_VERSION = 2
+"""Version 2 added ``StepRow.n_steps``; version 1 values are still read (their step rows as ``n_steps=1``)."""
+READ_VERSIONS = (1, WIRE_VERSION)
 MAX_VALUE_BYTES = 1 << 20
 """A value larger than this is refused by decode() (and dead-lettered by the aggregator)."""
 
@@ -37,23 +40,26 @@ class RecordError(ValueError):
 
 
 class StepRow(NamedTuple):
-    """One finished training step on one rank (all durations in microseconds)."""
+    """``n_steps`` consecutive finished training steps on one rank, from ``step`` on (all durations in
+    microseconds, totals over those steps)."""
 
     step: int
     start_us: int
-    """Wall-clock start: the end of the previous step, so data fetching belongs to the step."""
+    """Wall-clock start of the first step: the end of the step before, so data fetching belongs to it."""
     dur_us: int
     data_us: int
-    """Time the step waited for its batch (the wrapped data loader's ``next``)."""
+    """Time the steps waited for their batches (the wrapped data loader's ``next``)."""
     comm_us: int
     """Wall time inside torch.distributed collectives (waiting for peers + transfer)."""
     n_coll: int
     first_coll_us: int
-    """Time from step start to the first collective's entry (-1 if none): the rank's arrival time."""
+    """Mean time from a step's start to its first collective's entry, over the steps that entered one
+    (-1 if none did): the rank's arrival time."""
     cpu_us: int
-    """CPU time of the rank's main thread during the step."""
+    """CPU time of the rank's main thread during the steps."""
     nivcsw: int
-    """Involuntary context switches of the rank's process (all threads) during the step: CPU contention."""
+    """Involuntary context switches of the rank's process (all threads) during the steps: CPU contention."""
+    n_steps: int
 
 
 STEP_COLUMNS = StepRow._fields
@@ -162,11 +168,13 @@ _TYPES: dict[str, type[_Base]] = {c.TYPE: c for c in (RankInfo, StepBatch, Heart
 def encode(record: Record) -> tuple[bytes, bytes]:
     """The record's wire key and value; raises ValueError for a non-finite float (JSON has none,
     and the aggregator would refuse it), so the shipper drops and counts such a record."""
-    d: dict[str, Any] = {"v": SCHEMA_VERSION, "type": record.TYPE}
+    d: dict[str, Any] = {"v": WIRE_VERSION, "type": record.TYPE}
     for f in fields(record):
         name, value = f.name, getattr(record, f.name)
         if name in ("rows", "functions"):
             value = [list(r) for r in value]
+        elif value == f.default or (f.default_factory is not MISSING and value == f.default_factory()):
+            continue  # decode() fills it in: a heartbeat ships a third of its bytes fewer
         d[name] = value
     try:
         return record.key, json.dumps(d, separators=(",", ":"), allow_nan=False).encode()
@@ -194,6 +202,7 @@ INT_RANGES: dict[str, tuple[int, int]] = {
     "world_size": (1, 1 << 31),
     # A step's durations and counts, and a window's length, cannot be negative.
     **dict.fromkeys(("dur_us", "data_us", "comm_us", "n_coll", "cpu_us", "nivcsw"), (0, INT64[1])),
+    "n_steps": (1, 1 << 31),
     "first_coll_us": (-1, INT64[1]),  # -1: the step entered no collective
 }
 """Integer fields with a narrower range than INT64 (Int32 columns; durations and counts)."""
@@ -382,9 +391,11 @@ def decode(value: bytes) -> Record:
     if not isinstance(d, dict):
         raise RecordError("value is not a JSON object")
     version = d.get("v")
-    if type(version) is not int or version != SCHEMA_VERSION:
-        raise RecordError(f"unknown schema version {version!r:.80} (this reader knows {SCHEMA_VERSION})")
+    if type(version) is not int or version not in READ_VERSIONS:
+        raise RecordError(f"unknown schema version {version!r:.80} (this reader knows {READ_VERSIONS})")
     rtype = d.get("type")
+    if version == 1 and rtype == "steps" and type(d.get("rows")) is list:  # v1 rows: one step each
+        d["rows"] = [[*r, 1] if type(r) is list and len(r) == len(STEP_COLUMNS) - 1 else r for r in d["rows"]]
     cls = _TYPES.get(rtype) if isinstance(rtype, str) else None  # an unhashable type would raise TypeError
     if cls is None:
         raise RecordError(f"unknown record type {rtype!r:.80}")

@@ -6,9 +6,11 @@ window every 2 minutes at 120 ms a step, every 5 s at 5 ms). So one rank plans: 
 picks a step ``LEAD_S`` seconds ahead (from its recent step time) and publishes it in the job's
 c10d store (the one ``init_process_group`` made, which every job has); every rank reads
 it from a background thread and starts its window when it reaches that step. The training thread
-only compares two integers per step. A rank that reads the plan too late skips that window (it is
-rare: the lead is several times the polling interval). The first two windows come 10 and 20 s
-after start-up, so that a fault present from the first step is profiled early.
+only compares two integers per step. A rank that reads the plan too late skips that window (rare:
+the lead is several times the polling interval) and says so in the store; rank 0 then plans
+further ahead, doubling the lead up to ``MAX_LEAD_S``, so a loaded machine stops missing windows.
+The first two windows come 10 and 20 s after start-up, so that a fault present from the first step
+is profiled early.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ POLL_S = 0.5
 """How often each rank's background thread reads the plan (and rank 0 makes one)."""
 LEAD_S = 2.0
 """A window is planned this many seconds of steps ahead, so that every rank has read the plan."""
+MAX_LEAD_S = 16.0
+"""The lead after ranks missed plans (it doubles with each miss any rank reports)."""
 TRIGGER_HISTORY = 100
 """Step durations the slowdown trigger keeps: the last ``TRIGGER_RECENT`` against the ones before."""
 TRIGGER_RECENT = 20
@@ -78,6 +82,8 @@ class Schedule:
         self._store_fn, self._clock = store, clock
         self._key, self._req_key = f"rankscope/{job}/window", f"rankscope/{job}/requests"
         self._ready_key = f"rankscope/{job}/ready"
+        self._missed_key = f"rankscope/{job}/missed"
+        self._lead_s = LEAD_S
         self._ready = ready
         """Set when this rank's profiler can start without stalling; rank 0 plans no window until
         every rank has said so, or a rank still warming up would miss windows the others take."""
@@ -148,8 +154,8 @@ class Schedule:
             if self._want:
                 store.add(self._req_key, 1)
                 self._want = False
-            if store.check([self._key]):
-                self._adopt(int(store.get(self._key)), step)
+            if store.check([self._key]) and not self._adopt(int(store.get(self._key)), step):
+                store.add(self._missed_key, 1)
             return
         if self.planned >= 0 and self.planned + self.window_steps > step:
             return  # a window is planned or running: requests wait for it to end, not dropped
@@ -170,6 +176,10 @@ class Schedule:
             self._last_trigger, self._follow_ups = now, FOLLOW_UPS
         elif follow_up:
             self._follow_ups -= 1
+        if store is not None:
+            self._lead_s = LEAD_S * 2 ** min(
+                store.add(self._missed_key, 0), int(math.log2(MAX_LEAD_S / LEAD_S))
+            )
         first = step + self._lead()
         self._last_plan = now
         if store is not None:
@@ -177,17 +187,19 @@ class Schedule:
         self._adopt(first, step)
 
     def _lead(self) -> int:
-        """Steps in ``LEAD_S`` seconds at the recent step time (at least 2)."""
+        """Steps in the lead (``LEAD_S``, longer after misses) at the recent step time (at least 2)."""
         recent = list(self._durs)[-TRIGGER_RECENT:]
         step_s = statistics.median(recent) / 1e9 if recent else LEAD_S
-        return max(2, math.ceil(LEAD_S / max(step_s, 1e-6)))
+        return max(2, math.ceil(self._lead_s / max(step_s, 1e-6)))
 
-    def _adopt(self, first: int, step: int) -> None:
+    def _adopt(self, first: int, step: int) -> bool:
+        """Take the plan ``first``; False if it is new and its step has passed (a miss)."""
         if first == self._seen:
-            return
+            return True
         self._seen = first
         if first <= step:
             self.missed += 1
-            return
+            return False
         self.planned = first
         self.plans += 1
+        return True

@@ -72,7 +72,7 @@ def steps(job: str, ranks: int, n: int, dur_us: int = 10_000, comm_us: int = 2_0
     for r in range(ranks):
         for lo in range(0, n, 100):
             rows = tuple(
-                StepRow(s, T0 + s * dur_us, dur_us, 0, comm_us, 1, 100, dur_us - comm_us, 0)
+                StepRow(s, T0 + s * dur_us, dur_us, 0, comm_us, 1, 100, dur_us - comm_us, 0, 1)
                 for s in range(lo, min(n, lo + 100))
             )
             out.append(StepBatch(job=job, rank=r, host=f"node{r}", time_us=T0 + lo, rows=rows))
@@ -233,7 +233,7 @@ def test_a_job_with_heartbeats_only_is_not_called_healthy(tmp_path: Path) -> Non
 
 def test_negative_durations_and_rank_minus_one_are_dead_lettered_not_stored(tmp_path: Path) -> None:
     good = [*rank_infos("neg", 2), *steps("neg", 2, 10)]
-    row = StepRow(10, T0, 10_000, 0, 2_000, 1, -1, 8_000, 0)  # first_coll_us -1: no collective
+    row = StepRow(10, T0, 10_000, 0, 2_000, 1, -1, 8_000, 0, 1)  # first_coll_us -1: no collective
     window = next(r for r in synthetic("neg", ranks=1) if isinstance(r, WindowSummary))
     bad = [
         StepBatch(job="neg", rank=0, host="node0", time_us=T0, rows=(row._replace(dur_us=-5),)),

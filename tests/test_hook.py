@@ -21,6 +21,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import profiler_hook
+from profiler_hook.blocks import StepBlocks
 from profiler_hook.config import Config, Identity
 from profiler_hook.hook import Hook
 from profiler_hook.records import (
@@ -59,7 +60,7 @@ def test_importing_the_hook_loads_nothing_heavy() -> None:
 
 
 def test_records_round_trip_and_bad_values_say_why() -> None:
-    batch = StepBatch(job="j", rank=3, host="h", time_us=1, rows=(StepRow(1, 2, 3, 4, 5, 6, 7, 8, 9),))
+    batch = StepBatch(job="j", rank=3, host="h", time_us=1, rows=(StepRow(1, 2, 3, 4, 5, 6, 7, 8, 9, 1),))
     key, value = encode(batch)
     assert key == b"j/3"
     assert decode(value) == batch
@@ -76,6 +77,38 @@ def test_records_round_trip_and_bad_values_say_why() -> None:
     for raw, reason in cases.items():
         with pytest.raises(RecordError, match=reason):
             decode(raw)
+    assert len(encode(hb)[1]) < 130  # fields at their defaults are left out, and read back as such
+    # A version-1 value (one step per row, nine columns) is still read: as rows of one step.
+    v1 = b'{"v":1,"type":"steps","job":"j","rank":3,"host":"h","time_us":1,"rows":[[1,2,3,4,5,6,7,8,9]]}'
+    assert decode(v1) == batch
+
+
+def test_step_rows_are_blocks_that_every_rank_cuts_alike() -> None:
+    """Ranks at slightly different step times cut their steps into the same power-of-two blocks,
+    aligned on step numbers; a jump in step numbers, or steps that slow down, end a block early."""
+    cuts = []
+    for step_us in (10_000, 10_200, 10_400):  # ranks of one job: ~10 ms a step, give or take
+        blocks = StepBlocks(2.0)
+        for step in range(2000):
+            blocks.add(step, step * step_us, step_us + step % 7 * 100, 0, step_us // 2, 3, 100, step_us, 1)
+        rows = blocks.take()
+        end = rows[-1].step + rows[-1].n_steps
+        assert [s for r in rows for s in range(r.step, r.step + r.n_steps)] == list(range(end))
+        assert end > 2000 - 256  # the rest is in the open block
+        assert all(r.n_coll == 3 * r.n_steps and r.first_coll_us == 100 for r in rows)
+        assert [r.n_steps for r in rows[:2]] == [1, 255] and {r.n_steps for r in rows[2:]} == {256}
+        cuts.append([r.step for r in rows])
+    assert cuts[0] == cuts[1] == cuts[2]
+    assert cuts[0][3] - cuts[0][2] == 256  # 2.6 s: the power of two nearest to 2 s
+    blocks = StepBlocks(2.0)
+    for step in list(range(300)) + list(range(1000, 1010)):  # a jump: the open block ends before it
+        blocks.add(step, 0, 10_000, 0, 0, 0, -1, 0, 0)
+    blocks.add(1010, 0, 5_000_000, 0, 0, 0, -1, 0, 0)  # a 5 s step: its block ends with it
+    rows = blocks.take()
+    assert rows[-1].step + rows[-1].n_steps == 1011 and all(r.first_coll_us == -1 for r in rows)
+    assert any(r.step + r.n_steps == 300 for r in rows)
+    blocks.add(1011, 0, 5_000_000, 0, 0, 0, -1, 0, 0)
+    assert [r.n_steps for r in blocks.take()] == [1] and blocks.length == 1  # slow steps: a row each
 
 
 def test_config_rejects_bad_settings_naming_the_field() -> None:
@@ -276,6 +309,26 @@ def test_ranks_agree_on_window_steps_through_the_store_at_any_step_time() -> Non
     assert follower.missed == 0
 
 
+def test_a_rank_that_read_a_plan_too_late_makes_the_next_ones_lead_longer() -> None:
+    clock = [0.0]
+    planner, follower = _two_ranks(30, clock)
+    for step in range(100):
+        for s in (planner, follower):
+            s.note_step(step, 10_000_000)  # 10 ms steps: a lead of 2 s is 200 steps
+    clock[0] += 31
+    planner.poll(100)
+    assert planner.planned == 300
+    follower.poll(301)  # rank 1's thread got no CPU for 2 s: the window has begun without it
+    assert follower.missed == 1 and follower.planned == -1
+    for lead_s in (4, 8, 16, 16):  # each miss doubles the lead, up to MAX_LEAD_S
+        clock[0] += 31
+        step = planner.planned + 5
+        planner.poll(step)
+        assert planner.planned == step + lead_s * 100
+        follower.poll(planner.planned + 1)
+    assert follower.plans == 0 and follower.missed == 5
+
+
 def test_a_slowdown_on_any_rank_triggers_a_window_for_all_ranks_at_once() -> None:
     clock = [0.0]
     planner, follower = _two_ranks(3600, clock)
@@ -394,10 +447,10 @@ def test_hook_in_spawned_gloo_ranks(tmp_path: Path) -> None:
     windows = {}
     for rank, rs in recs.items():
         assert sum(isinstance(r, profiler_hook.RankInfo) for r in rs) == 1
-        steps = [row.step for r in rs if isinstance(r, StepBatch) for row in r.rows]
-        assert steps == list(range(300))  # every step once, in order
         rows = [row for r in rs if isinstance(r, StepBatch) for row in r.rows]
-        assert all(row.n_coll == 1 and row.comm_us > 0 for row in rows)  # one all-reduce per step
+        steps = [s for row in rows for s in range(row.step, row.step + row.n_steps)]
+        assert steps == list(range(300))  # every step once, in order
+        assert all(row.n_coll == row.n_steps and row.comm_us > 0 for row in rows)  # an all-reduce a step
         wins = [r for r in rs if isinstance(r, WindowSummary)]
         windows[rank] = [(w.window, w.step_lo, w.step_hi) for w in wins]
         for w in wins:
@@ -570,7 +623,7 @@ def test_close_honours_its_timeout_with_a_dead_broker_and_counts_what_it_abandon
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     hook = Hook(
-        Config(sink="kafka", kafka_bootstrap=f"127.0.0.1:{port}", window_s=0, queue_size=64),
+        Config(sink="kafka", kafka_bootstrap=f"127.0.0.1:{port}", window_s=0, queue_size=64, step_block_s=0),
         Identity(rank=0, local_rank=0, world_size=1, host="h"),
     )
     submit, submitted = hook.shipper.submit, [1]  # its rank record is queued already

@@ -123,7 +123,7 @@ def synthetic(job: str, ranks: int = 6, batches: int = 10) -> list[Record]:
         )
         for b in range(batches):
             rows = tuple(
-                StepRow(s, t0 + s * 1000, 900, 10, 200, 2, 600, 850, 0) for s in range(b * 10, b * 10 + 10)
+                StepRow(s, t0 + s * 1000, 900, 10, 200, 2, 600, 850, 0, 1) for s in range(b * 10, b * 10 + 10)
             )
             out.append(StepBatch(job=job, rank=r, host=host, time_us=t0 + b, rows=rows))
             out.append(

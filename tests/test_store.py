@@ -18,11 +18,21 @@ import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+import pandas as pd
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from aggregator import Batch, IngestStats, SchemaError, Store, StoreError, ensure_schema, ingest
+from aggregator import (
+    STORE_VERSION,
+    Batch,
+    IngestStats,
+    SchemaError,
+    Store,
+    StoreError,
+    ensure_schema,
+    ingest,
+)
 from aggregator.schema import (
     FUNCTIONS,
     HEARTBEATS,
@@ -79,7 +89,7 @@ def rank_info(rank: int, time_us: int = T0) -> RankInfo:
 
 def step_row(step: int, rank: int) -> StepRow:
     start = T0 + step * 100_000
-    return StepRow(step, start, 90_000 + rank * 5_000, 1_000, 20_000, 3, 40_000 + rank, 85_000, rank)
+    return StepRow(step, start, 90_000 + rank * 5_000, 1_000, 20_000, 3, 40_000 + rank, 85_000, rank, 1)
 
 
 def steps(rank: int, lo: int, hi: int) -> StepBatch:
@@ -182,6 +192,42 @@ def test_schema_of_another_version_is_refused(store: Store) -> None:
         ensure_schema(store.client, "old_schema")
 
 
+def test_a_store_of_schema_1_is_migrated_and_its_rows_read_as_before(store: Store) -> None:
+    store.write(all_records())
+    before = store.steps(JOB)
+    # What schema 1 had: steps without n_steps, and every table's comment saying so.
+    store.client.command(f"ALTER TABLE {store.database}.steps DROP COLUMN n_steps")
+    for name in TABLES:
+        store.client.command(f"ALTER TABLE {store.database}.{name} MODIFY COMMENT 'rankscope schema 1'")
+    ensure_schema(store.client, store.database)
+    pd.testing.assert_frame_equal(store.steps(JOB), before)
+    comments = store.client.query(
+        "SELECT DISTINCT comment FROM system.tables WHERE database = {db:String} AND name IN {t:Array(String)}",
+        parameters={"db": store.database, "t": list(TABLES)},
+    ).result_rows
+    assert comments == [(f"rankscope schema {STORE_VERSION}",)]
+
+
+def test_a_row_of_a_block_of_steps_reads_back_as_its_steps(store: Store) -> None:
+    row = StepRow(100, T0, 40_000, 4_000, 8_000, 12, 1_500, 30_000, 3, 4)  # steps 100..103, totals
+    store.write([StepBatch(job=JOB, rank=0, host="h", time_us=T0, rows=(row,))])
+    df = store.steps(JOB)
+    assert df["step"].tolist() == [100, 101, 102, 103]
+    assert df["start_us"].tolist() == [T0, T0 + 10_000, T0 + 20_000, T0 + 30_000]
+    assert df[
+        ["dur_us", "data_us", "comm_us", "n_coll", "cpu_us", "nivcsw"]
+    ].drop_duplicates().values.tolist() == [[10_000, 1_000, 2_000, 3, 7_500, 0.75]]
+    assert (df["first_coll_us"] == 1_500).all()
+    assert store.steps(JOB, since_step=102)["step"].tolist() == [102, 103]
+    assert store.job_data(JOB, since_us=T0 + 35_000).steps["step"].tolist() == [100, 101, 102, 103]
+    assert store.job_data(JOB, since_us=T0 + 45_000).steps.empty  # the block ended before
+    # A rank restarted from a checkpoint, with rows of one step over the same steps: the later run counts.
+    again = StepRow(102, T0 + 60_000, 9_000, 0, 0, 3, 100, 9_000, 0, 1)
+    store.write([StepBatch(job=JOB, rank=0, host="h", time_us=T0, rows=(again,))])
+    df = store.steps(JOB)
+    assert df["step"].tolist() == [100, 101, 102, 103] and df["dur_us"].tolist()[2] == 9_000
+
+
 def test_database_name_must_be_an_identifier(store: Store) -> None:
     with pytest.raises(SchemaError, match="must match"):
         Store(store.client, database="x; DROP DATABASE y")
@@ -212,7 +258,7 @@ def test_every_record_type_round_trips_through_the_spool(store: Store, tmp_path:
     ]
 
     df = store.steps(JOB)
-    expected = [(JOB, r, f"node{r // 2}", *step_row(s, r)) for r in (0, 1) for s in range(8)]
+    expected = [(JOB, r, f"node{r // 2}", *step_row(s, r)[:-1]) for r in (0, 1) for s in range(8)]
     assert [tuple(row) for row in df.itertuples(index=False)] == expected
     assert store.steps(JOB, since_step=6)["step"].tolist() == [6, 7, 6, 7]
 
@@ -248,7 +294,7 @@ def test_every_record_type_round_trips_through_the_spool(store: Store, tmp_path:
 def test_reads_of_an_unknown_job_are_empty_frames_with_columns(store: Store) -> None:
     assert store.counts("nope") == dict.fromkeys(JOB_TABLES, 0)
     for name, df in {"steps": store.steps("nope"), "heartbeats": store.heartbeats_latest("nope")}.items():
-        assert df.empty and list(df.columns) == list(TABLES[name].column_names)
+        assert df.empty and list(df.columns) == [c for c in TABLES[name].column_names if c != "n_steps"]
     assert store.jobs().empty and "job" in store.jobs().columns
 
 
@@ -404,7 +450,7 @@ def test_bad_lines_become_dead_letters_and_good_lines_around_them_are_stored(
     oversized = b'{"v":1,"type":"rank","pad":"' + b"x" * MAX_VALUE_BYTES + b'"}'
     cases = [
         (b"{not json", "not JSON"),
-        (_value(v=2), "unknown schema version 2"),
+        (_value(v=3), "unknown schema version 3"),
         (_value(type=["rank"]), "unknown record type"),
         (_value(rank="0"), "field 'rank' must be int"),
         (json.dumps(bad_step).encode(), "rows[0].step must be int, got 'zero'"),
