@@ -81,8 +81,14 @@ class Stats:
     last_cycle_end: float = 0.0
     ingested: int = 0
     dead_letters: int = 0
-    problem: str = ""
+    cycle_problem: str = ""
     """Why the last cycle failed ('' if it did not): the store is unreachable, full…"""
+    kafka_problem: str = ""
+    """Why the Kafka consumer stopped ('' while it runs): a later cycle that succeeds does not clear it."""
+
+    @property
+    def problem(self) -> str:
+        return "; ".join(p for p in (self.cycle_problem, self.kafka_problem) if p)
 
 
 class Service:
@@ -130,7 +136,7 @@ class Service:
             self.aggregator = Aggregator(store, self.settings.kafka, BatchSettings())
             self.aggregator.run(stop=self._stop)
         except Exception as exc:  # the spool and the API go on; /healthz says why Kafka stopped
-            self.stats.problem = f"Kafka consumer stopped: {type(exc).__name__}: {exc}"[:500]
+            self.stats.kafka_problem = f"Kafka consumer stopped: {type(exc).__name__}: {exc}"[:500]
             log.exception("rankscope serve: the Kafka consumer stopped")
         finally:
             if store is not self.store:
@@ -147,14 +153,14 @@ class Service:
         try:
             self.now_us = now_us if now_us is not None else time.time_ns() // 1000
             self._cycle(self.now_us)
-            self.stats.problem = ""
+            self.stats.cycle_problem = ""
         except RankscopeError as exc:
             self.stats.cycle_errors += 1
-            self.stats.problem = str(exc).splitlines()[0][:500]
-            log.warning("rankscope serve: cycle failed: %s", self.stats.problem)
+            self.stats.cycle_problem = str(exc).splitlines()[0][:500]
+            log.warning("rankscope serve: cycle failed: %s", self.stats.cycle_problem)
         except Exception as exc:  # a bug must not stop the service watching the other jobs
             self.stats.cycle_errors += 1
-            self.stats.problem = f"{type(exc).__name__}: {exc}"[:500]
+            self.stats.cycle_problem = f"{type(exc).__name__}: {exc}"[:500]
             log.exception("rankscope serve: cycle failed")
         self.stats.cycles += 1
         self.stats.last_cycle_s = time.perf_counter() - t0
@@ -194,10 +200,10 @@ class Service:
 
     def _reconcile(self, js: JobState, findings: list[Finding], now_us: int, ended: bool) -> None:
         world = max(js.world_size, js.ranks)
-        changes = reconcile(self.tickets, js.job, findings, now_us, world, self.settings.rules, ended)
-        if not changes:
-            return
-        with self.lock:
+        with self.lock:  # the API's ticket actions change tickets too
+            changes = reconcile(self.tickets, js.job, findings, now_us, world, self.settings.rules, ended)
+            if not changes:
+                return
             storage.save_tickets(self.store, [c.ticket.to_dict() for c in changes])
         for c in changes:
             if c.kind != "updated" and not c.ticket.silenced:
@@ -249,21 +255,21 @@ class Service:
 
     def change_ticket(self, ticket_id: str, action: str, reason: str) -> Ticket:
         """``acknowledge``, ``resolve``, ``silence`` or ``unsilence`` a ticket by hand."""
-        t = self.tickets[ticket_id]
-        now = time.time_ns() // 1000
-        if action == "acknowledge" and t.state == "open":
-            t.move(now, "acknowledged", reason or "acknowledged")
-        elif action == "resolve" and t.active:
-            t.move(now, "resolved", reason or "resolved by hand")
-            if not t.silenced:
-                self.notifier.send(t.to_dict(), self.ticket_link(t.id))
-        elif action in ("silence", "unsilence"):
-            t.silenced = action == "silence"
-            t.updated_us = now
-            t.events.append(Event(now, t.state, reason or f"{action}d"))
-        with self.lock:
+        with self.lock:  # not in the middle of a cycle's reconciliation of the same ticket
+            t = self.tickets[ticket_id]
+            now = time.time_ns() // 1000
+            if action == "acknowledge" and t.state == "open":
+                t.move(now, "acknowledged", reason or "acknowledged")
+            elif action == "resolve" and t.active:
+                t.move(now, "resolved", reason or "resolved by hand")
+                if not t.silenced:
+                    self.notifier.send(t.to_dict(), self.ticket_link(t.id))
+            elif action in ("silence", "unsilence"):
+                t.silenced = action == "silence"
+                t.updated_us = now
+                t.events.append(Event(now, t.state, reason or f"{action}d"))
             storage.save_tickets(self.store, [t.to_dict()])
-        return t
+            return t
 
     def _record_delivery(
         self, ticket: str, time_us: int, url: str, status: str, attempt: int, error: str

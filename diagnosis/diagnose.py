@@ -201,7 +201,7 @@ def _straggler_finding(
     cause, fn, explained, ev = _classify(st, excess, waits)
     windows = int(fs.loc[fs["rank"] == st.rank, "window"].nunique()) if not fs.empty else 0
     persistence = st.chunks_flagged / max(st.chunks, 1)
-    confidence = round(_effect(st.ratio) * persistence * min(1.0, max(0.5, explained)), 3)
+    confidence = round(_effect(st.growth) * persistence * min(1.0, max(0.5, explained)), 3)
     host = hosts.get(st.rank, "")
     evidence = {
         "metric": "own time per step = step time - time waiting in collectives",
@@ -212,6 +212,7 @@ def _straggler_finding(
         "held_since_step": st.since_step,
         "held_steps": st.held_steps,
         "held_s": round(st.held_steps * (st.own_us + st.comm_us) / 1e6, 1),
+        **({"ratio_before": round(st.before_ratio, 3)} if st.before_ratio else {}),
         "profiled_windows": windows,
         "collective_wait_ms": _ms(st.comm_us),
         "peer_collective_wait_ms": _ms(st.peer_comm_us),
@@ -223,6 +224,7 @@ def _straggler_finding(
         f"{st.ratio:.2f}x as long per step as its peers ({_ms(st.own_us)} vs {_ms(st.peer_own_us)} ms), "
         f"most of the extra time in {fn}; peers wait {_ms(st.peer_comm_us - st.comm_us)} ms "
         f"longer in collectives for it"
+        + (f" (it was {st.before_ratio:.2f}x until step {st.since_step})" if st.before_ratio else "")
     )
     return Finding(
         cause=cause,
@@ -403,6 +405,7 @@ def diagnose(data: JobData, settings: Settings | None = None) -> Diagnosis:
     found: list[Finding] = []
     hang = hangs.find(data.heartbeats, s.hangs)
     sts = stragglers.find(data.steps, s.steps)
+    sts += stragglers.shifted(data.steps, s.steps, exclude=[st.rank for st in sts])
     links = communication.find(data.functions, s.comm, data.ranks)
     waits = {c.rank: c for c in contention.find(data.functions, data.steps, s.contention)}
     # Host names of the culprits only: a dict of every rank costs 0.1 s at 100,000 ranks.

@@ -16,7 +16,8 @@ says, while its median step looks healthy. Across ranks the statistics stay robu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pandas as pd
@@ -54,6 +55,18 @@ class Settings:
     """Once stragglers are found, another rank is one too if its mean own time exceeds the median
     of the remaining ranks by this factor (stricter than ``min_ratio``: healthy ranks of a small
     job on shared cores differ by up to ~1.09x)."""
+    shift_steps: int = 4000
+    """The change-point rule (:func:`shifted`) looks back this many steps..."""
+    shift_chunks: int = 20
+    """...split into this many chunks (of ``min_chunk_steps`` * 4 steps at least)."""
+    shift_min_t: float = 4.5
+    """A rank's rise must be this many standard errors (its own chunk-to-chunk noise). On 7
+    healthy fault-suite runs (2 cores, 4-8 ranks) no rank reached 3.9; a 1.15x slower device, 5.4."""
+    shift_min_rise: float = 0.05
+    """...and raise its own time, relative to its peers', by this much (healthy ranks: <= 0.09
+    with a t of 3.5 at most)..."""
+    shift_min_level: float = 1.04
+    """...to at least this multiple of the peers' (a rank below them does not hold the job back)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -79,6 +92,13 @@ class Straggler:
     """The first step of the first chunk in which the rank was slow."""
     held_steps: int = 0
     """Steps in the chunks in which it was slow."""
+    before_ratio: float = 0.0
+    """Found by the change-point rule: ``ratio`` before ``since_step`` (0 for the peer rule)."""
+
+    @property
+    def growth(self) -> float:
+        """How much its own time grew against its peers' (``ratio`` for the peer rule)."""
+        return self.ratio / self.before_ratio if self.before_ratio > 0 else self.ratio
 
     @property
     def excess_us(self) -> float:
@@ -265,3 +285,85 @@ def find(steps: pd.DataFrame, s: Settings | None = None) -> list[Straggler]:
         )
         for j, i in enumerate(cul_idx)
     ]
+
+
+def shifted(steps: pd.DataFrame, s: Settings | None = None, exclude: Iterable[int] = ()) -> list[Straggler]:
+    """Ranks whose own time rose against their peers' at some step and stayed up (a change point).
+
+    The peer rule needs a straggler to stand out from the ranks' spread, ~1.10x on shared cores.
+    But much of that spread is each rank's own steady offset (its core, its NUMA node, its share
+    of the data pipeline): on a quiet job a rank's own time relative to its peers moves by ~2%
+    from chunk to chunk. A device that turns 1.15x slower lifts its rank from 0.98x to 1.07x: lost
+    among the peers, plain against its own past. So per rank, over the last ``shift_steps``, the
+    split of its chunk series that maximizes the standardized rise (a two-sample t over chunk
+    means, as in CUSUM change-point detection) is found; a rank whose rise is large, certain, and
+    leaves it above its peers is a straggler since that split. ``exclude``: ranks already found.
+    """
+    s = s or Settings()
+    cols = ["own_us", "data_us", "comm_us", "cpu_us", "nivcsw"]
+    c = s.shift_chunks
+    g = grid(steps, replace(s, last_steps=s.shift_steps, chunks=c), cols)
+    if g is None or len(g.ranks) < 3 or len(g.chunk) < c * s.min_chunk_steps * 4:
+        return []
+    own = g.values["own_us"]
+    skip = np.isin(g.ranks, list(exclude))
+    if (~skip).sum() < 3:
+        return []
+    # Relative to the other ranks' median: a straggler found already would lift it on every step.
+    g.values["rel"] = own / np.clip(nanmedian(own[~skip], axis=0), 1.0, None)[None, :]
+    rel = chunk_means(g, "rel", c)
+    if np.isnan(rel).any():
+        return []  # a rank missing from some chunk: joined late or restarted, no series to split
+    best_t, best_k = np.full(len(g.ranks), -np.inf), np.zeros(len(g.ranks), dtype=np.int64)
+    for k in range(3, c - 3):  # three chunks before the change at least, four after
+        head, tail = rel[:, :k], rel[:, k:]
+        rise = tail.mean(axis=1) - head.mean(axis=1)
+        resid = np.concatenate(
+            [head - head.mean(axis=1, keepdims=True), tail - tail.mean(axis=1, keepdims=True)], axis=1
+        )
+        sigma = np.maximum(np.sqrt((resid**2).sum(axis=1) / (c - 2)), 0.005)
+        t = rise / (sigma * np.sqrt(1 / k + 1 / (c - k)))
+        better = t > best_t
+        best_t, best_k = np.where(better, t, best_t), np.where(better, k, best_k)
+    out = []
+    chunk_steps = np.bincount(g.chunk, minlength=c)
+    chunk_start = g.first_step + np.concatenate([[0], np.cumsum(chunk_steps)[:-1]])
+    for i in np.flatnonzero((best_t >= s.shift_min_t) & ~skip):
+        k = int(best_k[i])
+        before, after = float(rel[i, :k].mean()), float(rel[i, k:].mean())
+        peers = (np.arange(len(g.ranks)) != i) & ~skip
+        peer_after = float(np.median(rel[peers, k:].mean(axis=1)))
+        peer_before = float(np.median(rel[peers, :k].mean(axis=1)))
+        level, was = after / peer_after, before / peer_before
+        last = float(rel[i, -3:].mean())
+        if (
+            after - before < s.shift_min_rise
+            or level < s.shift_min_level
+            or last - before < (after - before) / 2
+        ):
+            continue
+        cols_after = g.chunk >= k
+        mean = {col: nanmean_rows(g.values[col][:, cols_after]) for col in cols}
+        pm = {col: float(np.nanmedian(mean[col][peers])) for col in cols}
+        out.append(
+            Straggler(
+                rank=int(g.ranks[i]),
+                chunks_flagged=c - k,
+                chunks=c - k,  # the chunks since the change: it is slow in all of them
+                ratio=level,
+                own_us=float(mean["own_us"][i]),
+                peer_own_us=pm["own_us"],
+                data_us=float(mean["data_us"][i]),
+                peer_data_us=pm["data_us"],
+                comm_us=float(mean["comm_us"][i]),
+                peer_comm_us=pm["comm_us"],
+                cpu_us=float(mean["cpu_us"][i]),
+                peer_cpu_us=pm["cpu_us"],
+                nivcsw=float(mean["nivcsw"][i]),
+                peer_nivcsw=pm["nivcsw"],
+                since_step=int(chunk_start[k]),
+                held_steps=int(chunk_steps[k:].sum()),
+                before_ratio=was,
+            )
+        )
+    return out

@@ -333,6 +333,17 @@ def test_a_store_that_cannot_be_read_is_503_with_the_reason(served: tuple[Servic
     assert health.status_code == 503 and health.json()["problem"]
 
 
+def test_a_stopped_kafka_consumer_keeps_healthz_failing_after_good_cycles(
+    served: tuple[Service, TestClient],
+) -> None:
+    svc, client = served
+    now = _running(svc)
+    svc.stats.kafka_problem = "Kafka consumer stopped: KafkaError: gone"  # as Service._consume sets it
+    svc.cycle(now_us=now + 1_000_000)  # the spool and the store are fine
+    health = client.get("/healthz")
+    assert health.status_code == 503 and health.json()["problem"] == svc.stats.kafka_problem
+
+
 def test_health_metrics_and_openapi(served: tuple[Service, TestClient]) -> None:
     svc, client = served
     _running(svc)

@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 
 from aggregator import Store, ingest
-from diagnosis import CAUSES, Finding, JobData, diagnose
+from diagnosis import CAUSES, Finding, JobData, diagnose, stragglers
 from diagnosis.data import STEP_FIELDS
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -27,12 +27,15 @@ def synthetic(
     hosts_of: int = 4,
     seed: int = 0,
     growth: float = 1.0,
+    bias: dict[int, float] | None = None,
 ) -> JobData:
     """A synchronous job: each step every rank does its own work, then all wait for the slowest.
 
     ``slow[rank]`` adds to that rank's ``compute_us``, ``data_us``, ``nivcsw`` or scales ``cpu``;
-    with ``on`` and ``off`` (steps), only in bursts: ``on`` steps slow, then ``off`` steps not.
-    ``growth`` makes every rank's work grow linearly to that factor by the last step (job-wide).
+    with ``on`` and ``off`` (steps), only in bursts: ``on`` steps slow, then ``off`` steps not;
+    with ``from``, from that step on. ``growth`` makes every rank's work grow linearly to that
+    factor by the last step (job-wide). ``bias[rank]`` scales a rank's compute throughout (its
+    steady offset: its cores, its NUMA node).
     """
     rng = np.random.default_rng(seed)
     slow = slow or {}
@@ -45,8 +48,10 @@ def synthetic(
             extra = slow.get(r, {})
             if "on" in extra and s % (extra["on"] + extra["off"]) >= extra["on"]:
                 extra = {}
+            if s < extra.get("from", 0):
+                extra = {}
             data = 300 * rng.lognormal(0, 0.1) + extra.get("data_us", 0)
-            compute = base * rng.lognormal(0, 0.04) + extra.get("compute_us", 0)
+            compute = base * (bias or {}).get(r, 1.0) * rng.lognormal(0, 0.04) + extra.get("compute_us", 0)
             work[r] = (data, compute, extra)
         end = max(d + c for d, c, _ in work.values()) + 100
         for r, (data, compute, extra) in work.items():
@@ -122,6 +127,23 @@ def test_compute_straggler_is_named_not_the_ranks_that_wait_for_it() -> None:
     assert f.evidence["ratio"] > 1.2
     assert f.evidence["operator_ratio"] == pytest.approx(2.0)
     assert 0.5 < f.confidence <= 1
+
+
+def test_a_mild_slowdown_within_the_ranks_spread_is_found_against_the_ranks_own_past() -> None:
+    """Ranks differ steadily by up to +-6% (their cores); from step 700, rank 2 (0.96x) does 15%
+    more work: ~1.09x its peers, inside the spread the peer rule must tolerate, but a change point."""
+    bias = {0: 1.06, 1: 0.97, 2: 0.96, 3: 1.02}
+    for seed in range(3):
+        healthy = synthetic(ranks=4, steps=1400, hosts_of=2, bias=bias, seed=seed)
+        assert diagnose(healthy).findings == []
+        data = synthetic(
+            ranks=4, steps=1400, hosts_of=2, bias=bias, seed=seed, slow={2: {"compute_us": 750, "from": 700}}
+        )
+        assert stragglers.find(data.steps) == []  # the peer rule alone does not see it
+        f = only(diagnose(data).findings)
+        assert (f.cause, f.ranks) == ("compute", [2])
+        assert f.evidence["ratio_before"] < 1.0 < 1.04 < f.evidence["ratio"]
+        assert 650 <= f.evidence["held_since_step"] <= 760 and "until step" in f.summary
 
 
 def test_dataloader_straggler() -> None:
