@@ -123,7 +123,10 @@ def in_run(loop: str, pairs: int, block_s: float) -> dict[str, Any]:
             _worker, args=(loop, free_port(), pairs, block_s, spool, out), nprocs=WORLD, start_method="spawn"
         )
         ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(WORLD)]
-        volume = _volume(Path(spool), sum(r["on_s"] for r in ranks[0]["rows"]))
+        rows0 = ranks[0]["rows"]
+        volume = _volume(
+            Path(spool), sum(r["on_s"] for r in rows0), sum(r["on_s"] + r["off_s"] for r in rows0)
+        )
     # The job runs at its slowest rank's pace: per pair, the slowest rank's block times.
     on = [max(r["rows"][i]["on_s"] for r in ranks) for i in range(pairs)]
     off = [max(r["rows"][i]["off_s"] for r in ranks) for i in range(pairs)]
@@ -143,9 +146,11 @@ def in_run(loop: str, pairs: int, block_s: float) -> dict[str, Any]:
     }
 
 
-def _volume(spool: Path, on_s: float) -> dict[str, float]:
-    """Bytes one rank shipped: always-on records per minute of working time, and per window."""
-    always: dict[int, int] = defaultdict(int)
+def _volume(spool: Path, on_s: float, wall_s: float) -> dict[str, float]:
+    """Bytes one rank shipped: always-on records per minute (step rows per minute of working time,
+    heartbeats per minute of wall time: they beat paused or not), and per window."""
+    steps: dict[int, int] = defaultdict(int)
+    beats: dict[int, int] = defaultdict(int)
     windows: list[int] = []
     for f in spool.rglob("*.jsonl"):
         for line in f.read_bytes().splitlines():
@@ -153,9 +158,10 @@ def _volume(spool: Path, on_s: float) -> dict[str, float]:
             if rec.TYPE == "window":
                 windows.append(len(line) + 1)
             else:
-                always[rec.rank] += len(line) + 1
+                (steps if rec.TYPE == "steps" else beats)[rec.rank] += len(line) + 1
+    per_min = {r: steps[r] / (on_s / 60) + beats[r] / (wall_s / 60) for r in steps.keys() | beats.keys()}
     return {
-        "always_on_kb_per_min": round(max(always.values()) / 1e3 / (on_s / 60), 1),
+        "always_on_kb_per_min": round(max(per_min.values()) / 1e3, 1),
         "window_kb": round(max(windows) / 1e3, 1) if windows else 0.0,
         "windows": len(windows) // WORLD,
     }

@@ -88,7 +88,7 @@ class Hook:
             return
         self.shipper = Shipper(sink or make_sink(cfg, ident), cfg.queue_size)
         if cfg.window_s:
-            threading.Thread(target=self._warm_up, name="rankscope-warmup", daemon=True).start()
+            self._warm_up()
         if cfg.patch_collectives:
             self.tracker.patch()
             ddp.patch(self.tracker)
@@ -107,7 +107,8 @@ class Hook:
         self.watchdog = Watchdog(
             make=lambda **kw: Heartbeat(**self._origin(), dropped=self.shipper.dropped, **kw),
             submit=self.shipper.submit,
-            progress=lambda: (self.step_num, self._mark_ns),
+            # Paused, the hook watches no steps: it must not read its own pause as a stall.
+            progress=lambda: (self.step_num, time.perf_counter_ns() if self.paused else self._mark_ns),
             tracker=self.tracker,
             interval_s=cfg.heartbeat_s,
             stall_s=cfg.stall_s,
@@ -244,7 +245,10 @@ class Hook:
 
     def _warm_up(self) -> None:
         """Import what torch.profiler's first ``start()`` imports (``torch._inductor``: ~1.7 s of
-        CPU), off the training thread; the schedule plans no window until every rank's is done."""
+        CPU) now, at attach, so that no step pays for it; the schedule plans no window until every
+        rank's is done. Not on a thread of ours: importing ``torch._inductor`` there while the
+        script imports ``torch._dynamo`` (``torch.optim`` does) failed the script with "cannot
+        import name 'IndentedBuffer'" from the partly imported module."""
         try:
             import torch._inductor.config  # noqa: F401
         except Exception as exc:  # the profiler will import it, or fail, on its own
