@@ -11,10 +11,11 @@ Example::
 
 from __future__ import annotations
 
-from .errors import RankscopeError, UsageError
+from .batch import Batch
+from .errors import RankscopeError, StoreError, UsageError
 from .schema import STORE_VERSION, SchemaError, ensure_schema
 from .spool import IngestStats, ingest
-from .store import Batch, Store, StoreError
+from .store import Store
 
 __all__ = [
     "STORE_VERSION",

@@ -5,7 +5,7 @@ group and they split the topic's partitions between them (Kafka rebalances when 
 
 Delivery is at-least-once and the result exactly-once:
 
-* messages are decoded and checked into a :class:`~aggregator.store.Batch`; one that does not decode
+* messages are decoded and checked into a :class:`~aggregator.batch.Batch`; one that does not decode
   or fit (malformed, oversized, unknown version) becomes a dead letter with its reason, raw bytes,
   and its place (``source = "kafka:<topic>/<partition>"``, ``position = <offset>``);
 * a batch is written when it holds ``batch_records`` messages or is ``batch_seconds`` old;
@@ -36,9 +36,10 @@ from typing import Any
 
 from profiler_hook.sinks import api_version_kwargs
 
-from .errors import UsageError
+from .batch import Batch
+from .errors import StoreError, UsageError
 from .metrics import Metrics
-from .store import Batch, Store, StoreError
+from .store import Store
 
 log = logging.getLogger(__name__)
 

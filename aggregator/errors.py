@@ -19,6 +19,10 @@ class RankscopeError(Exception):
     """An error the user can act on; its message says what is wrong (and, where it helps, what to do)."""
 
 
+class StoreError(RankscopeError, RuntimeError):
+    """The store could not be opened, written or read; the message says which and why."""
+
+
 class UsageError(RankscopeError):
     """An option or setting the user gave does not fit (an unknown Kafka option, a port that is not a number…)."""
 

@@ -244,7 +244,7 @@ JOB_TABLES = ("ranks", "steps", "heartbeats", "windows", "functions")
 #   function's integer (Nullable for that), a key repeated in ``busy``, and a string where a number
 #   is due: the aggregator counts the value's quote characters (``_quotes``, added in front of the
 #   value), which must be those of the strings the summary has (its keys, three per function, …);
-# * ``aggregator.store.Batch`` keeps out of this path a value that is not UTF-8 or that holds a run
+# * ``aggregator.batch.Batch`` keeps out of this path a value that is not UTF-8 or that holds a run
 #   of 19 digits (an integer that might overflow Int64), and decodes those itself.
 #
 # A refused insert fails as a whole: the aggregator then checks that batch record by record in

@@ -39,7 +39,9 @@ from typing import BinaryIO
 
 from profiler_hook.records import MAX_VALUE_BYTES
 
-from .store import RAW_PREFIX_BYTES, Batch, SpoolOffset, Store
+from .batch import RAW_PREFIX_BYTES, Batch
+from .reads import SpoolOffset
+from .store import Store
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import HTMLResponse
 
 from diagnosis import Diagnosis
-from rankscope.report import page, render_report
+from renderers.html import page, render_report
 
 from .auth import need_read
 from .deps import Svc, known_job, known_ticket
@@ -83,7 +83,7 @@ def jobs_page(svc: Svc) -> HTMLResponse:
     return _html("rankscope: jobs", body, _refresh(True))
 
 
-@router.get("/jobs/{job}", response_class=HTMLResponse)
+@router.get("/jobs/{job:path}", response_class=HTMLResponse)
 def job_page(job: str, svc: Svc) -> HTMLResponse:
     js = known_job(svc, job)
     d = svc.diagnosis(job) or Diagnosis(job=job, findings=[])

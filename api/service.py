@@ -20,7 +20,7 @@ from typing import Any
 
 from aggregator import RankscopeError, Store, ingest
 from aggregator.consumer import Aggregator, BatchSettings, KafkaSettings
-from diagnosis import Diagnosis, Finding, JobData, diagnose
+from diagnosis import Diagnosis, Finding, JobData, diagnose, read_job
 
 from . import storage
 from .notify import Notifier, Webhook
@@ -190,7 +190,7 @@ class Service:
 
     def _diagnose(self, js: JobState, now_us: int, ended: bool) -> None:
         with self.lock:
-            data = self.store.job_data(js.job, since_us=js.last_us - int(self.settings.recent_s * 1e6))
+            data = read_job(self.store, js.job, since_us=js.last_us - int(self.settings.recent_s * 1e6))
         d = diagnose(data)
         doc = {**d.to_dict(), "time_us": now_us, "data_last_us": js.last_us}
         js.diagnosis, js.diagnosed_us, js.data_last_us = doc, now_us, js.last_us
@@ -235,7 +235,7 @@ class Service:
         js = self.jobs.get(job)
         since = js.last_us - int(self.settings.recent_s * 1e6) if js is not None else None
         with self.lock:
-            return self.store.job_data(job, since_us=since)
+            return read_job(self.store, job, since_us=since)
 
     def diagnosis(self, job: str) -> Diagnosis | None:
         doc = self.jobs[job].diagnosis if job in self.jobs else None

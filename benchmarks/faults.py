@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from aggregator import Store, ingest
-from diagnosis import diagnose
+from diagnosis import diagnose, read_job
 from rankscope.workload import JobSpec, RunningJob, free_port
 
 from . import scoring, torchrun_job
@@ -159,7 +159,7 @@ def evaluate(
     sc: Scenario, store: Store, job: str, spool_job_dir: Path, onset: dict[str, Any] | None, probe_s: float
 ) -> dict[str, Any]:
     """Score a stored run of ``sc``: its final diagnosis, and diagnoses of the data cut every ``probe_s``."""
-    final = diagnose(store.job_data(job))
+    final = diagnose(read_job(store, job))
     s = scoring.score(sc.truth, final, name=sc.name)
     timeline = Timeline.load(store, job, spool_job_dir)
     probes = _probes(timeline, onset, probe_s) if onset else []

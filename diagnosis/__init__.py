@@ -3,8 +3,8 @@
 Pure analysis on data frames: no Kafka, ClickHouse or HTTP in here.
 """
 
-from .data import JobData
+from .data import JobData, read_job
 from .diagnose import Settings, diagnose
 from .findings import CAUSES, Diagnosis, Finding
 
-__all__ = ["CAUSES", "Diagnosis", "Finding", "JobData", "Settings", "diagnose"]
+__all__ = ["CAUSES", "Diagnosis", "Finding", "JobData", "Settings", "diagnose", "read_job"]

@@ -35,7 +35,7 @@ TRANSFER_PREFIX = "net_send@"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class CommSettings:
+class CommunicationSettings:
     min_ratio: float = 1.3
     """A rank's time per byte must exceed the peers' median by this factor..."""
     min_z: float = 5.0
@@ -77,11 +77,11 @@ def _per_call_us(f: pd.DataFrame) -> pd.Series:
 
 
 def find(
-    functions: pd.DataFrame, s: CommSettings | None = None, ranks: pd.DataFrame | None = None
+    functions: pd.DataFrame, s: CommunicationSettings | None = None, ranks: pd.DataFrame | None = None
 ) -> list[SlowLink]:
     """Ranks whose network send time per byte persistently exceeds their peers'; ``ranks`` (rank,
     nic, host, switch) lets links with endpoints be grouped by topology."""
-    s = s or CommSettings()
+    s = s or CommunicationSettings()
     if functions.empty or "nbytes" not in functions:
         return []
     f = functions[functions["kind"] == "collective"]
@@ -97,7 +97,7 @@ def find(
     return out
 
 
-def _per_rank(f: pd.DataFrame, s: CommSettings) -> list[SlowLink]:
+def _per_rank(f: pd.DataFrame, s: CommunicationSettings) -> list[SlowLink]:
     """Each rank's one transfer measurement per window against the other ranks'."""
     f = pd.DataFrame(
         {
@@ -143,7 +143,7 @@ def _per_rank(f: pd.DataFrame, s: CommSettings) -> list[SlowLink]:
     return out
 
 
-def _slow_links(f: pd.DataFrame, s: CommSettings) -> pd.DataFrame:
+def _slow_links(f: pd.DataFrame, s: CommunicationSettings) -> pd.DataFrame:
     """One row per rank, window and link (local > peer address) with its time per byte ``t``, the
     window's healthy time per byte ``base`` and whether the link is ``slow``.
 
@@ -182,7 +182,7 @@ def _groups(d: pd.DataFrame, ranks: pd.DataFrame | None, suspects: set[int]) -> 
     return sorted(out, key=lambda g: (len(g), sorted(g)))
 
 
-def _tomography(f: pd.DataFrame, s: CommSettings, ranks: pd.DataFrame | None) -> list[SlowLink]:
+def _tomography(f: pd.DataFrame, s: CommunicationSettings, ranks: pd.DataFrame | None) -> list[SlowLink]:
     """The smallest groups of ranks whose links to the rest carry the slow links, in most windows."""
     d = _slow_links(f, s)
     if not d["slow"].any():

@@ -6,6 +6,7 @@ The store fills these (``aggregator.Store.job_data``); tests and the simulator b
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import pandas as pd
 
@@ -53,3 +54,31 @@ class JobData:
 
     def hosts(self) -> dict[int, str]:
         return dict(zip(self.ranks["rank"].astype(int), self.ranks["host"].astype(str), strict=False))
+
+
+class StoreReader(Protocol):
+    """What :func:`read_job` needs of a store (``aggregator.Store`` has it; the diagnosis does not
+    import the aggregator: data flows from it, not back)."""
+
+    def ranks(self, job: str) -> pd.DataFrame: ...
+    def steps(self, job: str, since_step: int | None = None, since_us: int | None = None) -> pd.DataFrame: ...
+    def functions(
+        self, job: str, windows: list[int] | None = None, since_us: int | None = None
+    ) -> pd.DataFrame: ...
+    def heartbeats_latest(self, job: str) -> pd.DataFrame: ...
+
+
+def read_job(store: StoreReader, job: str, since_us: int | None = None) -> JobData:
+    """Everything the diagnosis reads about ``job`` in ``store``.
+
+    With ``since_us``, only the steps and the windows from then on (the ranks and each rank's
+    latest heartbeat whenever they came): what a running job's diagnosis needs, in time that does
+    not grow with the job's age.
+    """
+    return JobData(
+        job=job,
+        ranks=store.ranks(job),
+        steps=store.steps(job, since_us=since_us),
+        functions=store.functions(job, since_us=since_us),
+        heartbeats=store.heartbeats_latest(job),
+    )

@@ -185,7 +185,7 @@ def encode(record: Record) -> tuple[bytes, bytes]:
 # --- the rules a wire value must meet --------------------------------------------------------------
 #
 # decode() applies them all, so that the spool reader and the Kafka consumer (which share it through
-# aggregator.store.Batch) store a value exactly as it was sent or dead-letter it with the reason,
+# aggregator.batch.Batch) store a value exactly as it was sent or dead-letter it with the reason,
 # never change it: the value is strict JSON (RFC 8259: no NaN or Infinity, no 07 or +7, no trailing
 # comma), no object repeats a key; an integer field holds a JSON integer (not "7", 7.0 or true)
 # within Int64, or the narrower range of INT_RANGES; a float field holds a JSON number (integer or

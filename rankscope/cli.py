@@ -123,9 +123,8 @@ def _aggregate(a: argparse.Namespace) -> int:
 
 def _diagnose(a: argparse.Namespace) -> int:
     from aggregator import UsageError
-    from diagnosis import diagnose
-
-    from .render import print_diagnosis
+    from diagnosis import diagnose, read_job
+    from renderers.text import print_diagnosis
 
     if a.job == "":
         raise UsageError("--job is empty: give a job id, or leave --job out for the most recent job")
@@ -139,7 +138,7 @@ def _diagnose(a: argparse.Namespace) -> int:
         job = a.job if a.job is not None else str(jobs.sort_values(by="last_us")["job"].iloc[-1])
         if job not in set(jobs["job"]):
             raise UsageError(f"no job {job!r} in {where}; jobs: {', '.join(map(repr, jobs['job']))}")
-        data = store.job_data(job)
+        data = read_job(store, job)
     d = diagnose(data)
     if a.json:
         print(json.dumps(d.to_dict(), indent=2))
@@ -201,7 +200,7 @@ class TextFormatter(logging.Formatter):
         super().__init__("%(levelname)s %(name)s: %(message)s")
 
     def format(self, record: logging.LogRecord) -> str:
-        from .render import printable
+        from renderers.text import printable
 
         return "\n".join(printable(line) for line in super().format(record).split("\n"))
 
@@ -343,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(a.func(a))
     except RankscopeError as exc:
-        from .render import printable
+        from renderers.text import printable
 
         print(f"rankscope {a.command}: {printable(one_line(str(exc)))}", file=sys.stderr, flush=True)
         return 2

@@ -24,10 +24,9 @@ def run_demo(
 ) -> dict:
     """Run the demo; returns the diagnosis as a dict (the shape of ``rankscope diagnose --json``)."""
     from aggregator import Store, ingest
-    from diagnosis import diagnose
-
-    from .render import print_diagnosis
-    from .report import write_report
+    from diagnosis import diagnose, read_job
+    from renderers.html import write_report
+    from renderers.text import print_diagnosis
 
     if not 0 <= rank < world_size:
         raise SystemExit(f"--rank must be between 0 and {world_size - 1}, got {rank}")
@@ -60,7 +59,7 @@ def run_demo(
         st = ingest(spool, store)
         print(f"      {st.records} records from {st.files} files, {st.dead_letters} dead letters")
         print("[3/4] diagnosing")
-        data = store.job_data(job)
+        data = read_job(store, job)
     diagnosis = diagnose(data)
     result = diagnosis.to_dict()
     print_diagnosis(diagnosis)

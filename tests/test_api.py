@@ -19,6 +19,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from itertools import count
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import pytest
 import uvicorn
@@ -29,7 +30,8 @@ from api import ServeSettings, Service, create_app
 from api.auth import Tokens
 from api.notify import Webhook
 from api.tickets import Rules, Ticket, fingerprint, reconcile
-from diagnosis import Finding, diagnose
+from diagnosis import Finding, diagnose, read_job
+from profiler_hook.records import StepBatch, StepRow
 from rankscope.cli import main
 from rankscope.workload import free_port
 
@@ -192,11 +194,31 @@ def test_a_fault_that_stopped_resolves_its_ticket_while_the_job_runs(
     assert _get(client, "/api/v1/jobs/compute-r2")["state"] == "running"
 
 
+def test_a_job_id_with_slashes_has_its_routes_and_page(served: tuple[Service, TestClient]) -> None:
+    """torchrun rendezvous ids and team/run names hold '/': every job route must still reach them."""
+    svc, client = served
+    job, now = "team/llama/run-7", _last_us(svc)
+    rows = tuple(
+        StepRow(s, now - 1_000_000 + s * 10_000, 10_000, 0, 2_000, 1, 500, 8_000, 0, 1) for s in range(50)
+    )
+    svc.store.write([StepBatch(job=job, rank=r, host="h", time_us=now, rows=rows) for r in range(4)])
+    svc.cycle(now_us=now + 1_000_000)
+    auth = {"Authorization": f"Bearer {READ}"}
+    quoted = quote(job, safe="")
+    for path in ("", "/diagnosis", "/diagnoses", "/heatmap", "/steps", "/windows"):
+        for name in (job, quoted):
+            r = client.get(f"/api/v1/jobs/{name}{path}", headers=auth)
+            assert r.status_code == 200, (name, path, r.text)
+    assert client.get(f"/api/v1/jobs/{job}", headers=auth).json()["job"] == job
+    assert client.get(f"/api/v1/jobs/{job}/diagnosis", headers=auth).json()["job"] == job
+    assert client.get(f"/jobs/{quoted}", cookies={"rankscope_token": READ}).status_code == 200
+
+
 def test_recent_reads_hold_only_the_recent_steps_and_windows(served: tuple[Service, TestClient]) -> None:
     svc, _ = served
-    full = svc.store.job_data("compute-r2")
+    full = read_job(svc.store, "compute-r2")
     since = int(full.steps["start_us"].quantile(0.5)) if "start_us" in full.steps else 0
-    recent = svc.store.job_data("compute-r2", since_us=since)
+    recent = read_job(svc.store, "compute-r2", since_us=since)
     later = full.steps[full.steps["start_us"] >= since]
     assert 0 < len(later) <= len(recent.steps) < len(full.steps)
     # Rows are blocks of steps (profiler_hook.blocks): the one under way at ``since`` comes whole.
@@ -259,7 +281,7 @@ def test_the_diagnosis_is_what_rankscope_diagnose_prints(served: tuple[Service, 
     svc, client = served
     _running(svc)
     got = _get(client, "/api/v1/jobs/compute-r2/diagnosis")
-    want = diagnose(svc.store.job_data("compute-r2")).to_dict()
+    want = diagnose(read_job(svc.store, "compute-r2")).to_dict()
     for d in (got, want):
         d["analyzed"].pop("seconds")
     assert got == want

@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 
 from aggregator import Store, ingest
-from diagnosis import CAUSES, Finding, JobData, diagnose, stragglers
+from diagnosis import CAUSES, Finding, JobData, diagnose, read_job, stragglers
 from diagnosis.data import STEP_FIELDS
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -368,6 +368,20 @@ def test_job_wide_slowdown() -> None:
     assert f.evidence["ratio"] > 1.3
 
 
+def test_a_job_wide_slowdown_with_every_ranks_cpu_wait_grown_is_put_down_to_external_load() -> None:
+    """Other processes on every rank's cores: all ranks slow alike (no rank stands out), and the
+    threads' run-queue wait per step grew with the step time."""
+    data = synthetic(steps=3000, growth=2.0)
+    first = sched_windows({}, base_ms=0.5, windows=1)
+    later = sched_windows({}, base_ms=4.0, windows=3)
+    later["window"] += 1
+    data = replace(data, functions=pd.concat([first, later], ignore_index=True))
+    f = only(diagnose(data).findings)
+    assert (f.cause, f.scope) == ("job_wide", "job") and "external load" in f.summary
+    assert f.evidence["cpu_wait_ms_per_step_last"] > f.evidence["cpu_wait_ms_per_step_first"]
+    assert "external load" not in only(diagnose(synthetic(steps=3000, growth=2.0)).findings).summary
+
+
 def test_a_jobs_first_seconds_are_no_baseline() -> None:
     """The same growth over the first 300 steps (~2 s): start-up, not a job-wide slowdown yet."""
     assert diagnose(synthetic(steps=300, growth=2.0)).findings == []
@@ -479,7 +493,7 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> dict[str, JobData]:
     with Store.embedded(root / "store") as store:
         stats = ingest(spool, store)
         assert stats.dead_letters == 0
-        out = {job: store.job_data(job) for job in RECORDED}
+        out = {job: read_job(store, job) for job in RECORDED}
     shutil.rmtree(spool)
     return out
 

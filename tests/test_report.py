@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from diagnosis import Diagnosis, Finding, JobData
-from rankscope.report import MAX_POINTS, TOP_FUNCTIONS, _short, write_report
+from renderers.html import MAX_POINTS, TOP_FUNCTIONS, _short, write_report
 
 RANKS = 4
 CULPRIT = 2

@@ -33,6 +33,8 @@ from aggregator import (
     ensure_schema,
     ingest,
 )
+from aggregator.batch import RAW_PREFIX_BYTES
+from aggregator.reads import SpoolOffset
 from aggregator.schema import (
     FUNCTIONS,
     HEARTBEATS,
@@ -44,7 +46,7 @@ from aggregator.schema import (
     Table,
 )
 from aggregator.spool import MAX_LINE_BYTES, file_id
-from aggregator.store import RAW_PREFIX_BYTES, SpoolOffset
+from diagnosis import read_job
 from profiler_hook.records import (
     MAX_VALUE_BYTES,
     FunctionPattern,
@@ -219,8 +221,8 @@ def test_a_row_of_a_block_of_steps_reads_back_as_its_steps(store: Store) -> None
     ].drop_duplicates().values.tolist() == [[10_000, 1_000, 2_000, 3, 7_500, 0.75]]
     assert (df["first_coll_us"] == 1_500).all()
     assert store.steps(JOB, since_step=102)["step"].tolist() == [102, 103]
-    assert store.job_data(JOB, since_us=T0 + 35_000).steps["step"].tolist() == [100, 101, 102, 103]
-    assert store.job_data(JOB, since_us=T0 + 45_000).steps.empty  # the block ended before
+    assert read_job(store, JOB, since_us=T0 + 35_000).steps["step"].tolist() == [100, 101, 102, 103]
+    assert read_job(store, JOB, since_us=T0 + 45_000).steps.empty  # the block ended before
     # A rank restarted from a checkpoint, with rows of one step over the same steps: the later run counts.
     again = StepRow(102, T0 + 60_000, 9_000, 0, 0, 3, 100, 9_000, 0, 1)
     store.write([StepBatch(job=JOB, rank=0, host="h", time_us=T0, rows=(again,))])

@@ -6,7 +6,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, HTTPException, Query
 
-from rankscope.report import heatmap_data, step_series
+from renderers.html import heatmap_data, step_series
 
 from ..auth import need_read
 from ..deps import Svc, known_job
@@ -42,12 +42,7 @@ def list_jobs(
     return [j for j in out if state is None or j.state == state]
 
 
-@router.get("/{job}", response_model=JobOut)
-def get_job(job: str, svc: Svc) -> JobOut:
-    return job_out(svc, known_job(svc, job), svc.now_us)
-
-
-@router.get("/{job}/diagnosis")
+@router.get("/{job:path}/diagnosis")
 def get_diagnosis(job: str, svc: Svc) -> dict[str, Any]:
     """The latest diagnosis, in the shape ``rankscope diagnose --json`` prints."""
     d = svc.diagnosis(known_job(svc, job).job)
@@ -56,27 +51,33 @@ def get_diagnosis(job: str, svc: Svc) -> dict[str, Any]:
     return d.to_dict()
 
 
-@router.get("/{job}/diagnoses")
+@router.get("/{job:path}/diagnoses")
 def get_history(job: str, svc: Svc, limit: int = Query(50, ge=1, le=1000)) -> list[dict[str, Any]]:
     """The job's diagnoses, newest first: ``{"time_us", "diagnosis"}`` each."""
     return svc.history(known_job(svc, job).job, limit)
 
 
-@router.get("/{job}/heatmap")
+@router.get("/{job:path}/heatmap")
 def get_heatmap(job: str, svc: Svc) -> dict[str, Any]:
     """Rank x function: each shown function's ms per step on each rank, from the profiling windows."""
     return heatmap_data(svc.job_data(known_job(svc, job).job))
 
 
-@router.get("/{job}/steps")
+@router.get("/{job:path}/steps")
 def get_steps(job: str, svc: Svc, points: int = Query(400, ge=2, le=5000)) -> dict[str, Any]:
     """Per rank: step time and own time (ms) by step, smoothed, at most about ``points`` points."""
     return step_series(svc.job_data(known_job(svc, job).job), points)
 
 
-@router.get("/{job}/windows")
+@router.get("/{job:path}/windows")
 def get_windows(job: str, svc: Svc) -> list[dict[str, Any]]:
     """The profiling windows: one row per window and rank."""
     with svc.lock:
         df = svc.store.windows(known_job(svc, job).job)
     return [{k: (v.item() if hasattr(v, "item") else v) for k, v in r.items()} for r in df.to_dict("records")]
+
+
+# Last: a job id may hold '/' (``{job:path}``), so the routes of a job's parts must match first.
+@router.get("/{job:path}", response_model=JobOut)
+def get_job(job: str, svc: Svc) -> JobOut:
+    return job_out(svc, known_job(svc, job), svc.now_us)

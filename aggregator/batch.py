@@ -1,0 +1,284 @@
+"""The write model: wire values checked against the rules and the column types, into a batch.
+
+A :class:`Batch` collects what one pass (a spool read, a Kafka poll) brings: values decoded,
+checked and turned into rows per table, window summaries set aside for ClickHouse's own JSON
+parser (see ``aggregator.schema``), and dead letters with their reasons. ``Store.write_batch``
+stores it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+from profiler_hook.records import (
+    FUNCTION_COLUMNS,
+    MAX_VALUE_BYTES,
+    STEP_COLUMNS,
+    WIRE_VERSION,
+    Heartbeat,
+    RankInfo,
+    Record,
+    RecordError,
+    StepBatch,
+    WindowSummary,
+    decode,
+)
+from profiler_hook.records import check as check_record
+
+from .schema import (
+    DEAD_LETTERS,
+    FUNCTIONS,
+    HEARTBEATS,
+    QUOTES_FIELD,
+    RANKS,
+    STEPS,
+    TABLES,
+    WINDOWS,
+    Table,
+)
+
+log = logging.getLogger(__name__)
+
+
+# --- checking values against column types -------------------------------------------------------
+
+
+def _int_check(lo: int, hi: int) -> Callable[[Any], Any]:
+    def check(v: Any) -> Any:
+        if type(v) is not int:  # bool is an int subclass, and JSON true is not a count
+            raise ValueError("must be an integer")
+        if not lo <= v < hi:
+            raise ValueError(f"is outside [{lo}, {hi})")
+        return v
+
+    return check
+
+
+def _float(v: Any) -> float:
+    if type(v) is int:
+        try:
+            v = float(v)
+        except OverflowError:
+            raise ValueError("is too large for Float64") from None
+    elif type(v) is not float:
+        raise ValueError("must be a number")
+    if not math.isfinite(v):
+        raise ValueError("must be finite")
+    return v  # type: ignore[no-any-return]
+
+
+def _str(v: Any) -> str:
+    if type(v) is not str:
+        raise ValueError("must be a string")
+    if not v.isascii():
+        try:
+            v.encode()
+        except UnicodeEncodeError:  # a lone surrogate from a JSON "\ud800" escape
+            raise ValueError("is not valid Unicode") from None
+    return v
+
+
+def _map_check(value_check: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    def check(v: Any) -> Any:
+        if type(v) is not dict:
+            raise ValueError("must be an object")
+        return {_str(k): value_check(x) for k, x in v.items()}
+
+    return check
+
+
+_Int64 = _int_check(-(1 << 63), 1 << 63)
+_CHECKS: dict[str, Callable[[Any], Any]] = {
+    "UInt8": _int_check(0, 1 << 8),
+    "Int32": _int_check(-(1 << 31), 1 << 31),
+    "Int64": _Int64,
+    "UInt64": _int_check(0, 1 << 64),
+    "Float64": _float,
+    "String": _str,
+    "LowCardinality(String)": _str,
+    "Map(String, Int64)": _map_check(_Int64),
+    "Map(String, Float64)": _map_check(_float),
+}
+_TABLE_CHECKS = {
+    t.name: tuple(zip(t.column_names, (_CHECKS[type_] for type_ in t.column_types), strict=True))
+    for t in TABLES.values()
+}
+
+
+def _checked(table: Table, values: tuple[Any, ...]) -> tuple[Any, ...]:
+    out = []
+    for (name, check), v in zip(_TABLE_CHECKS[table.name], values, strict=True):
+        try:
+            out.append(check(v))
+        except ValueError as exc:
+            raise RecordError(f"{table.name}.{name} {exc}, got {v!r:.80}") from None
+    return tuple(out)
+
+
+# Step and function rows are spliced onto their record's columns by position, so a reordered
+# NamedTuple would silently fill the wrong columns: refuse to import instead.
+_FUNCTION_PREFIX = ("job", "rank", "host", "window", "step_lo", "step_hi", "time_us")
+for _table, _columns in (
+    (STEPS, ("job", "rank", "host", *STEP_COLUMNS)),
+    (FUNCTIONS, (*_FUNCTION_PREFIX, *FUNCTION_COLUMNS)),
+):
+    if _table.column_names != _columns:
+        raise ImportError(f"aggregator.schema table {_table.name} is out of step with profiler_hook.records")
+
+
+def _attrs(record: Record, table: Table) -> tuple[Any, ...]:
+    return tuple(getattr(record, c) for c in table.column_names)
+
+
+def _record_rows(record: Record) -> list[tuple[Table, tuple[Any, ...]]]:
+    """The checked rows one record becomes; raises RecordError naming the first bad value."""
+    if isinstance(record, StepBatch):
+        head = (record.job, record.rank, record.host)
+        return [(STEPS, _checked(STEPS, head + tuple(row))) for row in record.rows]
+    if isinstance(record, Heartbeat):
+        return [(HEARTBEATS, _checked(HEARTBEATS, _attrs(record, HEARTBEATS)))]
+    if isinstance(record, RankInfo):
+        return [(RANKS, _checked(RANKS, _attrs(record, RANKS)))]
+    if isinstance(record, WindowSummary):
+        window = tuple(
+            len(record.functions) if c == "n_functions" else getattr(record, c) for c in WINDOWS.column_names
+        )
+        rows = [(WINDOWS, _checked(WINDOWS, window))]
+        head = tuple(getattr(record, c) for c in _FUNCTION_PREFIX)
+        rows += [(FUNCTIONS, _checked(FUNCTIONS, head + tuple(f))) for f in record.functions]
+        return rows
+    raise TypeError(f"not a record: {type(record).__name__}")
+
+
+_WINDOW_PREFIX = b'{"v":%d,"type":"window",' % WIRE_VERSION
+_QUOTES = QUOTES_FIELD.encode()
+"""How the hook's encode() starts a window summary: such values go to ClickHouse's JSON parser."""
+_DIGITS = bytes(48 if 48 <= i <= 57 else 32 for i in range(256))
+"""Maps every digit to ``0`` and every other byte to a space."""
+_LONG_NUMBER = b"0" * 19
+"""A run of 19 digits: a JSON integer that may not fit Int64, where ClickHouse would wrap it."""
+
+RAW_PREFIX_BYTES = 4096
+"""A dead letter's value longer than ``MAX_VALUE_BYTES`` is kept as its first this many bytes."""
+
+
+def _window_quotes(value: bytes) -> int | None:
+    """The ``"`` characters of a window value outside escapes, or None if ClickHouse must not parse it.
+
+    None for a value that is not UTF-8, or that holds a run of 19 digits: ClickHouse would store
+    such a value changed (see ``aggregator.schema``), so Python decodes it instead.
+    """
+    if not value.isascii():
+        try:
+            value.decode()
+        except UnicodeDecodeError:
+            return None
+    if _LONG_NUMBER in value.translate(_DIGITS):
+        return None
+    if b"\\" in value:  # escaped backslashes first: in ``\\"`` the quote ends a string
+        value = value.replace(b"\\\\", b"").replace(b'\\"', b"")
+    return value.count(b'"')
+
+
+def _now_us() -> int:
+    return time.time_ns() // 1000
+
+
+class Batch:
+    """Rows of many records and dead letters, grouped per table, written by :meth:`Store.write_batch`.
+
+    :meth:`add` checks a whole record before taking any of its rows, so a bad record (which
+    ``decode`` let through, e.g. a string inside a step row) can be dead-lettered by the caller
+    instead of failing the insert of everything else.
+    """
+
+    def __init__(self) -> None:
+        self.rows: dict[str, list[tuple[Any, ...]]] = {}
+        self.window_values: list[tuple[str, str | int, bytes, bytes, int]] = []
+        """Window summaries as they came (source, position, key, value, quote characters in the
+        value), for ClickHouse to parse."""
+        self.records = 0
+        """Records added."""
+        self.dead_letters = 0
+        """Dead letters added."""
+        self.nbytes = 0
+        """Bytes of the wire values taken by :meth:`add_value`."""
+
+    def __len__(self) -> int:
+        return self.records + self.dead_letters
+
+    def add_value(self, source: str, position: str | int, key: bytes, value: bytes) -> None:
+        """Take one wire value, or keep it as a dead letter with the reason; never raises.
+
+        A window summary in the hook's encoding is kept as bytes: :meth:`Store.write_batch` has
+        ClickHouse parse and check it by the same rules (see ``aggregator.schema.WINDOW_INPUT_NAME``),
+        which is ~6x faster than checking its few hundred function rows here.
+        """
+        self.nbytes += len(value)
+        if (
+            value.startswith(_WINDOW_PREFIX)
+            and len(value) <= MAX_VALUE_BYTES
+            and b'"functions":[' in value
+            and b'"busy":{' in value
+        ):
+            quotes = _window_quotes(value)
+            if quotes is not None:
+                self.window_values.append((source, position, key, value, quotes))
+                self.records += 1
+                return
+        self._add_decoded(source, position, key, value)
+
+    def check_windows(self) -> None:
+        """Check the window values record by record in Python instead: rows, or dead letters."""
+        values, self.window_values = self.window_values, []
+        self.records -= len(values)
+        for source, position, key, value, _ in values:
+            self._add_decoded(source, position, key, value)
+
+    def _add_decoded(self, source: str, position: str | int, key: bytes, value: bytes) -> None:
+        try:
+            self._take(decode(value))  # decode() checked it
+        except RecordError as exc:
+            self.dead_letter(source, position, key, value, str(exc))
+        except Exception as exc:
+            # A bug in decoding must not stall a partition or a spool file: the same value would
+            # fail on every retry.
+            log.warning(
+                "unexpected error decoding %s at %s: %r; kept as a dead letter", source, position, exc
+            )
+            self.dead_letter(source, position, key, value, f"unexpected {type(exc).__name__}: {exc}")
+
+    def add(self, record: Record) -> None:
+        """Take one record's rows; raises RecordError (taking nothing) if a value breaks the rules
+        of ``profiler_hook.records.decode`` or does not fit its column."""
+        self._take(check_record(record))
+
+    def _take(self, record: Record) -> None:
+        rows = _record_rows(record)
+        for table, row in rows:
+            self.rows.setdefault(table.name, []).append(row)
+        self.records += 1
+
+    def dead_letter(self, source: str, position: str | int, key: bytes, raw: bytes, reason: str) -> None:
+        """Keep a value that could not be stored, with where it came from and why.
+
+        Bytes are decoded with ``backslashreplace``: invalid UTF-8 survives as ``\\xNN`` escapes. A
+        value over ``MAX_VALUE_BYTES`` is kept as its first ``RAW_PREFIX_BYTES``, the reason saying so.
+        """
+        if len(raw) > MAX_VALUE_BYTES:
+            reason = f"{reason} (kept: its first {RAW_PREFIX_BYTES} of {len(raw)} bytes)"
+            raw = raw[:RAW_PREFIX_BYTES]
+        row = (
+            source,
+            str(position),
+            key.decode("utf-8", "backslashreplace"),
+            raw.decode("utf-8", "backslashreplace"),
+            reason,
+            _now_us(),
+        )
+        self.rows.setdefault(DEAD_LETTERS.name, []).append(_checked(DEAD_LETTERS, row))
+        self.dead_letters += 1

@@ -1,0 +1,203 @@
+"""The read model: a store's tables as pandas frames, for the diagnosis, the CLI and the API.
+
+:class:`Reads` is the read side of :class:`aggregator.Store` (which adds the connection and the
+write side). Queries read with ``FINAL`` (or in a way duplicates cannot change), so rows ingested
+twice count once; job values travel as bound parameters, never spliced into SQL.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any, NamedTuple
+
+import pandas as pd
+from clickhouse_connect.driver.exceptions import ClickHouseError
+
+from .errors import StoreError
+from .schema import (
+    DEAD_LETTERS,
+    FUNCTIONS,
+    HEARTBEATS,
+    JOB_TABLES,
+    RANKS,
+    SPOOL_OFFSETS,
+    STEPS,
+    TABLES,
+    WINDOWS,
+    Table,
+)
+
+log = logging.getLogger(__name__)
+
+
+class SpoolOffset(NamedTuple):
+    """How far one spool file has been ingested (see ``aggregator.schema.SPOOL_OFFSETS``)."""
+
+    path: str
+    """The file's path relative to its spool root when the offset was committed (for people)."""
+    offset: int
+    """Bytes ingested."""
+    in_line: bool = False
+    """The offset lies inside an oversized line already dead-lettered: skip to its newline."""
+
+
+class Reads:
+    """The read side of a store: needs ``_client`` and ``_db`` (set by :class:`aggregator.Store`)."""
+
+    _client: Any
+    _db: str
+
+    # --- read side ------------------------------------------------------------------------------
+
+    def offset(self, file: str) -> SpoolOffset:
+        """How far the spool file ``file`` (its ``aggregator.spool.file_id``) has been ingested."""
+        return self.offsets(file).get(file, SpoolOffset("", 0))
+
+    def offsets(self, file: str | None = None) -> dict[str, SpoolOffset]:
+        """Every spool file's ingested offset (only ``file``'s if given), in one query."""
+        where, params = ("WHERE file = {file:String}", {"file": file}) if file is not None else ("", {})
+        sql = f"SELECT file, path, `offset`, in_line FROM {self._t(SPOOL_OFFSETS)} FINAL {where}"
+        rows = self._query(sql, params).result_rows
+        return {f: SpoolOffset(path, int(offset), bool(in_line)) for f, path, offset, in_line in rows}
+
+    def jobs(self) -> pd.DataFrame:
+        """One row per job: ``job, ranks, world_size, first_us, last_us`` (latest job first)."""
+        # min/max/uniqExact do not change with duplicate rows, so no FINAL (which costs a merge).
+        sql = f"""
+            SELECT job, uniqExact(rank) AS ranks, max(world_size) AS world_size,
+                   min(t0) AS first_us, max(t1) AS last_us
+            FROM (
+                SELECT job, rank, world_size, time_us AS t0, time_us AS t1 FROM {self._t(RANKS)}
+                UNION ALL
+                SELECT job, rank, 0, start_us, start_us + dur_us FROM {self._t(STEPS)}
+                UNION ALL
+                SELECT job, rank, 0, time_us, time_us FROM {self._t(HEARTBEATS)}
+                UNION ALL
+                SELECT job, rank, 0, time_us, time_us FROM {self._t(WINDOWS)}
+            )
+            GROUP BY job ORDER BY last_us DESC, job"""
+        return self._frame(sql, {}, ("job", "ranks", "world_size", "first_us", "last_us"))
+
+    def step_rates(self, last_s: float = 60.0) -> pd.DataFrame:
+        """One row per job: ``job, step, steps_per_s`` over its last ``last_s`` seconds of steps."""
+        sql = f"""
+            SELECT s.job AS job, max(s.step + s.n_steps - 1) AS step,
+                   (max(s.step + s.n_steps) - min(s.step))
+                       / greatest((max(s.start_us + s.dur_us) - min(s.start_us)) / 1e6, 1e-3) AS steps_per_s
+            FROM {self._t(STEPS)} AS s
+            INNER JOIN (SELECT job, max(start_us) AS t FROM {self._t(STEPS)} GROUP BY job) AS l
+                ON s.job = l.job
+            WHERE s.start_us >= l.t - {{span:Int64}}
+            GROUP BY s.job"""
+        return self._frame(sql, {"span": int(last_s * 1e6)}, ("job", "step", "steps_per_s"))
+
+    def ranks(self, job: str) -> pd.DataFrame:
+        """The ``rank`` records of ``job``, one row per rank (its latest start)."""
+        return self._select(RANKS, job, "", {}, "rank")
+
+    def steps(self, job: str, since_step: int | None = None, since_us: int | None = None) -> pd.DataFrame:
+        """One row per step of ``job`` (only steps ``>= since_step``, and those of rows that ended
+        after ``since_us``, if given), ordered by rank and step: the stored rows of ``n_steps``
+        steps each read back as that many steps with the row's mean values (durations and counts
+        as floats)."""
+        where, params = "", dict[str, Any]()
+        if since_step is not None:
+            where, params = "AND step + n_steps > {since_step:Int64}", {"since_step": since_step}
+        if since_us is not None:
+            where, params = (
+                f"{where} AND start_us + dur_us > {{since_us:Int64}}",
+                {**params, "since_us": since_us},
+            )
+        return self._steps(job, where, params, since_step if since_step is not None else -(1 << 63))
+
+    def windows(self, job: str) -> pd.DataFrame:
+        """Window summaries of ``job`` (without functions), ordered by window and rank."""
+        return self._select(WINDOWS, job, "", {}, "window, rank")
+
+    def functions(
+        self, job: str, windows: list[int] | None = None, since_us: int | None = None
+    ) -> pd.DataFrame:
+        """Function patterns of ``job``: of the given ``windows`` only if not None, of the windows
+        taken from ``since_us`` on if given."""
+        where, params = "", dict[str, Any]()
+        if windows is not None:
+            where, params = "AND window IN {windows:Array(Int64)}", {"windows": list(windows)}
+        if since_us is not None:
+            where += (
+                f" AND window IN (SELECT window FROM {self._t(WINDOWS)} "
+                "WHERE job = {job:String} AND time_us >= {since_us:Int64})"
+            )
+            params["since_us"] = since_us
+        return self._select(FUNCTIONS, job, where, params, "window, rank, kind, name, stack")
+
+    def heartbeats_latest(self, job: str) -> pd.DataFrame:
+        """The latest heartbeat of each rank of ``job``, ordered by rank."""
+        # Duplicate heartbeats are identical rows, so LIMIT 1 BY needs no FINAL.
+        sql = (
+            f"SELECT * FROM {self._t(HEARTBEATS)} WHERE job = {{job:String}} "
+            "ORDER BY rank, time_us DESC LIMIT 1 BY rank"
+        )
+        return self._frame(sql, {"job": job}, HEARTBEATS.column_names)
+
+    def dead_letters(self, limit: int = 1000) -> pd.DataFrame:
+        """Up to ``limit`` dead letters, ordered by source and position (raw values can be 1 MB each)."""
+        # Positions are strings (a byte offset, a Kafka offset…): shorter first sorts numbers numerically.
+        sql = (
+            f"SELECT * FROM {self._t(DEAD_LETTERS)} FINAL "
+            "ORDER BY source, length(position), position LIMIT {limit:UInt64}"
+        )
+        return self._frame(sql, {"limit": limit}, DEAD_LETTERS.column_names)
+
+    def counts(self, job: str) -> dict[str, int]:
+        """Rows per table for ``job`` (after FINAL), e.g. ``{"steps": 1200, "ranks": 8, ...}``."""
+        sql = " UNION ALL ".join(
+            f"SELECT '{name}', count() FROM {self._t(TABLES[name])} FINAL WHERE job = {{job:String}}"
+            for name in JOB_TABLES
+        )
+        counts = dict.fromkeys(JOB_TABLES, 0)
+        counts.update({name: int(n) for name, n in self._query(sql, {"job": job}).result_rows})
+        return counts
+
+    def _steps(self, job: str, where: str, params: dict[str, Any], since_step: int) -> pd.DataFrame:
+        """The step rows that match ``where``, one row per step (see :meth:`steps`)."""
+        # A rank restarted from a checkpoint may have rows of other lengths over the same steps: the
+        # later run (larger start) counts, as ReplacingMergeTree keeps it for rows of one step.
+        sql = f"""
+            SELECT job, rank, host, s + i AS step, t + intDiv(d * i, n) AS start_us, d / n AS dur_us,
+                   da / n AS data_us, c / n AS comm_us, nc / n AS n_coll, fc AS first_coll_us,
+                   cpu / n AS cpu_us, cs / n AS nivcsw
+            FROM (
+                SELECT job, rank, host, step AS s, start_us AS t, dur_us AS d, data_us AS da,
+                       comm_us AS c, n_coll AS nc, first_coll_us AS fc, cpu_us AS cpu, nivcsw AS cs,
+                       n_steps AS n
+                FROM {self._t(STEPS)} FINAL WHERE job = {{job:String}} {where}
+            )
+            ARRAY JOIN range(toUInt64(n)) AS i
+            WHERE s + i >= {{since_step:Int64}}
+            ORDER BY rank, step, start_us DESC LIMIT 1 BY rank, step"""
+        columns = [c for c in STEPS.column_names if c != "n_steps"]
+        return self._frame(sql, {**params, "job": job, "since_step": since_step}, columns)
+
+    def _select(self, table: Table, job: str, where: str, params: dict[str, Any], order: str) -> pd.DataFrame:
+        sql = f"SELECT * FROM {self._t(table)} FINAL WHERE job = {{job:String}} {where} ORDER BY {order}"
+        return self._frame(sql, {"job": job, **params}, table.column_names)
+
+    def _t(self, table: Table) -> str:
+        return f"`{self._db}`.`{table.name}`"
+
+    def _query(self, sql: str, params: dict[str, Any] | None = None) -> Any:
+        try:
+            return self._client.query(sql, parameters=params or {})
+        except ClickHouseError as exc:
+            raise StoreError(f"query on {self._db} failed: {exc}") from exc
+
+    def _frame(self, sql: str, params: dict[str, Any], columns: Iterable[str]) -> pd.DataFrame:
+        try:
+            df = self._client.query_df(sql, parameters=params)
+        except ClickHouseError as exc:
+            raise StoreError(f"query on {self._db} failed: {exc}") from exc
+        if df.columns.empty:
+            # An empty result comes back from chDB with no columns at all; callers index by name.
+            return pd.DataFrame(columns=list(columns))
+        return df

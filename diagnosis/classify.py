@@ -1,0 +1,103 @@
+"""What a straggler's extra time is: its cause, the function that holds it, and the evidence."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import contention, functions, stragglers
+from .findings import Cause, ms
+
+
+def classify(
+    st: stragglers.Straggler, excess: list[functions.FunctionExcess], waits: contention.Contended | None
+) -> tuple[Cause, str, float, dict[str, Any]]:
+    """(cause, function, share of the excess it explains, evidence) for one straggler."""
+    total = max(st.excess_us, 1.0)
+    # Starved: the rank got a smaller share of the CPU for its own time than its peers. (A rank with
+    # more work queues longer on a busy host too, behind its own threads, at the same share.)
+    own_eff = st.cpu_us / max(st.own_us, 1.0)
+    peer_eff = st.peer_cpu_us / max(st.peer_own_us, 1.0)
+    starved = own_eff <= 0.8 * peer_eff
+    ev: dict[str, Any]
+    if starved and waits is not None and waits.wait_us - waits.peer_wait_us >= 0.5 * total:
+        ev = {
+            **wait_evidence(waits),
+            "cpu_share_of_own_time": round(own_eff, 3),
+            "peer_cpu_share_of_own_time": round(peer_eff, 3),
+        }
+        return "host_contention", CPU_WAIT, 1.0, ev
+    data_excess = st.data_us - st.peer_data_us
+    if data_excess >= 0.5 * total:
+        fn = functions.top_of_kind(excess, "dataloader")
+        loader = fn.name if fn else "DataLoader.__next__"
+        ev = {"data_wait_ms": ms(st.data_us), "peer_data_wait_ms": ms(st.peer_data_us)}
+        code = functions.innermost_code(excess, 0.3 * data_excess)  # a window sees most fetches, not all
+        if code is None:
+            return "dataloader", loader, data_excess / total, ev
+        return "dataloader", code.name, data_excess / total, {**ev, **code_evidence(code), "loader": loader}
+    extra = functions.top_extra(excess)
+    if extra is not None and extra.excess_us >= 0.3 * total:
+        code = functions.innermost_code(excess, 0.5 * extra.excess_us) or extra
+        ev = {
+            **code_evidence(code),
+            "calls_per_step": round(extra.rank_count, 2),
+            "peer_calls_per_step": round(extra.peer_count, 2),
+        }
+        if code is not extra:
+            ev["entered_through"] = extra.name
+        op = functions.top_of_kinds(excess, functions.WORK_KINDS)
+        if op is not None:
+            ev["operator"] = op.name
+        return "code_path", code.name, extra.excess_us / total, ev
+    slower = functions.top_slower(excess)
+    slow_code = functions.innermost_code(excess, 0.5 * total)
+    if slow_code is not None and functions.work_excess(excess) < 0.5 * slow_code.excess_us:
+        # The job's own function takes longer on this rank, but not in operators: it blocks or
+        # waits (a synchronous upload, a lock, I/O). A slower device slows the operators under it.
+        ev = {**code_evidence(slow_code), "calls_per_step": round(slow_code.rank_count, 2)}
+        return "code_path", slow_code.name, slow_code.excess_us / total, ev
+    if starved and st.nivcsw >= 2 * st.peer_nivcsw + 5:
+        ev = {
+            "involuntary_switches_per_step": st.nivcsw,
+            "peer_involuntary_switches_per_step": st.peer_nivcsw,
+            "cpu_share_of_own_time": round(own_eff, 3),
+            "peer_cpu_share_of_own_time": round(peer_eff, 3),
+        }
+        return "host_contention", "(whole process)", 1.0, ev
+    ev = {}
+    if slower is not None:
+        ev = {
+            "operator_ms_per_step": ms(slower.rank_us),
+            "operator_peer_ms_per_step": ms(slower.peer_us),
+            "operator_ratio": round(slower.rank_us / max(slower.peer_us, 1e-9), 3),
+            "calls_per_step": round(slower.rank_count, 2),
+        }
+    compute_excess = (st.own_us - st.data_us) - (st.peer_own_us - st.peer_data_us)
+    name = slower.name if slower else "compute (no profiling window covered it)"
+    # Forward runs in the job's code, backward mostly in the autograd engine: a third will do.
+    code = functions.innermost_code(excess, 0.3 * compute_excess) if slower else None
+    if code is not None:  # the job's own function whose operators got slower, and the operator
+        ev = {**ev, **code_evidence(code), "operator": name}
+        name = code.name
+    return "compute", name, compute_excess / total, ev
+
+
+def code_evidence(code: functions.FunctionExcess) -> dict[str, Any]:
+    return {
+        "stack": code.stack,
+        "function_ms_per_step": ms(code.rank_us),
+        "function_peer_ms_per_step": ms(code.peer_us),
+    }
+
+
+CPU_WAIT = "(threads waiting for a CPU)"
+
+
+def wait_evidence(c: contention.Contended) -> dict[str, Any]:
+    return {
+        "cpu_wait_ms_per_step": ms(c.wait_us),
+        "peer_cpu_wait_ms_per_step": ms(c.peer_wait_us),
+        "wait_ratio": round(c.ratio, 3),
+        "step_ms": ms(c.step_us),
+        "windows_flagged": f"{c.windows_flagged}/{c.windows}",
+    }

@@ -1,0 +1,104 @@
+"""Job-wide slowdowns: every rank slower than the job's own start, over its last steps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from . import contention, stragglers
+from .data import JobData
+from .findings import Finding, effect, ms
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JobWideSettings:
+    ratio: float = 1.3
+    """All ranks' step time grew by this factor from the first to the last chunks: job-wide..."""
+    own_ratio: float = 1.5
+    step_ratio: float = 1.05
+    """...or all ranks' own time grew by ``own_ratio`` while step time grew by ``step_ratio`` at
+    least (where collectives dominate the step, waiting absorbs part of everybody's slower work;
+    own time alone drifts up to ~1.3x on a healthy, oversubscribed host)."""
+    steps: int = 3000
+    """Steps the rule looks back over, longer than the stragglers' ``last_steps``: it compares the
+    latest chunks with the first, which is the job's own start in a younger job."""
+    min_s: float = 20.0
+    """...and only once those steps span this many seconds: the first seconds of a job (imports on
+    background threads, allocator and cache warm-up, the first profiling windows) are no baseline.
+    On the DDP healthy control, 6-14 s in, they read as a 1.3-1.4x job-wide slowdown."""
+
+
+def find(data: JobData, s: JobWideSettings, steps: stragglers.StragglerSettings) -> Finding | None:
+    """All ranks slower than the job's own start, when no rank stands out."""
+    recent = data.steps[data.steps["step"] > data.steps["step"].max() - s.steps]
+    if recent.empty or recent.groupby("step")["dur_us"].median().sum() < s.min_s * 1e6:
+        return None
+    g = stragglers.grid(data.steps, replace(steps, last_steps=s.steps), ["dur_us", "own_us"])
+    if g is None or len(np.unique(g.chunk)) < 3:
+        return None
+    last = sorted(np.unique(g.chunk))
+    growth: dict[str, tuple[float, np.ndarray]] = {}
+    for col in ("dur_us", "own_us"):
+        per = stragglers.chunk_medians(g, col, steps.chunks)  # rank x chunk
+        with np.errstate(invalid="ignore", divide="ignore"):
+            ratio = min(float(stragglers.nanmedian(per[:, c] / per[:, last[0]], axis=0)) for c in last[-2:])
+        growth[col] = (ratio, per)
+    # Step time carries every slowdown but also the job's tail (each step waits for its slowest
+    # rank); own time is free of that noise for compute and data slowdowns. Own time alone is not
+    # enough: the job must have become measurably slower too.
+    step_ratio, own_ratio = growth["dur_us"][0], growth["own_us"][0]
+    col = "dur_us"
+    step_grew = step_ratio >= 1 + (s.ratio - 1) / 2
+    if own_ratio > step_ratio and (step_grew or (step_ratio >= s.step_ratio and own_ratio >= s.own_ratio)):
+        col = "own_us"
+    ratio, per = growth[col]
+    if not ratio >= s.ratio:
+        return None
+    ranks = [int(r) for r in g.ranks]
+    what = "step time" if col == "dur_us" else "own time per step (outside collectives)"
+    base_ms = ms(float(stragglers.nanmedian(per[:, last[0]], axis=0)))
+    now_ms = ms(float(stragglers.nanmedian(per[:, last[-1]], axis=0)))
+    summary = f"all {len(ranks)} ranks slowed down together: {what} {ratio:.2f}x the job's own start"
+    evidence = {
+        "metric": f"median {what}, last chunks vs first chunk",
+        "baseline_ms": base_ms,
+        "now_ms": now_ms,
+        "ratio": round(ratio, 3),
+        "step_time_ratio": round(step_ratio, 3),
+    }
+    waits = _cpu_wait_growth(data)
+    if waits is not None and waits[1] - waits[0] >= EXTERNAL_LOAD_SHARE * (now_ms - base_ms) > 0:
+        summary += (
+            f"; every rank's threads now wait {waits[1] - waits[0]:.1f} ms more per step for a CPU "
+            f"({waits[0]:.1f} -> {waits[1]:.1f} ms): other processes on the job's cores (external load)"
+        )
+        evidence.update(cpu_wait_ms_per_step_first=waits[0], cpu_wait_ms_per_step_last=waits[1])
+    return Finding(
+        cause="job_wide",
+        ranks=ranks,
+        hosts=sorted(set(data.hosts().values())),
+        function="step",
+        confidence=round(effect(ratio), 3),
+        summary=summary,
+        evidence=evidence,
+        scope="job",
+    )
+
+
+EXTERNAL_LOAD_SHARE = 0.5
+"""A job-wide slowdown is put down to load from outside the job when the ranks' CPU wait per step
+grew by at least this share of the step time's growth."""
+
+
+def _cpu_wait_growth(data: JobData) -> tuple[float, float] | None:
+    """The ranks' median CPU wait per step (ms) in the first and the last profiling window."""
+    f = data.functions
+    if f.empty:
+        return None
+    f = f[(f["kind"] == contention.WAIT_KIND) & (f["name"] == contention.WAIT_PATTERN)]
+    if f["window"].nunique() < 2:
+        return None
+    per_step = f["total_us"].astype(float) / (f["step_hi"] - f["step_lo"]).clip(lower=1) / 1e3
+    by_window = per_step.groupby(f["window"]).median().sort_index()
+    return round(float(by_window.iloc[0]), 3), round(float(by_window.iloc[-1]), 3)
