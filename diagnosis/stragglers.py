@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -270,26 +271,36 @@ def find(steps: pd.DataFrame, s: StragglerSettings | None = None) -> list[Stragg
     own_mean = {c: nanmean_rows(g.values[c][cul_idx]) for c in names}
     pm = {c: float(np.nanmedian(nanmean_rows(g.values[c][peer_idx]))) for c in names}
     return [
-        Straggler(
-            rank=int(g.ranks[i]),
+        _straggler(
+            int(g.ranks[i]),
+            {c: float(own_mean[c][j]) for c in cols},
+            pm,
             chunks_flagged=int(flagged[i]),
             chunks=n_chunks,
             ratio=float(own_mean["rel"][j] / max(pm["rel"], 1e-9)),
-            own_us=float(own_mean["own_us"][j]),
-            peer_own_us=pm["own_us"],
-            data_us=float(own_mean["data_us"][j]),
-            peer_data_us=pm["data_us"],
-            comm_us=float(own_mean["comm_us"][j]),
-            peer_comm_us=pm["comm_us"],
-            cpu_us=float(own_mean["cpu_us"][j]),
-            peer_cpu_us=pm["cpu_us"],
-            nivcsw=float(own_mean["nivcsw"][j]),
-            peer_nivcsw=pm["nivcsw"],
             since_step=int(chunk_start[np.argmax(slow_in[i])]),
             held_steps=int(chunk_steps[slow_in[i]].sum()),
         )
         for j, i in enumerate(cul_idx)
     ]
+
+
+def _straggler(rank: int, own: dict[str, float], peer: dict[str, float], **how: Any) -> Straggler:
+    """A straggler from its mean values per step (``own``) and its peers' (``peer``), by column."""
+    return Straggler(
+        rank=rank,
+        own_us=own["own_us"],
+        peer_own_us=peer["own_us"],
+        data_us=own["data_us"],
+        peer_data_us=peer["data_us"],
+        comm_us=own["comm_us"],
+        peer_comm_us=peer["comm_us"],
+        cpu_us=own["cpu_us"],
+        peer_cpu_us=peer["cpu_us"],
+        nivcsw=own["nivcsw"],
+        peer_nivcsw=peer["nivcsw"],
+        **how,
+    )
 
 
 def shifted(
@@ -353,21 +364,13 @@ def shifted(
         mean = {col: nanmean_rows(g.values[col][:, cols_after]) for col in cols}
         pm = {col: float(np.nanmedian(mean[col][peers])) for col in cols}
         out.append(
-            Straggler(
-                rank=int(g.ranks[i]),
+            _straggler(
+                int(g.ranks[i]),
+                {col: float(mean[col][i]) for col in cols},
+                pm,
                 chunks_flagged=c - k,
                 chunks=c - k,  # the chunks since the change: it is slow in all of them
                 ratio=level,
-                own_us=float(mean["own_us"][i]),
-                peer_own_us=pm["own_us"],
-                data_us=float(mean["data_us"][i]),
-                peer_data_us=pm["data_us"],
-                comm_us=float(mean["comm_us"][i]),
-                peer_comm_us=pm["comm_us"],
-                cpu_us=float(mean["cpu_us"][i]),
-                peer_cpu_us=pm["cpu_us"],
-                nivcsw=float(mean["nivcsw"][i]),
-                peer_nivcsw=pm["nivcsw"],
                 since_step=int(chunk_start[k]),
                 held_steps=int(chunk_steps[k:].sum()),
                 before_ratio=was,
