@@ -12,7 +12,7 @@ import pytest
 from benchmarks.cluster import FAULTS, ClusterSpec, generate, score, summarize
 from diagnosis import Finding, diagnose
 from diagnosis.data import FUNCTION_FIELDS, HEARTBEAT_FIELDS, STEP_FIELDS
-from diagnosis.diagnose import _group_topology
+from diagnosis.topology import group as group_topology
 
 RANKS = 2000
 
@@ -129,12 +129,12 @@ def test_topology_merges_nic_then_host_then_switch() -> None:
     )
     # All of switch sw0 (hosts h0, h1) plus one NIC of h2: one switch finding and one NIC finding.
     found = [_single(r, f"h{r // 4}") for r in [*range(8), 8, 9]]
-    merged = sorted(_group_topology(found, ranks), key=lambda f: f.scope)
+    merged = sorted(group_topology(found, ranks), key=lambda f: f.scope)
     assert [(f.scope, f.ranks) for f in merged] == [("nic", [8, 9]), ("switch", list(range(8)))]
     assert merged[1].hosts == ["h0", "h1"] and sorted(merged[1].evidence["per_rank"]) == list(range(8))
     # A compute culprit pair is not a NIC's fault: only whole hosts merge for compute.
     compute = [_single(r, "h2", "compute") for r in (8, 9)]
-    assert [f.scope for f in _group_topology(compute, ranks)] == ["rank", "rank"]
+    assert [f.scope for f in group_topology(compute, ranks)] == ["rank", "rank"]
 
 
 def test_summary_counts_misses_and_false_findings() -> None:
