@@ -41,15 +41,19 @@ def test_every_loop_shape_shows_its_collectives_and_the_wait_for_a_late_rank(
         )
     )
     recs = _records(tmp_path, loop)
-    rows = {r: [row for x in rs if isinstance(x, StepBatch) for row in x.rows][10:] for r, rs in recs.items()}
+    # The rows are blocks of steps (totals of ``n_steps`` steps); past the first 10 steps.
+    rows = {
+        r: [row for x in rs if isinstance(x, StepBatch) for row in x.rows if row.step >= 10]
+        for r, rs in recs.items()
+    }
     # DDP: one bucket all-reduce + the loop's small all-reduce; FSDP2: gathers and reduce-scatters.
     least = {"manual": 1, "ddp": 2, "fsdp2": 4}[loop]
     for r in (0, 1):
-        assert min(row.n_coll for row in rows[r]) >= least, (r, rows[r][:3])
+        assert rows[r] and min(row.n_coll / row.n_steps for row in rows[r]) >= least, (r, rows[r][:3])
         assert all(row.first_coll_us >= 0 for row in rows[r])
-    wait = {r: statistics.median(row.comm_us for row in rows[r]) for r in (0, 1)}
+    wait = {r: statistics.median(row.comm_us / row.n_steps for row in rows[r]) for r in (0, 1)}
     assert wait[0] > wait[1] + 10_000, wait  # the wait inversion: the healthy rank waits
-    own = {r: statistics.median(row.dur_us - row.comm_us for row in rows[r]) for r in (0, 1)}
+    own = {r: statistics.median((row.dur_us - row.comm_us) / row.n_steps for row in rows[r]) for r in (0, 1)}
     assert own[1] > own[0] + 10_000, own  # so the late rank's own time stands out
     # Sequence numbers match across ranks: what names the rank a hang waits for.
     last = {r: [x for x in rs if isinstance(x, Heartbeat)][-1].last_seq for r, rs in recs.items()}
