@@ -199,6 +199,7 @@ def kafka_hook(broker: KafkaBroker, topic: str, job: str, **cfg: Any) -> Hook:
         kafka_api_version="0.9",
         kafka_topic=topic,
         flush_s=0.05,
+        step_block_s=0,  # a row a step, shipped every 50 ms: many small records
         heartbeat_s=0.5,
         window_s=0,
         **cfg,
