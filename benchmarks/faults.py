@@ -30,8 +30,9 @@ from aggregator import Store, ingest
 from diagnosis import diagnose, read_job
 from rankscope.workload import JobSpec, RunningJob, free_port
 
-from . import scoring, torchrun_job
+from . import machine, scoring, torchrun_job
 from .injectors import CpuHog, Fabric, Unavailable, hog_core
+from .machine import MachineWatch
 from .scenarios import Scenario, load_all
 from .timeline import Timeline
 
@@ -140,15 +141,20 @@ def run_scenario(sc: Scenario, store: Store, workdir: Path, probe_s: float = PRO
     )
     base: dict[str, Any] = {"name": sc.name, "kind": sc.kind, "about": sc.about, "job": job}
     t0 = time.perf_counter()
+    speed = MachineWatch()
+    speed.start()
     try:
         onset, error, cleanup = run_job(sc, spec, markers)
     except Unavailable as exc:
         return {**base, "skipped": str(exc)}
+    finally:
+        speed.stop()
+        speed.save(run_dir / "machine.json")
     run_s = time.perf_counter() - t0
     ingest(spool, store)
     return {
         **base,
-        **evaluate(sc, store, job, spool / job, onset, probe_s),
+        **evaluate(sc, store, job, spool / job, onset, probe_s, run_dir / "machine.json"),
         "run_s": round(run_s, 1),
         "error": error,
         "cleanup_errors": cleanup,
@@ -156,12 +162,22 @@ def run_scenario(sc: Scenario, store: Store, workdir: Path, probe_s: float = PRO
 
 
 def evaluate(
-    sc: Scenario, store: Store, job: str, spool_job_dir: Path, onset: dict[str, Any] | None, probe_s: float
+    sc: Scenario,
+    store: Store,
+    job: str,
+    spool_job_dir: Path,
+    onset: dict[str, Any] | None,
+    probe_s: float,
+    machine_json: Path,
 ) -> dict[str, Any]:
-    """Score a stored run of ``sc``: its final diagnosis, and diagnoses of the data cut every ``probe_s``."""
+    """Score a stored run of ``sc``: its final diagnosis, and diagnoses of the data cut every ``probe_s``
+    (``machine_json``: the harness's samples of the machine's own speed, ``MachineWatch``)."""
     final = diagnose(read_job(store, job))
-    s = scoring.score(sc.truth, final, name=sc.name)
     timeline = Timeline.load(store, job, spool_job_dir)
+    sent = timeline.steps["avail_us"] / 1e6 if not timeline.steps.empty else None
+    speed = machine.load(machine_json, sent.min(), sent.max()) if sent is not None else None
+    slowed = speed is not None and speed["slowdown"] >= machine.SLOWED
+    s = scoring.score(sc.truth, final, name=sc.name, machine_slowed=slowed)
     probes = _probes(timeline, onset, probe_s) if onset else []
     delays = scoring.delays(sc.truth, probes)
     healthy_probe_findings = (
@@ -177,6 +193,7 @@ def evaluate(
             {"after_s": p.after_s, "after_steps": p.after_steps, "top": _top(p.diagnosis)} for p in probes
         ],
         "healthy_probe_findings": healthy_probe_findings,
+        "machine": speed,
         "diagnosis": final.to_dict(),
     }
 
@@ -224,8 +241,14 @@ def report(results: list[dict[str, Any]]) -> str:
             lines.append(f"| {r['name']} | skipped: {r['skipped']} | | | | | | | |")
             continue
         s, d = r["score"], r["delays"]
-        ok = "healthy" if s["healthy"] and not s["findings"] else ("yes" if s["top_correct"] else "**no**")
+        ok = (
+            "healthy"
+            if s["healthy"] and not s["false_findings"]
+            else ("yes" if s["top_correct"] else "**no**")
+        )
         extra = f" ({r['healthy_probe_findings']} in probes)" if s["healthy"] else ""
+        if s.get("explained"):
+            extra += f"; job_wide explained: the machine itself ran {r['machine']['slowdown']:.2f}x slower"
         if s.get("both_found") is False:
             ok += " (one of two)"
         fn = _short(s.get("function", "")) + {True: " ✓", False: " ✗"}.get(s.get("function_ok"), "")
@@ -276,7 +299,7 @@ def rescore_scenario(sc: Scenario, store: Store, workdir: Path, probe_s: float =
         return {**base, "skipped": f"no kept run of it in {workdir}"}
     job = jobs[-1]
     onset = first_onset(run_dir / "markers")
-    result = evaluate(sc, store, job, run_dir / "spool" / job, onset, probe_s)
+    result = evaluate(sc, store, job, run_dir / "spool" / job, onset, probe_s, run_dir / "machine.json")
     return {**base, "job": job, **result, "run_s": None, "error": "", "cleanup_errors": []}
 
 
@@ -304,6 +327,7 @@ def run_suite(
                 print(
                     f"      {r['steps']} steps{took}; expected {r['ground_truth']}; "
                     f"top: {s['top'] or 'no finding'}; localized after {r['delays']['localize_s']} s"
+                    + (f"; machine {r['machine']['slowdown']:.2f}x slower" if r.get("machine") else "")
                     + (f"; ERROR {r['error']}" if r["error"] else ""),
                     flush=True,
                 )

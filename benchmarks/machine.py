@@ -1,0 +1,130 @@
+"""How fast the machine itself ran while a scenario's job ran: the harness's own reference.
+
+A healthy control expects no finding only on a machine whose speed held steady. On a shared CI
+runner it may not: other tenants (the hypervisor's steal), other processes, a CPU clocked down.
+The job then really does slow down as a whole, and a ``job_wide`` finding is right. To tell that
+apart from a false alarm without asking rankscope, ``MachineWatch`` samples, while the job runs:
+
+- the *capacity* left to the job: the machine's cores less the hypervisor's steal and the CPU
+  that processes outside the harness's process tree (the job is its children) used;
+- the time a fixed piece of reference work takes (a CPU clocked down, steal in short bursts).
+
+``summary`` compares the last third of the job's steps with the first (start-up, with its
+imports, is no baseline); the machine slowed down by the larger of the two ratios.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+WORK = 60_000
+"""The reference work: ``sum(range(WORK))``, about 1 ms on an idle core of these machines."""
+
+SLOWED = 1.15
+"""The machine counts as slowed down when it ran this much slower in the last third of the
+job's steps than in the first."""
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_jiffies() -> tuple[int, int]:
+    """The machine's (busy, steal) jiffies, all cores, from /proc/stat."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:9]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = v
+    return user + nice + system + irq + softirq, steal
+
+
+def _tree_jiffies(root: int) -> dict[int, int]:
+    """CPU jiffies (user + system) of ``root`` and every process under it, by pid."""
+    parent: dict[int, int] = {}
+    used: dict[int, int] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        parent[int(d)], used[int(d)] = int(fields[1]), int(fields[11]) + int(fields[12])
+    children: dict[int, list[int]] = defaultdict(list)
+    for pid, ppid in parent.items():
+        children[ppid].append(pid)
+    out, todo = {}, [root]
+    while todo:
+        pid = todo.pop()
+        if pid in used:
+            out[pid] = used[pid]
+        todo.extend(children[pid])
+    return out
+
+
+class MachineWatch(threading.Thread):
+    """Samples the machine every ``every_s`` until stopped; ``samples`` are ``(wall-clock time,
+    reference work seconds, cores left to the harness's process tree)``."""
+
+    def __init__(self, every_s: float = 0.5) -> None:
+        super().__init__(daemon=True, name="machine-watch")
+        self.every_s = every_s
+        self.samples: list[tuple[float, float, float]] = []
+        self._done = threading.Event()
+
+    def run(self) -> None:
+        cores = len(os.sched_getaffinity(0))
+        root = os.getpid()
+        last_t, (last_busy, last_steal), last_tree = time.monotonic(), _cpu_jiffies(), _tree_jiffies(root)
+        while not self._done.wait(self.every_s):
+            w = time.perf_counter()
+            sum(range(WORK))
+            took = time.perf_counter() - w
+            now, (busy, steal), tree = time.monotonic(), _cpu_jiffies(), _tree_jiffies(root)
+            ours = sum(v - last_tree[p] for p, v in tree.items() if p in last_tree)
+            outside = max(busy - last_busy - ours, 0) + (steal - last_steal)
+            left = cores - outside / _TICK / (now - last_t)
+            self.samples.append((round(time.time(), 3), took, round(max(left, 0.05), 3)))
+            last_t, last_busy, last_steal, last_tree = now, busy, steal, tree
+
+    def stop(self) -> None:
+        self._done.set()
+        self.join(timeout=5)
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(self.samples))
+
+
+def summary(samples: list[Any], start: float = 0.0, end: float = float("inf")) -> dict[str, float] | None:
+    """Over the samples from ``start`` to ``end`` (wall-clock seconds; the job's steps), last third
+    against first: ``reference``, the reference work's median time; ``capacity``, the cores left
+    to the job (median), first over last; ``slowdown``, the larger. Medians: the job's own bursts
+    (rank 0's evaluation, a profiling window) delay single samples."""
+    samples = [s for s in samples if start <= s[0] <= end]
+    if len(samples) < 6:
+        return None
+    third = len(samples) // 3
+    first, last = samples[:third], samples[-third:]
+    reference = statistics.median(s[1] for s in last) / statistics.median(s[1] for s in first)
+    capacity = statistics.median(s[2] for s in first) / statistics.median(s[2] for s in last)
+    return {
+        "slowdown": round(max(reference, capacity), 3),
+        "reference": round(reference, 3),
+        "capacity": round(capacity, 3),
+        "cores_first": round(statistics.median(s[2] for s in first), 2),
+        "cores_last": round(statistics.median(s[2] for s in last), 2),
+    }
+
+
+def load(path: Path, start: float = 0.0, end: float = float("inf")) -> dict[str, float] | None:
+    """The ``summary`` of the samples a run kept (None for a run kept before the harness took them)."""
+    try:
+        samples = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return summary(samples, start, end)
