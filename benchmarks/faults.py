@@ -92,7 +92,7 @@ def run_job(sc: Scenario, spec: JobSpec, markers: Path) -> tuple[dict[str, Any] 
         if isinstance(injector, Fabric):
             spec = replace(spec, **injector.setup())
         elif isinstance(injector, CpuHog):
-            spec = replace(spec, **injector.setup(sc.fault.rank))
+            spec = replace(spec, **injector.setup(sc.fault.rank, spec))
         job = RunningJob(spec)
         watch.start()
         deadline = time.monotonic() + sc.seconds + START_S

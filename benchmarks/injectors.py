@@ -151,14 +151,26 @@ _HOG = "import sys, time\nend = time.time() + float(sys.argv[1])\nwhile time.tim
 
 
 class CpuHog:
-    """``n`` busy-looping processes pinned to ``core`` — the core the victim rank is pinned to."""
+    """``n`` busy-looping processes pinned to ``core``, the core of the victim's simulated host.
+
+    Simulated hosts share one machine's cores; a hog on one of them would slow every rank that
+    the scheduler moves there. So each simulated host gets cores of its own (where the machine has
+    as many cores as hosts): its ranks are pinned to them, as a real host's ranks are confined to
+    its CPUs, and a hog on the victim host's core slows that host's ranks, no other's.
+    """
 
     def __init__(self, core: int, n: int, max_s: float) -> None:
         self.core, self.n, self.max_s = core, n, max_s
         self._procs: list[subprocess.Popen] = []
 
-    def setup(self, rank: int) -> dict[str, Any]:
-        return {"pin_cpu": {rank: self.core}}
+    def setup(self, victim: int, spec: JobSpec) -> dict[str, Any]:
+        """The ranks' cores: the victim's host on ``core``, the other hosts on the other cores."""
+        others = sorted(os.sched_getaffinity(0) - {self.core})
+        hosts = sorted({host_of(r, spec) for r in range(spec.world_size)} - {host_of(victim, spec)})
+        if len(others) < len(hosts):  # too few cores for a core per host: pin the victim alone
+            return {"pin_cpu": {victim: self.core}}
+        core_of = {h: others[i] for i, h in enumerate(hosts)} | {host_of(victim, spec): self.core}
+        return {"pin_cpu": {r: core_of[host_of(r, spec)] for r in range(spec.world_size)}}
 
     def start(self) -> None:
         for _ in range(self.n):

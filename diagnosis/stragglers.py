@@ -52,6 +52,12 @@ class StragglerSettings:
     """The robust deviation is never taken below this fraction of the median (quiet jobs)."""
     persistence: float = 0.5
     """A straggler must be slow in at least this fraction of the chunks."""
+    cpu_min_ratio: float = 1.15
+    """The peer rule on the main thread's CPU time per step as well: a rank whose CPU time exceeds
+    the ranks' median by this factor in as many chunks (healthy ranks stay within ~1.06x: the
+    run-queue waits that spread own time are not in it), and whose own time is above its
+    peers' by ``shift_min_level``, is a straggler. A device 2x slower in bursts of 150 steps is
+    1.14-1.45x in CPU time per chunk, 0.92-1.24x in own time."""
     peel_ratio: float = 1.15
     """Once stragglers are found, another rank is one too if its mean own time exceeds the median
     of the remaining ranks by this factor (stricter than ``min_ratio``: healthy ranks of a small
@@ -73,6 +79,17 @@ class StragglerSettings:
     shift_min_after: int = 6
     """...for this many chunks at least (and three before): on a healthy 8-rank run, on 2 shared
     cores, one rank's last 4 chunks rose 1.02x -> 1.10x."""
+    shift_cpu_min_t: float = 5.0
+    """The same split over the main thread's CPU time per step (relative to the peers') instead:
+    free of the run-queue waits that make own time noisy on shared cores, it moves by ~1% from
+    chunk to chunk. On 16 healthy fault-suite runs its largest t was 4.0, with a rise of 0.026 at
+    most; faults that add work on the CPU (a slower device, a code path, GC, a gradient hook)
+    reach 5.3-21 with rises of 0.08-2.6. A rank found this way must still meet the own-time
+    level above (it must hold the job back), and half the own-time rise: a 1.15x slower device
+    that was 1.04x its peers already rose by 0.04 in own time, 0.10 in CPU time; whether it still
+    holds at the end is judged on the CPU time..."""
+    shift_cpu_min_rise: float = 0.05
+    """...and its CPU time, relative to its peers', must have risen by this much."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -100,10 +117,15 @@ class Straggler:
     """Steps in the chunks in which it was slow."""
     before_ratio: float = 0.0
     """Found by the change-point rule: ``ratio`` before ``since_step`` (0 for the peer rule)."""
+    cpu_growth: float = 0.0
+    """Found by the change-point rule on CPU time: how much that grew against the peers' (0 if not)."""
 
     @property
     def growth(self) -> float:
-        """How much its own time grew against its peers' (``ratio`` for the peer rule)."""
+        """How much its own time grew against its peers' (``ratio`` for the peer rule); found on
+        CPU time, how much that grew: the same work, measured without the run-queue noise."""
+        if self.cpu_growth > 0:
+            return self.cpu_growth
         return self.ratio / self.before_ratio if self.before_ratio > 0 else self.ratio
 
     @property
@@ -250,6 +272,15 @@ def find(steps: pd.DataFrame, s: StragglerSettings | None = None) -> list[Stragg
     per = chunk_means(g, "rel", s.chunks)
     flagged, slow_in, n_chunks = _flag(per, s, s.min_ratio, np.zeros(len(g.ranks), dtype=bool))
     is_culprit = flagged >= needed(n_chunks, s.persistence)
+    cpu = g.values["cpu_us"]
+    if np.nanmax(cpu, initial=0.0) > 0:
+        g.values["rel_cpu"] = cpu / np.clip(nanmedian(cpu, axis=0), 1.0, None)[None, :]
+        per_cpu = chunk_means(g, "rel_cpu", s.chunks)
+        by_cpu, slow_cpu, _ = _flag(per_cpu, s, s.cpu_min_ratio, np.zeros(len(g.ranks), dtype=bool))
+        own_level = nanmean_rows(per) / np.nanmedian(nanmean_rows(per))
+        more = (by_cpu >= needed(n_chunks, s.persistence)) & (own_level >= s.shift_min_level) & ~is_culprit
+        flagged, is_culprit = np.where(more, by_cpu, flagged), is_culprit | more
+        slow_in[more] = slow_cpu[more]
     if not is_culprit.any():
         return []
     if (~is_culprit).sum() >= 3:
@@ -332,32 +363,35 @@ def shifted(
     rel = chunk_means(g, "rel", c)
     if np.isnan(rel).any():
         return []  # a rank missing from some chunk: joined late or restarted, no series to split
-    best_t, best_k = np.full(len(g.ranks), -np.inf), np.zeros(len(g.ranks), dtype=np.int64)
-    for k in range(3, c - s.shift_min_after + 1):
-        head, tail = rel[:, :k], rel[:, k:]
-        rise = tail.mean(axis=1) - head.mean(axis=1)
-        resid = np.concatenate(
-            [head - head.mean(axis=1, keepdims=True), tail - tail.mean(axis=1, keepdims=True)], axis=1
-        )
-        sigma = np.maximum(np.sqrt((resid**2).sum(axis=1) / (c - 2)), 0.005)
-        t = rise / (sigma * np.sqrt(1 / k + 1 / (c - k)))
-        better = t > best_t
-        best_t, best_k = np.where(better, t, best_t), np.where(better, k, best_k)
+    best_t, best_k = _best_split(rel, s.shift_min_after)
+    cpu = g.values["cpu_us"]
+    g.values["rel_cpu"] = cpu / np.clip(nanmedian(cpu[~skip], axis=0), 1.0, None)[None, :]
+    rel_cpu = chunk_means(g, "rel_cpu", c)
+    by_cpu = np.zeros(len(g.ranks), dtype=bool)
+    if not np.isnan(rel_cpu).any() and np.nanmax(cpu) > 0:
+        cpu_t, cpu_k = _best_split(rel_cpu, s.shift_min_after)
+        sums = np.cumsum(rel_cpu, axis=1)
+        head = sums[np.arange(len(g.ranks)), cpu_k - 1]
+        cpu_rise = (sums[:, -1] - head) / (c - cpu_k) - head / cpu_k
+        by_cpu = (best_t < s.shift_min_t) & (cpu_t >= s.shift_cpu_min_t) & (cpu_rise >= s.shift_cpu_min_rise)
+        best_k = np.where(by_cpu, cpu_k, best_k)
     out = []
     chunk_steps = np.bincount(g.chunk, minlength=c)
     chunk_start = g.first_step + np.concatenate([[0], np.cumsum(chunk_steps)[:-1]])
-    for i in np.flatnonzero((best_t >= s.shift_min_t) & ~skip):
+    for i in np.flatnonzero(((best_t >= s.shift_min_t) | by_cpu) & ~skip):
         k = int(best_k[i])
         before, after = float(rel[i, :k].mean()), float(rel[i, k:].mean())
         peers = (np.arange(len(g.ranks)) != i) & ~skip
         peer_after = float(np.median(rel[peers, k:].mean(axis=1)))
         peer_before = float(np.median(rel[peers, :k].mean(axis=1)))
         level, was = after / peer_after, before / peer_before
-        last = float(rel[i, -3:].mean())
+        # Still up at the end: judged on the series that found it (own time is the noisier).
+        series = rel_cpu if by_cpu[i] else rel
+        s_before, s_after, s_last = series[i, :k].mean(), series[i, k:].mean(), series[i, -3:].mean()
         if (
-            after - before < s.shift_min_rise
+            after - before < s.shift_min_rise / (2 if by_cpu[i] else 1)
             or level < s.shift_min_level
-            or last - before < (after - before) / 2
+            or s_last - s_before < (s_after - s_before) / 2
         ):
             continue
         cols_after = g.chunk >= k
@@ -374,6 +408,25 @@ def shifted(
                 since_step=int(chunk_start[k]),
                 held_steps=int(chunk_steps[k:].sum()),
                 before_ratio=was,
+                cpu_growth=float(s_after / s_before) if by_cpu[i] else 0.0,
             )
         )
     return out
+
+
+def _best_split(rel: np.ndarray, min_after: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of a rank x chunk series, the split (first chunk after it, three before at least,
+    ``min_after`` after) that maximizes the two-sample t of the rise, and that t."""
+    c = rel.shape[1]
+    best_t, best_k = np.full(rel.shape[0], -np.inf), np.zeros(rel.shape[0], dtype=np.int64)
+    for k in range(3, c - min_after + 1):
+        head, tail = rel[:, :k], rel[:, k:]
+        rise = tail.mean(axis=1) - head.mean(axis=1)
+        resid = np.concatenate(
+            [head - head.mean(axis=1, keepdims=True), tail - tail.mean(axis=1, keepdims=True)], axis=1
+        )
+        sigma = np.maximum(np.sqrt((resid**2).sum(axis=1) / (c - 2)), 0.005)
+        t = rise / (sigma * np.sqrt(1 / k + 1 / (c - k)))
+        better = t > best_t
+        best_t, best_k = np.where(better, t, best_t), np.where(better, k, best_k)
+    return best_t, best_k

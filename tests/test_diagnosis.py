@@ -146,6 +146,52 @@ def test_a_mild_slowdown_within_the_ranks_spread_is_found_against_the_ranks_own_
         assert 650 <= f.evidence["held_since_step"] <= 760 and "until step" in f.summary
 
 
+def _queue_waves(data: JobData, seed: int, amplitude: float = 0.05) -> JobData:
+    """Own time as it is on shared cores: each rank's steps wait for a CPU in waves (+-5% over
+    70 steps) that its main thread's CPU time does not carry."""
+    rng = np.random.default_rng(seed)
+    st = data.steps.copy()
+    waves = rng.normal(0, amplitude, size=(int(st["rank"].max()) + 1, int(st["step"].max()) // 70 + 1))
+    own = (st["dur_us"] - st["comm_us"]) * (1 + waves[st["rank"], st["step"] // 70])
+    st["dur_us"] = np.maximum(st["dur_us"], own + 50)
+    st["comm_us"] = st["dur_us"] - own
+    return replace(data, steps=st)
+
+
+def test_a_mild_slowdown_lost_in_queueing_noise_is_found_by_the_cpu_time_that_rose_with_it() -> None:
+    """From step 700 rank 2 does 8% more work. Its own time's rise is lost in the waves of CPU
+    waits; its main thread's CPU time rose cleanly, and names it."""
+    found = 0
+    for seed in range(6):
+        mild = {2: {"compute_us": 400, "from": 700}}
+        data = _queue_waves(synthetic(ranks=4, steps=1400, hosts_of=2, seed=seed, slow=mild), seed)
+        without_cpu = data.steps.assign(cpu_us=0.0)
+        assert stragglers.shifted(without_cpu) == [], "the own-time series alone must not see it"
+        by_cpu = stragglers.shifted(data.steps)
+        assert [x.rank for x in by_cpu] in ([], [2])
+        found += bool(by_cpu)
+        assert (
+            diagnose(_queue_waves(synthetic(ranks=4, steps=1400, hosts_of=2, seed=seed), seed)).findings == []
+        )
+    assert found >= 4, found
+
+
+def test_a_straggler_in_bursts_stands_out_in_cpu_time_where_its_own_time_is_lost_in_the_spread() -> None:
+    """Rank 2 works 1.25x in bursts of 150 steps (its peers lose CPU to it too, so its own time
+    rises less, 1.15x): in own time it stands out in too few chunks; in CPU time in most."""
+    own_only = with_cpu = 0
+    for seed in range(6):
+        bursts = {2: {"compute_us": 900, "cpu": 1.25, "on": 150, "off": 150}}
+        data = _queue_waves(synthetic(ranks=4, steps=1200, hosts_of=2, seed=seed, slow=bursts), seed)
+        own_only += bool(stragglers.find(data.steps.assign(cpu_us=0.0)))
+        found = stragglers.find(data.steps)
+        assert [x.rank for x in found] in ([], [2])
+        with_cpu += bool(found)
+        healthy = _queue_waves(synthetic(ranks=4, steps=1200, hosts_of=2, seed=seed), seed)
+        assert stragglers.find(healthy.steps) == []
+    assert own_only <= 1 and with_cpu >= 5, (own_only, with_cpu)
+
+
 def test_dataloader_straggler() -> None:
     f = only(diagnose(synthetic(slow={2: {"data_us": 2000}})).findings)
     assert (f.cause, f.ranks) == ("dataloader", [2])
@@ -164,6 +210,22 @@ def test_code_path_straggler_names_the_extra_function() -> None:
     f = only(diagnose(data).findings)
     assert (f.cause, f.ranks, f.function) == ("code_path", [6], "train.py(50): audit_gradients")
     assert f.evidence["calls_per_step"] == 1.0 and f.evidence["peer_calls_per_step"] == 0.0
+
+
+def test_a_function_only_the_culprit_calls_every_few_steps_is_its_code_path() -> None:
+    """A clean-up every 5 steps (a forced garbage collection): once in the 5-step window, less than
+    once a step, and never on the peers. A different code path, not a slower device."""
+    data = synthetic(slow={6: {"compute_us": 1500}})
+    common = [("op", "aten::addmm", 15, 10_000.0), ("python", "train.py(10): forward", 5, 20_000.0)]
+    extra = [
+        *common,
+        ("python", "train.py(70): free_memory", 1, 7_400.0),
+        ("pylib", "gc.collect", 1, 7_350.0),
+    ]
+    data = replace(data, functions=functions_frame({r: extra if r == 6 else common for r in range(8)}))
+    f = only(diagnose(data).findings)
+    assert (f.cause, f.ranks, f.function) == ("code_path", [6], "train.py(70): free_memory")
+    assert f.evidence["calls_per_step"] == 0.2 and f.evidence["peer_calls_per_step"] == 0.0
 
 
 def test_code_path_names_the_innermost_function_of_the_jobs_own_code_and_the_operator_under_it() -> None:
