@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from profiler_hook.records import (
+from wire.records import (
     FUNCTION_COLUMNS,
     MAX_VALUE_BYTES,
     STEP_COLUMNS,
@@ -27,7 +27,7 @@ from profiler_hook.records import (
     WindowSummary,
     decode,
 )
-from profiler_hook.records import check as check_record
+from wire.records import check as check_record
 
 from .schema import (
     DEAD_LETTERS,
@@ -127,7 +127,7 @@ for _table, _columns in (
     (FUNCTIONS, (*_FUNCTION_PREFIX, *FUNCTION_COLUMNS)),
 ):
     if _table.column_names != _columns:
-        raise ImportError(f"aggregator.schema table {_table.name} is out of step with profiler_hook.records")
+        raise ImportError(f"aggregator.schema table {_table.name} is out of step with wire.records")
 
 
 def _attrs(record: Record, table: Table) -> tuple[Any, ...]:
@@ -254,7 +254,7 @@ class Batch:
 
     def add(self, record: Record) -> None:
         """Take one record's rows; raises RecordError (taking nothing) if a value breaks the rules
-        of ``profiler_hook.records.decode`` or does not fit its column."""
+        of ``wire.records.decode`` or does not fit its column."""
         self._take(check_record(record))
 
     def _take(self, record: Record) -> None:

@@ -34,7 +34,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from profiler_hook.sinks import api_version_kwargs
+from wire.kafka import api_version_kwargs
 
 from .batch import Batch
 from .errors import StoreError, UsageError

@@ -8,7 +8,7 @@ Int64 microseconds since the Unix epoch, as on the wire.
 Each table carries the comment ``rankscope schema <STORE_VERSION>``; :func:`ensure_schema` migrates
 a database of an older version (``MIGRATIONS``) and refuses one of a newer or unknown version
 instead of writing rows that do not fit. (The wire format has a version of its own,
-``profiler_hook.records.WIRE_VERSION``.)
+``wire.records.WIRE_VERSION``.)
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from profiler_hook.records import WIRE_VERSION
+from wire.records import WIRE_VERSION
 
 from .errors import RankscopeError
 
@@ -230,7 +230,7 @@ JOB_TABLES = ("ranks", "steps", "heartbeats", "windows", "functions")
 # came (``FORMAT JSONEachRow``) into WINDOW_INPUT, a Null table that stores nothing; two
 # materialized views explode each value into its ``windows`` row and its ``functions`` rows.
 #
-# ClickHouse's JSON parser is lenient where ``profiler_hook.records.decode`` is not: it reads
+# ClickHouse's JSON parser is lenient where ``wire.records.decode`` is not: it reads
 # "7" and "0.5" into number columns, wraps an integer that overflows, reads NaN, ``inf``, ``07``,
 # ``.5``, trailing commas, unknown escapes and raw control characters. So a value must pass, in
 # ClickHouse, everything decode() checks before it is stored this way:

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from profiler_hook.records import MAX_VALUE_BYTES
+from wire.records import MAX_VALUE_BYTES
 
 from .batch import RAW_PREFIX_BYTES, Batch
 from .reads import SpoolOffset

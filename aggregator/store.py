@@ -18,7 +18,7 @@ Example::
         store.write(records)
         steps = store.steps("llama-7b-run3", since_step=100)
 
-Wire values are held to the rules of ``profiler_hook.records.decode`` (a JSON integer where an
+Wire values are held to the rules of ``wire.records.decode`` (a JSON integer where an
 integer is due, within range, finite floats, valid Unicode…): each is stored exactly as sent or
 kept as a dead letter with the reason, never changed. Every row is also checked against its column
 type before anything is inserted (see :class:`~aggregator.batch.Batch`): clickhouse_connect would otherwise coerce
@@ -37,7 +37,7 @@ import clickhouse_connect
 import pandas as pd
 from clickhouse_connect.driver.exceptions import ClickHouseError
 
-from profiler_hook.records import (
+from wire.records import (
     Record,
     RecordError,
 )

@@ -35,9 +35,9 @@ from typing import Any
 
 from profiler_hook.config import Config, Identity
 from profiler_hook.hook import Hook
-from profiler_hook.records import decode
 from profiler_hook.sinks import NullSink
 from rankscope.workload import free_port
+from wire.records import decode
 
 WORLD = 2
 

@@ -28,8 +28,8 @@ from pathlib import Path
 
 from aggregator import Store
 from aggregator.consumer import Aggregator, BatchSettings, KafkaSettings
-from profiler_hook.records import FunctionPattern, WindowSummary, encode
-from profiler_hook.sinks import api_version_kwargs
+from wire.kafka import api_version_kwargs
+from wire.records import FunctionPattern, WindowSummary, encode
 
 KINDS = (
     ("op", 0.45),

@@ -9,9 +9,7 @@ import logging
 from dataclasses import replace
 from typing import Any
 
-from .config import Config, Identity
-from .hook import Hook
-from .records import (
+from wire.records import (
     FUNCTION_COLUMNS,
     STEP_COLUMNS,
     WIRE_VERSION,
@@ -25,6 +23,9 @@ from .records import (
     decode,
     encode,
 )
+
+from .config import Config, Identity
+from .hook import Hook
 
 
 def attach(

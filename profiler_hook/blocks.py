@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 
-from .records import StepRow
+from wire.records import StepRow
 
 MAX_STEPS = 1 << 16
 """The longest block (at 30 µs steps, 2 s)."""

@@ -21,12 +21,13 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
 
+from wire.records import FunctionPattern, Heartbeat, RankInfo, StepBatch, WindowSummary
+
 from . import ddp
 from .blocks import StepBlocks
 from .collectives import CollectiveTracker
 from .config import Config, Identity
 from .netstat import Counters, send_patterns, tcp_counters
-from .records import FunctionPattern, Heartbeat, RankInfo, StepBatch, WindowSummary
 from .schedstat import Waits, run_queue_wait, wait_pattern
 from .schedule import Schedule
 from .shipper import Shipper

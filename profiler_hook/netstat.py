@@ -26,7 +26,7 @@ import os
 import socket
 import struct
 
-from .records import FunctionPattern
+from wire.records import FunctionPattern
 
 SEND_PATTERN = "net_send@tcp"
 """The name of the pattern in a window summary (``collective`` kind, as diagnosis.communication reads)."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 
-from .records import FunctionPattern
+from wire.records import FunctionPattern
 
 WAIT_PATTERN = "cpu_wait@sched"
 """The name of the pattern in a window summary."""

@@ -11,7 +11,8 @@ import queue
 import threading
 import time
 
-from .records import Record, encode
+from wire.records import Record, encode
+
 from .sinks import Sink
 
 log = logging.getLogger(__name__)

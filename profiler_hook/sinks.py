@@ -9,6 +9,8 @@ import urllib.parse
 from pathlib import Path
 from typing import Any, Protocol
 
+from wire.kafka import api_version_kwargs
+
 from .config import Config, Identity
 
 
@@ -86,11 +88,6 @@ class SpoolSink:
 
     def close(self) -> None:
         os.close(self._fd)
-
-
-def api_version_kwargs(version: str) -> dict[str, Any]:
-    """kafka-python's ``api_version`` argument for ``"0.9"``-style text; none for "" (probe the broker)."""
-    return {"api_version": tuple(int(x) for x in version.split("."))} if version else {}
 
 
 class KafkaSink:

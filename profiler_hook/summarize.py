@@ -19,8 +19,9 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable
 from typing import Any
 
+from wire.records import FunctionPattern
+
 from .collectives import CollectiveCall
-from .records import FunctionPattern
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 _COLLECTIVE_PREFIXES = ("gloo:", "nccl:", "c10d::", "record_param_comms", "ncclDevKernel", "ncclKernel")

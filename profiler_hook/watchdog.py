@@ -11,8 +11,9 @@ import time
 import traceback
 from collections.abc import Callable
 
+from wire.records import Heartbeat
+
 from .collectives import CollectiveTracker
-from .records import Heartbeat
 from .schedule import POLL_S
 
 _STACK_FRAMES = 12

@@ -31,9 +31,9 @@ from api.auth import Tokens
 from api.notify import Webhook
 from api.tickets import Rules, Ticket, fingerprint, reconcile
 from diagnosis import Finding, diagnose, read_job
-from profiler_hook.records import StepBatch, StepRow
 from rankscope.cli import main
 from rankscope.workload import free_port
+from wire.records import StepBatch, StepRow
 
 FIXTURES = Path(__file__).parent / "fixtures"
 JOBS = ("compute-r2", "healthy")

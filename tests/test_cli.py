@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 
 from aggregator import Store
-from profiler_hook.records import Heartbeat, RankInfo, Record, StepBatch, StepRow, WindowSummary, encode
 from tests.kafka_broker import KafkaBroker
 from tests.test_kafka import FAST_GROUP, assert_stored_once, produce, synthetic
+from wire.records import Heartbeat, RankInfo, Record, StepBatch, StepRow, WindowSummary, encode
 
 T0 = 1_700_000_000_000_000
 

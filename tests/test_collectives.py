@@ -13,9 +13,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import profiler_hook
-from profiler_hook.records import Heartbeat, StepBatch
 from rankscope.workload import Fault, JobSpec, free_port, launch
 from tests.test_hook import _records
+from wire.records import Heartbeat, StepBatch
 
 STEPS = 150
 

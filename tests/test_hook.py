@@ -24,7 +24,11 @@ import profiler_hook
 from profiler_hook.blocks import StepBlocks
 from profiler_hook.config import Config, Identity
 from profiler_hook.hook import Hook
-from profiler_hook.records import (
+from profiler_hook.schedule import LEAD_S, Schedule
+from profiler_hook.shipper import Shipper
+from profiler_hook.summarize import library_frame, summarize
+from rankscope.workload import Fault, JobSpec, free_port, launch
+from wire.records import (
     Heartbeat,
     RankInfo,
     RecordError,
@@ -34,10 +38,6 @@ from profiler_hook.records import (
     decode,
     encode,
 )
-from profiler_hook.schedule import LEAD_S, Schedule
-from profiler_hook.shipper import Shipper
-from profiler_hook.summarize import library_frame, summarize
-from rankscope.workload import Fault, JobSpec, free_port, launch
 
 
 def test_public_api_is_sorted_and_importable() -> None:
@@ -609,7 +609,7 @@ class Probe:  # notes which thread imports torch._inductor
 sys.meta_path.insert(0, Probe())
 from profiler_hook.config import Config, Identity
 from profiler_hook.hook import Hook
-from profiler_hook.records import WindowSummary, decode
+from wire.records import WindowSummary, decode
 
 class Sink:
     got = []

@@ -32,7 +32,9 @@ from aggregator.metrics import Metrics
 from aggregator.schema import JOB_TABLES
 from profiler_hook.config import Config, Identity
 from profiler_hook.hook import Hook
-from profiler_hook.records import (
+from rankscope.workload import JobSpec, free_port, launch
+from tests.kafka_broker import KafkaBroker, read_topic
+from wire.records import (
     MAX_VALUE_BYTES,
     FunctionPattern,
     Heartbeat,
@@ -44,8 +46,6 @@ from profiler_hook.records import (
     decode,
     encode,
 )
-from rankscope.workload import JobSpec, free_port, launch
-from tests.kafka_broker import KafkaBroker, read_topic
 
 pytestmark = pytest.mark.kafka
 MAX_STEP_S = 0.05

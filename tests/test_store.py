@@ -47,7 +47,7 @@ from aggregator.schema import (
 )
 from aggregator.spool import MAX_LINE_BYTES, file_id
 from diagnosis import read_job
-from profiler_hook.records import (
+from wire.records import (
     MAX_VALUE_BYTES,
     FunctionPattern,
     Heartbeat,

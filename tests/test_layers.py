@@ -1,0 +1,49 @@
+"""Data flows one way — hook → wire → aggregator → store → diagnosis → renderers → api → CLI — and
+no package imports one downstream of it (imports inside functions included)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+MAY_IMPORT = {
+    "wire": set(),
+    "profiler_hook": {"wire"},
+    "aggregator": {"wire"},
+    "diagnosis": {"aggregator"},
+    "renderers": {"diagnosis"},
+    "api": {"aggregator", "diagnosis", "renderers"},
+    "rankscope": {"wire", "profiler_hook", "aggregator", "diagnosis", "renderers", "api"},
+}
+
+
+def _imports(package: str) -> dict[str, set[str]]:
+    """Each of our packages ``package`` imports, with the files that import it."""
+    out: dict[str, set[str]] = {}
+    for f in sorted((ROOT / package).rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                if top in MAY_IMPORT and top != package:
+                    out.setdefault(top, set()).add(str(f.relative_to(ROOT)))
+    return out
+
+
+def test_no_package_imports_one_downstream_of_it() -> None:
+    assert set(MAY_IMPORT) == {p.name for p in ROOT.iterdir() if (p / "__init__.py").exists()} - {
+        "benchmarks",
+        "tests",
+    }, "a new package needs its place in the flow"
+    wrong = {
+        package: {dep: files for dep, files in _imports(package).items() if dep not in allowed}
+        for package, allowed in MAY_IMPORT.items()
+    }
+    assert not any(wrong.values()), wrong
