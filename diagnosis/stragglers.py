@@ -82,7 +82,7 @@ class StragglerSettings:
     shift_cpu_min_t: float = 5.0
     """The same split over the main thread's CPU time per step (relative to the peers') instead:
     free of the run-queue waits that make own time noisy on shared cores, it moves by ~1% from
-    chunk to chunk. On 16 healthy fault-suite runs its largest t was 4.0, with a rise of 0.026 at
+    chunk to chunk. On 12 healthy fault-suite runs its largest t was 4.0, with a rise of 0.026 at
     most; faults that add work on the CPU (a slower device, a code path, GC, a gradient hook)
     reach 5.3-21 with rises of 0.08-2.6. A rank found this way must still meet the own-time
     level above (it must hold the job back), and half the own-time rise: a 1.15x slower device
