@@ -32,7 +32,6 @@ from rankscope.workload import JobSpec, RunningJob, free_port
 
 from . import machine, scoring, torchrun_job
 from .injectors import CpuHog, Fabric, Unavailable, hog_core
-from .machine import MachineWatch
 from .scenarios import Scenario, load_all
 from .timeline import Timeline
 
@@ -141,7 +140,7 @@ def run_scenario(sc: Scenario, store: Store, workdir: Path, probe_s: float = PRO
     )
     base: dict[str, Any] = {"name": sc.name, "kind": sc.kind, "about": sc.about, "job": job}
     t0 = time.perf_counter()
-    speed = MachineWatch()
+    speed = machine.MachineWatch()
     speed.start()
     try:
         onset, error, cleanup = run_job(sc, spec, markers)

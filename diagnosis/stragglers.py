@@ -213,6 +213,13 @@ def nanmean_rows(a: np.ndarray) -> np.ndarray:
     return np.where(n > 0, np.where(ok, a, 0.0).sum(axis=1) / np.maximum(n, 1), np.nan)
 
 
+def _relative(values: np.ndarray, among: np.ndarray | None = None) -> np.ndarray:
+    """rank x step ``values`` over each step's median of the ranks ``among`` (a row mask; all
+    ranks if None), so that what the whole job does on a step cancels."""
+    base = values if among is None else values[among]
+    return values / np.clip(nanmedian(base, axis=0), 1.0, None)[None, :]
+
+
 def chunk_means(g: Grid, column: str, chunks: int) -> np.ndarray:
     """rank x chunk means of ``column`` (NaN where a rank has no step in a chunk)."""
     v = g.values[column]
@@ -266,15 +273,13 @@ def find(steps: pd.DataFrame, s: StragglerSettings | None = None) -> list[Stragg
         return []  # two ranks cannot outvote each other
     if len(g.chunk) < s.chunks * s.min_chunk_steps:
         return []
-    own = g.values["own_us"]
-    step_med = np.clip(nanmedian(own, axis=0), 1.0, None)
-    g.values["rel"] = own / step_med[None, :]
+    g.values["rel"] = _relative(g.values["own_us"])
     per = chunk_means(g, "rel", s.chunks)
     flagged, slow_in, n_chunks = _flag(per, s, s.min_ratio, np.zeros(len(g.ranks), dtype=bool))
     is_culprit = flagged >= needed(n_chunks, s.persistence)
     cpu = g.values["cpu_us"]
     if np.nanmax(cpu, initial=0.0) > 0:
-        g.values["rel_cpu"] = cpu / np.clip(nanmedian(cpu, axis=0), 1.0, None)[None, :]
+        g.values["rel_cpu"] = _relative(cpu)
         per_cpu = chunk_means(g, "rel_cpu", s.chunks)
         by_cpu, slow_cpu, _ = _flag(per_cpu, s, s.cpu_min_ratio, np.zeros(len(g.ranks), dtype=bool))
         own_level = nanmean_rows(per) / np.nanmedian(nanmean_rows(per))
@@ -359,13 +364,13 @@ def shifted(
     if (~skip).sum() < 3:
         return []
     # Relative to the other ranks' median: a straggler found already would lift it on every step.
-    g.values["rel"] = own / np.clip(nanmedian(own[~skip], axis=0), 1.0, None)[None, :]
+    g.values["rel"] = _relative(own, ~skip)
     rel = chunk_means(g, "rel", c)
     if np.isnan(rel).any():
         return []  # a rank missing from some chunk: joined late or restarted, no series to split
     best_t, best_k = _best_split(rel, s.shift_min_after)
     cpu = g.values["cpu_us"]
-    g.values["rel_cpu"] = cpu / np.clip(nanmedian(cpu[~skip], axis=0), 1.0, None)[None, :]
+    g.values["rel_cpu"] = _relative(cpu, ~skip)
     rel_cpu = chunk_means(g, "rel_cpu", c)
     by_cpu = np.zeros(len(g.ranks), dtype=bool)
     if not np.isnan(rel_cpu).any() and np.nanmax(cpu) > 0:
