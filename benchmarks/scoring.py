@@ -11,8 +11,11 @@ Pure functions over :class:`diagnosis.Diagnosis`, shared by the real-job fault s
 A finding is *correct* when its cause is the injected one and it names exactly the faulty ranks
 (for a host or switch fault: all the ranks behind it; for a job-wide slowdown: cause ``job_wide``).
 It is *located* when only the ranks are right. Every finding on a healthy run is a false finding,
-except a ``job_wide`` one when the harness measured the machine itself slow down during the run
-(``benchmarks/machine.py``): the whole job then did slow down, and saying so is right.
+unless the harness measured the machine itself slow down during the run (``benchmarks/machine.py``):
+then the job really did slow down, as a whole (``job_wide``) or, where the machine slowed some
+cores more than others (a busy hyperthread sibling on the host, a core clocked down), on the ranks
+those cores ran. Such findings are counted apart as *explained*: the harness cannot tell which
+ranks its slower machine hit, so it neither credits nor blames them.
 """
 
 from __future__ import annotations
@@ -110,7 +113,7 @@ class Score:
     """Findings that do not match the ground truth (every finding on a healthy run but those
     ``explained``)."""
     explained: int = 0
-    """Healthy run on a machine that slowed down: its ``job_wide`` findings, which are right."""
+    """Healthy run on a machine that slowed down: its findings, which the slowdown explains."""
     function: str = ""
     """The function the top finding names."""
     function_ok: bool | None = None
@@ -145,7 +148,7 @@ def score(truth: GroundTruth, diagnosis: Diagnosis, *, name: str = "", machine_s
     fs = diagnosis.findings
     top = fs[0] if fs else None
     ok = [correct(truth, f) for f in fs]
-    explained = sum(f.cause == "job_wide" for f in fs) if truth.healthy and machine_slowed else 0
+    explained = len(fs) if truth.healthy and machine_slowed else 0
     return Score(
         name=name or diagnosis.job,
         kind=truth.kind,
