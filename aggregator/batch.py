@@ -19,6 +19,7 @@ from wire.records import (
     MAX_VALUE_BYTES,
     STEP_COLUMNS,
     WIRE_VERSION,
+    Checkpoint,
     Heartbeat,
     RankInfo,
     Record,
@@ -30,6 +31,8 @@ from wire.records import (
 from wire.records import check as check_record
 
 from .schema import (
+    ATTEMPTS,
+    CHECKPOINTS,
     DEAD_LETTERS,
     FUNCTIONS,
     HEARTBEATS,
@@ -142,7 +145,9 @@ def _record_rows(record: Record) -> list[tuple[Table, tuple[Any, ...]]]:
     if isinstance(record, Heartbeat):
         return [(HEARTBEATS, _checked(HEARTBEATS, _attrs(record, HEARTBEATS)))]
     if isinstance(record, RankInfo):
-        return [(RANKS, _checked(RANKS, _attrs(record, RANKS)))]
+        return [(t, _checked(t, _attrs(record, t))) for t in (RANKS, ATTEMPTS)]
+    if isinstance(record, Checkpoint):
+        return [(CHECKPOINTS, _checked(CHECKPOINTS, _attrs(record, CHECKPOINTS)))]
     if isinstance(record, WindowSummary):
         window = tuple(
             len(record.functions) if c == "n_functions" else getattr(record, c) for c in WINDOWS.column_names

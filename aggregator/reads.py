@@ -16,6 +16,8 @@ from clickhouse_connect.driver.exceptions import ClickHouseError
 
 from .errors import StoreError
 from .schema import (
+    ATTEMPTS,
+    CHECKPOINTS,
     DEAD_LETTERS,
     FUNCTIONS,
     HEARTBEATS,
@@ -96,20 +98,51 @@ class Reads:
         """The ``rank`` records of ``job``, one row per rank (its latest start)."""
         return self._select(RANKS, job, "", {}, "rank")
 
-    def steps(self, job: str, since_step: int | None = None, since_us: int | None = None) -> pd.DataFrame:
-        """One row per step of ``job`` (only steps ``>= since_step``, and those of rows that ended
-        after ``since_us``, if given), ordered by rank and step: the stored rows of ``n_steps``
-        steps each read back as that many steps with the row's mean values (durations and counts
-        as floats)."""
+    def steps(
+        self, job: str, since_step: int | None = None, since_us: int | None = None, rank: int | None = None
+    ) -> pd.DataFrame:
+        """One row per step of ``job`` (only steps ``>= since_step``, those of rows that ended
+        after ``since_us``, and those of ``rank``, if given), ordered by rank and step: the stored
+        rows of ``n_steps`` steps each read back as that many steps with the row's mean values
+        (durations and counts as floats)."""
         where, params = "", dict[str, Any]()
+        if rank is not None:
+            where, params = "AND rank = {rank:Int32}", {"rank": rank}
         if since_step is not None:
-            where, params = "AND step + n_steps > {since_step:Int64}", {"since_step": since_step}
+            where, params = (
+                f"{where} AND step + n_steps > {{since_step:Int64}}",
+                {**params, "since_step": since_step},
+            )
         if since_us is not None:
             where, params = (
                 f"{where} AND start_us + dur_us > {{since_us:Int64}}",
                 {**params, "since_us": since_us},
             )
         return self._steps(job, where, params, since_step if since_step is not None else -(1 << 63))
+
+    def attempts(self, job: str) -> pd.DataFrame:
+        """Every start of every rank of ``job`` (``ATTEMPTS``), ordered by rank and time."""
+        return self._select(ATTEMPTS, job, "", {}, "rank, time_us")
+
+    def checkpoints(self, job: str) -> pd.DataFrame:
+        """One row per checkpoint of ``job`` (over its ranks): ``kind, step, attempt, start_us``
+        (the first rank's), ``end_us`` (the last rank's), ``dur_us`` (the longest), ``ranks``."""
+        sql = f"""
+            SELECT kind, step, attempt, min(start_us) AS start_us, max(start_us + dur_us) AS end_us,
+                   max(dur_us) AS dur_us, uniqExact(rank) AS ranks
+            FROM {self._t(CHECKPOINTS)} FINAL WHERE job = {{job:String}}
+            GROUP BY kind, step, attempt ORDER BY start_us"""
+        return self._frame(
+            sql, {"job": job}, ("kind", "step", "attempt", "start_us", "end_us", "dur_us", "ranks")
+        )
+
+    def progress(self, job: str, rank: int) -> pd.DataFrame:
+        """``time_us, step, progress_age_s`` of every heartbeat of one rank of ``job``, by time."""
+        sql = (
+            f"SELECT DISTINCT time_us, step, progress_age_s FROM {self._t(HEARTBEATS)} "
+            "WHERE job = {job:String} AND rank = {rank:Int32} ORDER BY time_us"
+        )
+        return self._frame(sql, {"job": job, "rank": rank}, ("time_us", "step", "progress_age_s"))
 
     def windows(self, job: str) -> pd.DataFrame:
         """Window summaries of ``job`` (without functions), ordered by window and rank."""

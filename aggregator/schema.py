@@ -89,6 +89,13 @@ RANKS = Table(
     version="time_us",
 )
 
+ATTEMPTS = Table(
+    "attempts",
+    (_JOB, _RANK, _HOST, ("attempt", "Int32"), ("pid", "Int64"), ("world_size", "Int32"), _TIME),
+    order_by=("job", "rank", "time_us"),
+)
+"""Every start of every rank (``ranks`` keeps only the latest): the job's attempts and restarts."""
+
 STEPS = Table(
     "steps",
     (
@@ -181,6 +188,23 @@ FUNCTIONS = Table(
     version="time_us",
 )
 
+CHECKPOINTS = Table(
+    "checkpoints",
+    (
+        _JOB,
+        _RANK,
+        _HOST,
+        ("kind", "LowCardinality(String)"),
+        ("step", "Int64"),
+        ("start_us", "Int64"),
+        ("dur_us", "Int64"),
+        ("attempt", "Int32"),
+        _TIME,
+    ),
+    order_by=("job", "rank", "kind", "start_us"),
+)
+"""Checkpoint saves and loads timed by ``Hook.checkpoint()``."""
+
 DEAD_LETTERS = Table(
     "dead_letters",
     (
@@ -218,9 +242,20 @@ rest up to its newline is skipped. A store made before this table keeps an unuse
 adds no rows (see above)."""
 
 TABLES: dict[str, Table] = {
-    t.name: t for t in (RANKS, STEPS, HEARTBEATS, WINDOWS, FUNCTIONS, DEAD_LETTERS, SPOOL_OFFSETS)
+    t.name: t
+    for t in (
+        RANKS,
+        ATTEMPTS,
+        STEPS,
+        HEARTBEATS,
+        WINDOWS,
+        FUNCTIONS,
+        CHECKPOINTS,
+        DEAD_LETTERS,
+        SPOOL_OFFSETS,
+    )
 }
-JOB_TABLES = ("ranks", "steps", "heartbeats", "windows", "functions")
+JOB_TABLES = ("ranks", "attempts", "steps", "heartbeats", "windows", "functions", "checkpoints")
 """The tables whose rows belong to a job."""
 
 # --- window summaries parsed by ClickHouse ---------------------------------------------------------

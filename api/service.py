@@ -21,6 +21,7 @@ from typing import Any
 from aggregator import RankscopeError, Store, ingest
 from aggregator.consumer import Aggregator, BatchSettings, KafkaSettings
 from diagnosis import Diagnosis, Finding, JobData, diagnose, read_job
+from diagnosis.ettr import Reliability, measure, read_run
 
 from . import storage
 from .notify import Notifier, Webhook
@@ -244,6 +245,12 @@ class Service:
         return Diagnosis(
             job=doc["job"], findings=[Finding(**f) for f in doc["findings"]], analyzed=doc["analyzed"]
         )
+
+    def reliability(self, job: str) -> Reliability | None:
+        """The job's ETTR so far and the time it lost (None before its first step)."""
+        with self.lock:
+            run = read_run(self.store, job)
+        return measure(run) if not run.steps.empty else None
 
     def history(self, job: str, limit: int) -> list[dict[str, Any]]:
         with self.lock:

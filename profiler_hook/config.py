@@ -116,6 +116,8 @@ class Identity:
     nic: str = ""
     switch: str = ""
     pid: int = field(default_factory=os.getpid)
+    attempt: int = 0
+    """torchrun's restart count: 0 for the job's first attempt."""
 
     @classmethod
     def from_env(cls, rank: int | None = None, world_size: int | None = None) -> Identity:
@@ -140,4 +142,5 @@ class Identity:
             host=env.get("RANKSCOPE_HOST") or socket.gethostname(),
             nic=env.get("RANKSCOPE_NIC", ""),
             switch=env.get("RANKSCOPE_SWITCH", ""),
+            attempt=int(restarts) if (restarts := env.get("TORCHELASTIC_RESTART_COUNT", "")).isdigit() else 0,
         )

@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
 
-from wire.records import FunctionPattern, Heartbeat, RankInfo, StepBatch, WindowSummary
+from wire.records import Checkpoint, FunctionPattern, Heartbeat, RankInfo, StepBatch, WindowSummary
 
 from . import ddp
 from .blocks import StepBlocks
@@ -95,7 +95,8 @@ class Hook:
             ddp.patch(self.tracker)
         self.shipper.submit(
             RankInfo(
-                **self._origin(),
+                # Stamped with the instant the first step's clock starts: steps start at or after it.
+                **{**self._origin(), "time_us": (self._mark_ns + self._epoch_offset_ns) // 1000},
                 local_rank=ident.local_rank,
                 world_size=ident.world_size,
                 pid=ident.pid,
@@ -103,6 +104,7 @@ class Hook:
                 switch=ident.switch,
                 backend=_backend(),
                 device="cuda" if _cuda() else "cpu",
+                attempt=ident.attempt,
             )
         )
         self.watchdog = Watchdog(
@@ -178,6 +180,41 @@ class Hook:
                 self._flush_steps()
         except Exception as exc:
             self._fail("end_step", exc)
+
+    @contextlib.contextmanager
+    def checkpoint(self, step: int | None = None, *, load: bool = False) -> Iterator[None]:
+        """Time a checkpoint save (or, with ``load``, a load) around the training loop's own call::
+
+            with hook.checkpoint():
+                torch.save(state, path)
+
+        ``step``: the step training would resume at from this checkpoint; by default, for a save
+        the next one (``step_num + 1``), for a load -1 (unknown: the steps that follow tell).
+        ``rankscope reliability`` reads these to measure the checkpoints' cost and interval; the
+        work a restart redoes it measures from the step numbers, so a resumed job should number
+        its steps on (``hook.step(step)``)."""
+        t0 = time.time_ns()
+        try:
+            yield
+        finally:
+            self._checkpointed(step, load, t0)
+
+    def _checkpointed(self, step: int | None, load: bool, t0: int) -> None:
+        if not self.enabled:
+            return
+        try:
+            self.shipper.submit(
+                Checkpoint(
+                    **self._origin(),
+                    kind="load" if load else "save",
+                    step=step if step is not None else -1 if load else self.step_num + 1,
+                    start_us=t0 // 1000,
+                    dur_us=(time.time_ns() - t0) // 1000,
+                    attempt=self.ident.attempt,
+                )
+            )
+        except Exception as exc:
+            self._fail("checkpoint", exc)
 
     def pause(self) -> None:
         """Stop measuring until :meth:`resume`: no step accounting, no windows (their clock stops

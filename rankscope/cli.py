@@ -121,29 +121,56 @@ def _aggregate(a: argparse.Namespace) -> int:
     return 0
 
 
-def _diagnose(a: argparse.Namespace) -> int:
+def _pick_job(a: argparse.Namespace, store: Any) -> str:
+    """``--job``, or the most recent job of the store; a one-line error for none."""
     from aggregator import UsageError
-    from diagnosis import diagnose, read_job
-    from renderers.text import print_diagnosis
+
+    where = a.store or a.clickhouse
+    jobs = store.jobs()
+    if jobs.empty:
+        raise UsageError(f"no jobs in {where}")
+    job = a.job if a.job is not None else str(jobs.sort_values(by="last_us")["job"].iloc[-1])
+    if job not in set(jobs["job"]):
+        raise UsageError(f"no job {job!r} in {where}; jobs: {', '.join(map(repr, jobs['job']))}")
+    return job
+
+
+def _reading(a: argparse.Namespace) -> Any:
+    """The store a reading command names, opened without creating anything."""
+    from aggregator import UsageError
 
     if a.job == "":
         raise UsageError("--job is empty: give a job id, or leave --job out for the most recent job")
     if a.store and not os.path.lexists(a.store):
         raise UsageError(f"store directory {a.store} does not exist; run `rankscope ingest` first")
-    where = a.store or a.clickhouse
-    with _open_store(a, create=False) as store:  # a directory that is no store stays untouched
-        jobs = store.jobs()
-        if jobs.empty:
-            raise UsageError(f"no jobs in {where}")
-        job = a.job if a.job is not None else str(jobs.sort_values(by="last_us")["job"].iloc[-1])
-        if job not in set(jobs["job"]):
-            raise UsageError(f"no job {job!r} in {where}; jobs: {', '.join(map(repr, jobs['job']))}")
-        data = read_job(store, job)
+    return _open_store(a, create=False)  # a directory that is no store stays untouched
+
+
+def _diagnose(a: argparse.Namespace) -> int:
+    from diagnosis import diagnose, read_job
+    from renderers.text import print_diagnosis
+
+    with _reading(a) as store:
+        data = read_job(store, _pick_job(a, store))
     d = diagnose(data)
     if a.json:
         print(json.dumps(d.to_dict(), indent=2))
     else:
         print_diagnosis(d)
+    return 0
+
+
+def _reliability(a: argparse.Namespace) -> int:
+    from aggregator import UsageError
+    from diagnosis.ettr import measure, read_run
+    from renderers.text import format_reliability, printable
+
+    with _reading(a) as store:
+        run = read_run(store, job := _pick_job(a, store))
+    if run.steps.empty:
+        raise UsageError(f"job {printable(job)!r} has no steps yet: nothing to measure")
+    r = measure(run, failures_per_node_day=a.failures_per_1000_node_days / 1000, restart_s=a.restart_s)
+    print(json.dumps(r.to_dict(), indent=2) if a.json else format_reliability(r), flush=True)
     return 0
 
 
@@ -221,6 +248,16 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(d, default=str)
 
 
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rankscope", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true", help="log progress details")
@@ -263,6 +300,21 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--job", help="job id (default: the most recent job)")
     g.add_argument("--json", action="store_true", help='print {"job": ..., "findings": [...]} as JSON')
     g.set_defaults(func=_diagnose)
+
+    r = sub.add_parser("reliability", help="a job's ETTR, the time it lost by cause, its MTTF at scale")
+    _store_options(r)
+    r.add_argument("--job", help="job id (default: the most recent job)")
+    r.add_argument("--json", action="store_true", help="print the measurement as JSON")
+    r.add_argument(
+        "--failures-per-1000-node-days",
+        type=_positive,
+        default=6.5,
+        help="node failure rate to project MTTF with (default: 6.5, Meta's clusters)",
+    )
+    r.add_argument(
+        "--restart-s", type=_positive, help="restart time to project with when the job had no restart"
+    )
+    r.set_defaults(func=_reliability)
 
     v = sub.add_parser(
         "serve", help="the always-on service: ingest, diagnose every job, tickets, API and web page"

@@ -14,6 +14,7 @@ from typing import Any
 import pandas as pd
 
 from diagnosis import Diagnosis, Finding, JobData
+from diagnosis.ettr import Reliability
 
 TOP_FUNCTIONS = 20
 WRAPPER_SHARE = 0.6
@@ -358,3 +359,27 @@ def _line_chart(series: dict[int, pd.Series], strokes: dict[int, tuple[str, floa
         }
         svg.append(_el("polyline", f"<title>rank {rank}</title>", **at))
     return "\n".join([*svg, "</svg>"])
+
+
+def reliability_section(r: Reliability) -> str:
+    """The job's ETTR, the time it lost by cause and its attempts, as an HTML section."""
+    lost = "".join(
+        f"<tr><td>{_e(cause)}</td><td>{s:.1f}</td><td>{100 * s / max(r.wall_s, 1e-9):.1f}%</td></tr>"
+        for cause, s in sorted(r.lost_s.items(), key=lambda kv: -kv[1])
+        if s > 0
+    )
+    attempts = "".join(
+        f"<tr><td>{a.number}</td><td>{a.start_s:.1f}</td><td>{a.first_step}-{a.last_step}</td>"
+        f"<td>{a.redone_steps}</td><td>{a.hang_s:.1f}</td><td>{a.restart_s:.1f}</td></tr>"
+        for a in r.attempts
+    )
+    projected = f", expected {r.expected_ettr:.3f}" if r.expected_ettr is not None else ""
+    notes = "".join(f'<p class="note">{_e(n)}</p>' for n in r.notes)
+    return (
+        f"<h2>Reliability</h2><p>ETTR <b>{r.ettr:.3f}</b>: {r.productive_s:.1f} s productive of "
+        f"{r.wall_s:.1f} s ({r.steps} steps at {1e3 * r.baseline_step_s:.1f} ms){projected}; "
+        f"{r.saves} checkpoints saved, MTTF at {r.nodes} nodes {r.mttf_s / 86_400:.1f} days</p>"
+        f'<table class="list"><tr><th>lost to</th><th>s</th><th>of wall</th></tr>{lost}</table>'
+        f'<table class="list"><tr><th>attempt</th><th>from s</th><th>steps</th><th>redone</th>'
+        f"<th>hung s</th><th>restart s</th></tr>{attempts}</table>{notes}"
+    )

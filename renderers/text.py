@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TextIO
 
 from diagnosis import Diagnosis
+from diagnosis.ettr import Reliability
 
 _KEYS = (
     "rank_value_ms",
@@ -79,3 +80,42 @@ def format_diagnosis(d: Diagnosis) -> str:
 
 def print_diagnosis(d: Diagnosis, file: TextIO | None = None) -> None:
     print(format_diagnosis(d), file=file, flush=True)
+
+
+def _dur(s: float | None) -> str:
+    if s is None:
+        return "—"
+    if s >= 86_400:
+        return f"{s / 86_400:.1f} d"
+    if s >= 3600:
+        return f"{s / 3600:.1f} h"
+    return f"{s / 60:.1f} min" if s >= 120 else f"{s:.1f} s"
+
+
+def format_reliability(r: Reliability) -> str:
+    """A job's ETTR, lost time by cause, attempts and projection as lines of text."""
+    lines = [
+        f"rankscope reliability of job {r.job}: {r.steps} steps on {r.nodes} node{'s' * (r.nodes != 1)}, "
+        f"{len(r.attempts)} attempt{'s' * (len(r.attempts) != 1)}, wall clock {_dur(r.wall_s)}",
+        f"  ETTR {r.ettr:.3f}: productive {_dur(r.productive_s)} at {1e3 * r.baseline_step_s:.1f} ms a step",
+    ]
+    for cause, s in sorted(r.lost_s.items(), key=lambda kv: -kv[1]):
+        if s > 0:
+            lines.append(f"    lost to {cause:<10} {_dur(s):>9}  {100 * s / max(r.wall_s, 1e-9):5.1f}%")
+    for a in r.attempts:
+        lines.append(
+            f"  attempt {a.number}: from {_dur(a.start_s)}, steps {a.first_step}-{a.last_step}"
+            + (f"; {a.redone_steps} steps redone ({_dur(a.redo_s)})" if a.redone_steps else "")
+            + (f"; hung {_dur(a.hang_s)}" if a.hang_s else "")
+            + (f"; restart took {_dur(a.restart_s)}" if a.restart_s else "")
+        )
+    lines.append(
+        f"  checkpoints: {r.saves} saved (blocking {_dur(r.write_s)}, every {_dur(r.interval_s)}), {r.loads} loaded"
+    )
+    lines.append(
+        f"  at {1000 * r.failures_per_node_day:g} failures per 1,000 node-days: MTTF {_dur(r.mttf_s)}"
+        + (f", expected ETTR {r.expected_ettr:.3f}" if r.expected_ettr is not None else "")
+        + (f", best checkpoint interval {_dur(r.optimal_interval_s)}" if r.optimal_interval_s else "")
+    )
+    lines += [f"  note: {n}" for n in r.notes]
+    return "\n".join(printable(line) for line in lines)

@@ -31,6 +31,7 @@ from api.auth import Tokens
 from api.notify import Webhook
 from api.tickets import Rules, Ticket, fingerprint, reconcile
 from diagnosis import Finding, diagnose, read_job
+from diagnosis.ettr import measure, read_run
 from rankscope.cli import main
 from rankscope.workload import free_port
 from wire.records import StepBatch, StepRow
@@ -205,7 +206,7 @@ def test_a_job_id_with_slashes_has_its_routes_and_page(served: tuple[Service, Te
     svc.cycle(now_us=now + 1_000_000)
     auth = {"Authorization": f"Bearer {READ}"}
     quoted = quote(job, safe="")
-    for path in ("", "/diagnosis", "/diagnoses", "/heatmap", "/steps", "/windows"):
+    for path in ("", "/diagnosis", "/diagnoses", "/heatmap", "/steps", "/windows", "/reliability"):
         for name in (job, quoted):
             r = client.get(f"/api/v1/jobs/{name}{path}", headers=auth)
             assert r.status_code == 200, (name, path, r.text)
@@ -298,6 +299,9 @@ def test_the_data_behind_the_pictures(served: tuple[Service, TestClient]) -> Non
     assert all(len(r["step"]) == len(r["step_ms"]) == len(r["own_ms"]) <= 22 for r in steps.values())
     windows = _get(client, "/api/v1/jobs/compute-r2/windows")
     assert {w["rank"] for w in windows} == {0, 1, 2, 3}
+    reliability = _get(client, "/api/v1/jobs/compute-r2/reliability")
+    assert reliability == json.loads(json.dumps(measure(read_run(svc.store, "compute-r2")).to_dict()))
+    assert 0 < reliability["ettr"] <= 1 and len(reliability["attempts"]) == 1
 
 
 def test_ticket_filters_and_actions_with_scopes(served: tuple[Service, TestClient]) -> None:
@@ -387,6 +391,7 @@ def test_pages_show_the_culprit_and_the_ticket(served: tuple[Service, TestClient
     assert "compute-r2" in jobs and "healthy" in jobs and t.id in jobs
     page = client.get("/jobs/compute-r2").text
     assert "rank 2" in page and "compute" in page and t.id in page
+    assert "<h2>Reliability</h2>" in page and "ETTR" in page and "no restarts seen" in page
     ticket = client.get(f"/tickets/{t.id}").text
     assert "Timeline" in ticket and "ranks 2" in ticket and "compute-r2" in ticket
     client.cookies.clear()

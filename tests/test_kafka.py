@@ -36,6 +36,7 @@ from rankscope.workload import JobSpec, free_port, launch
 from tests.kafka_broker import KafkaBroker, read_topic
 from wire.records import (
     MAX_VALUE_BYTES,
+    Checkpoint,
     FunctionPattern,
     Heartbeat,
     RankInfo,
@@ -96,6 +97,9 @@ def expected_counts(records: Iterable[Record]) -> dict[str, int]:
     for r in records:
         if isinstance(r, RankInfo):
             keys["ranks"].add((r.job, r.rank))
+            keys["attempts"].add((r.job, r.rank, r.time_us))
+        elif isinstance(r, Checkpoint):
+            keys["checkpoints"].add((r.job, r.rank, r.kind, r.start_us))
         elif isinstance(r, StepBatch):
             keys["steps"].update((r.job, r.rank, row.step) for row in r.rows)
         elif isinstance(r, Heartbeat):

@@ -72,6 +72,44 @@ def test_lm_script_trains_under_torchrun_with_the_hook_at_its_defaults(tmp_path:
     assert onset["rank"] == 1 and onset["step"] > 0 and not (markers / "onset-r0").exists()
 
 
+@pytest.mark.slow
+def test_a_rank_killed_under_torchrun_restarts_the_job_and_reliability_measures_the_cost(
+    tmp_path: Path,
+) -> None:
+    from diagnosis.ettr import CAUSES
+    from tests.test_cli import rankscope
+
+    spool, ckpt = tmp_path / "spool", tmp_path / "ckpt"
+    env = {**os.environ, "RANKSCOPE_SPOOL": str(spool), "RANKSCOPE_HOST": "nodeA"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1"]
+    cmd += ["--master-port", str(free_port()), "--rdzv-id", "lm-restart", str(SCRIPTS["lm_ddp"])]
+    cmd += ["--seconds", "6", "--fault", "crash", "--fault-rank", "1", "--onset-s", "3"]
+    cmd += ["--ckpt-every", "15", "--ckpt-dir", str(ckpt)]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "attempt 1: resumed from the checkpoint" in run.stdout, run.stdout[-3000:]
+
+    store = tmp_path / "store"
+    assert rankscope("ingest", "--spool", str(spool), "--store", str(store)).returncode == 0
+    out = rankscope("reliability", "--store", str(store), "--json")
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout)
+    first, second = r["attempts"]
+    assert first["first_step"] == 0 and second["first_step"] > 0, (
+        "attempt 1 resumes where a checkpoint left off"
+    )
+    assert second["first_step"] % 15 == 1, "...one step after the checkpoint's"
+    assert first["last_step"] >= second["first_step"] - 1 and first["restart_s"] > 0
+    assert first["redone_steps"] == first["last_step"] - second["first_step"] + 1
+    assert r["saves"] >= 2 and r["loads"] == 1 and r["write_s"] > 0 and r["interval_s"] > 0
+    assert r["restart_s"] == first["restart_s"] and r["expected_ettr"] is not None
+    assert set(r["lost_s"]) == set(CAUSES) and r["lost_s"]["restart"] >= first["restart_s"]
+    assert 0 < r["ettr"] < 1 and r["nodes"] == 1
+    assert r["productive_s"] + sum(r["lost_s"].values()) == pytest.approx(r["wall_s"], rel=1e-3)
+    text = rankscope("reliability", "--store", str(store))
+    assert text.returncode == 0 and "attempt 1" in text.stdout and "ETTR" in text.stdout, text.stdout
+
+
 def test_lm_scenarios_load_and_map_onto_the_suites_fault_families() -> None:
     lm = {s.name: s for s in load_all("full", ["lm-"])}
     assert len(lm) == 5 and all(s.script == "lm_ddp" and not s.ci for s in lm.values())

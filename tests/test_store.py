@@ -49,6 +49,7 @@ from aggregator.spool import MAX_LINE_BYTES, file_id
 from diagnosis import read_job
 from wire.records import (
     MAX_VALUE_BYTES,
+    Checkpoint,
     FunctionPattern,
     Heartbeat,
     RankInfo,
@@ -127,10 +128,17 @@ def window(rank: int, number: int) -> WindowSummary:
     )  # fmt: skip
 
 
+def checkpoint(rank: int, step: int = 5) -> Checkpoint:
+    return Checkpoint(
+        job=JOB, rank=rank, host=f"node{rank // 2}", time_us=T0 + 600_000, kind="save", step=step,
+        start_us=T0 + 500_000, dur_us=90_000 + rank,
+    )  # fmt: skip
+
+
 def all_records() -> list[Record]:
     out: list[Record] = []
     for rank in (0, 1):
-        out += [rank_info(rank), steps(rank, 0, 5), steps(rank, 5, 8)]
+        out += [rank_info(rank), steps(rank, 0, 5), checkpoint(rank), steps(rank, 5, 8)]
         out += [heartbeat(rank, T0 + 1_000_000, 4), heartbeat(rank, T0 + 2_000_000, 7)]
         out += [window(rank, 1), window(rank, 2)]
     return out
@@ -156,11 +164,15 @@ def snapshot(store: Store) -> dict[str, list[dict[str, object]]]:
         "windows": store.windows(JOB),
         "functions": store.functions(JOB),
         "heartbeats": store.heartbeats_latest(JOB),
+        "attempts": store.attempts(JOB),
+        "checkpoints": store.checkpoints(JOB),
     }
     return {name: df.to_dict("records") for name, df in frames.items()}
 
 
-EXPECTED_COUNTS = {"ranks": 2, "steps": 16, "heartbeats": 4, "windows": 4, "functions": 12}
+EXPECTED_COUNTS = {
+    "ranks": 2, "attempts": 2, "steps": 16, "heartbeats": 4, "windows": 4, "functions": 12, "checkpoints": 2,
+}  # fmt: skip
 
 
 def offset_of(store: Store, path: Path) -> int:
@@ -450,7 +462,10 @@ def test_bad_lines_become_dead_letters_and_good_lines_around_them_are_stored(
     bad_function = json.loads(encode(window(0, 1))[1])
     bad_function["functions"][1][1] = 5  # a function name that is not a string
     oversized = b'{"v":1,"type":"rank","pad":"' + b"x" * MAX_VALUE_BYTES + b'"}'
+    bad_kind = json.loads(encode(checkpoint(0))[1]) | {"kind": "snapshot"}
     cases = [
+        (json.dumps(bad_kind).encode(), "checkpoint kind must be one of ('save', 'load'), got 'snapshot'"),
+        (json.dumps(bad_kind | {"kind": "save", "attempt": -1}).encode(), "field 'attempt' must be int in"),
         (b"{not json", "not JSON"),
         (_value(v=3), "unknown schema version 3"),
         (_value(type=["rank"]), "unknown record type"),
@@ -477,7 +492,13 @@ def test_bad_lines_become_dead_letters_and_good_lines_around_them_are_stored(
     stats = ingest(tmp_path, store)
 
     assert (stats.records, stats.dead_letters) == (3, len(cases))
-    assert store.counts(JOB) == {"ranks": 1, "steps": 2, "heartbeats": 1, "windows": 0, "functions": 0}
+    assert store.counts(JOB) == {
+        **dict.fromkeys(JOB_TABLES, 0),
+        "ranks": 1,
+        "attempts": 1,
+        "steps": 2,
+        "heartbeats": 1,
+    }
     dead = store.dead_letters()
     assert len(dead) == len(cases)
     positions = list(itertools.accumulate((len(line) + 1 for line in lines), initial=0))

@@ -17,6 +17,10 @@ Record types:
                per step when steps take longer than ``Config.step_block_s``).
 ``heartbeat``  always on, from a watchdog thread: progress, the collective in flight, a stack if stalled.
 ``window``     one per profiling window: per-function execution patterns and busy fractions.
+``checkpoint`` one per checkpoint saved or loaded inside ``Hook.checkpoint()``: when, how long it blocked.
+
+Readers ignore fields they do not know, so ``RankInfo.attempt`` and the ``checkpoint`` type came
+within version 2: an older aggregator stores the rest and dead-letters a checkpoint with its reason.
 """
 
 from __future__ import annotations
@@ -118,6 +122,8 @@ class RankInfo(_Base):
     switch: str = ""
     backend: str = ""
     device: str = "cpu"
+    attempt: int = 0
+    """torchrun's restart count (``$TORCHELASTIC_RESTART_COUNT``): 0 for the job's first attempt."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -161,8 +167,24 @@ class WindowSummary(_Base):
     functions: tuple[FunctionPattern, ...]
 
 
-Record = RankInfo | StepBatch | Heartbeat | WindowSummary
-_TYPES: dict[str, type[_Base]] = {c.TYPE: c for c in (RankInfo, StepBatch, Heartbeat, WindowSummary)}
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Checkpoint(_Base):
+    TYPE: ClassVar[str] = "checkpoint"
+    kind: str
+    """``save`` or ``load``."""
+    step: int
+    """The training step it holds: saved after step ``step - 1``, or training resumes at ``step``."""
+    start_us: int
+    dur_us: int
+    """How long the call blocked the training loop."""
+    attempt: int = 0
+
+
+CHECKPOINT_KINDS = ("save", "load")
+Record = RankInfo | StepBatch | Heartbeat | WindowSummary | Checkpoint
+_TYPES: dict[str, type[_Base]] = {
+    c.TYPE: c for c in (RankInfo, StepBatch, Heartbeat, WindowSummary, Checkpoint)
+}
 
 
 def encode(record: Record) -> tuple[bytes, bytes]:
@@ -203,6 +225,7 @@ INT_RANGES: dict[str, tuple[int, int]] = {
     # A step's durations and counts, and a window's length, cannot be negative.
     **dict.fromkeys(("dur_us", "data_us", "comm_us", "n_coll", "cpu_us", "nivcsw"), (0, INT64[1])),
     "n_steps": (1, 1 << 31),
+    "attempt": (0, 1 << 31),
     "first_coll_us": (-1, INT64[1]),  # -1: the step entered no collective
 }
 """Integer fields with a narrower range than INT64 (Int32 columns; durations and counts)."""
@@ -353,6 +376,8 @@ def _fields_of(cls: type[_Base], get: Callable[[str], Any], has: Callable[[str],
             except ValueError as exc:
                 raise RecordError(f"field {name!r} must be {exc}, got {value!r:.80}") from None
         kwargs[name] = value
+    if cls is Checkpoint and kwargs["kind"] not in CHECKPOINT_KINDS:
+        raise RecordError(f"checkpoint kind must be one of {CHECKPOINT_KINDS}, got {kwargs['kind']!r:.80}")
     return kwargs
 
 

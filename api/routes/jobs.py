@@ -57,6 +57,16 @@ def get_history(job: str, svc: Svc, limit: int = Query(50, ge=1, le=1000)) -> li
     return svc.history(known_job(svc, job).job, limit)
 
 
+@router.get("/{job:path}/reliability")
+def get_reliability(job: str, svc: Svc) -> dict[str, Any]:
+    """ETTR, the time lost by cause, the attempts and the MTTF projection, in the shape
+    ``rankscope reliability --json`` prints."""
+    r = svc.reliability(known_job(svc, job).job)
+    if r is None:
+        raise HTTPException(404, f"job {job!r} has no steps yet")
+    return r.to_dict()
+
+
 @router.get("/{job:path}/heatmap")
 def get_heatmap(job: str, svc: Svc) -> dict[str, Any]:
     """Rank x function: each shown function's ms per step on each rank, from the profiling windows."""

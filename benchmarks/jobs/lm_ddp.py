@@ -21,6 +21,13 @@ already makes, so that every rank agrees on the step):
                      ``--fault-ms`` (a metrics endpoint answering slowly).
 ``hang_checkpoint``  the rank enters ``save_checkpoint()`` and never returns (its write waits on
                      storage that never answers) while its peers wait in DDP's all-reduce.
+``crash``            the rank's process is killed (SIGKILL, as the kernel's OOM killer or a lost
+                     node ends it) in the job's first attempt; under ``torchrun --max-restarts``
+                     the job restarts and resumes from the latest checkpoint in ``--ckpt-dir``.
+
+Checkpoints are timed with ``hook.checkpoint()``, and steps numbered from the checkpoint a restart
+resumes at (``hook.step(step)``), so that ``rankscope reliability`` sees the restarts, the
+checkpoints' cost and the work redone.
 
 With ``--marker-dir`` the faulty rank writes ``onset-r<rank>`` there (JSON: ``time``, ``step``) at
 its first faulty step. The job ends by itself after ``--seconds`` (all ranks at the same step).
@@ -33,6 +40,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -48,7 +56,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import profiler_hook
 
-FAULTS = ("none", "slow_data", "slow_backward", "metrics_block", "hang_checkpoint")
+FAULTS = ("none", "slow_data", "slow_backward", "metrics_block", "hang_checkpoint", "crash")
 
 
 def parse_args() -> argparse.Namespace:
@@ -66,7 +74,11 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--log-every", type=int, default=25)
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--ckpt-every", type=int, default=250)
-    ap.add_argument("--ckpt-dir", default="", help="default: a temporary directory, removed at the end")
+    ap.add_argument(
+        "--ckpt-dir",
+        default="",
+        help="resume from its latest.pt if there is one (default: a temporary directory)",
+    )
     ap.add_argument("--fault", choices=FAULTS, default=os.environ.get("LM_FAULT", "none"))
     ap.add_argument("--fault-rank", type=int, default=int(os.environ.get("LM_FAULT_RANK", "1")))
     ap.add_argument("--onset-s", type=float, default=float(os.environ.get("LM_ONSET_S", "10")))
@@ -219,7 +231,8 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     hook = profiler_hook.attach(job=args.job, spool_dir=args.spool_dir)
-    fault = args.fault if rank == args.fault_rank else "none"
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    fault = args.fault if rank == args.fault_rank and not (args.fault == "crash" and attempt > 0) else "none"
 
     corpus = synthetic_corpus(4096 + 64, args.seq_len + 1, args.vocab)
     train_set = TokenDataset(corpus[:4096])
@@ -237,16 +250,27 @@ def main() -> None:
         print(f"rank 0: {world} ranks, {n_params / 1e3:.0f}k parameters, fault {args.fault}", flush=True)
     ckpt_dir = args.ckpt_dir or tempfile.mkdtemp(prefix="lm-ckpt-")
     stuck_storage = threading.Event()  # never set: the faulty rank's checkpoint write never completes
+    step = 0
+    if os.path.exists(latest := os.path.join(ckpt_dir, "latest.pt")):
+        with hook.checkpoint(load=True):
+            state = torch.load(latest)
+            raw_model.load_state_dict(state["model"])
+            opt.load_state_dict(state["optimizer"])
+            step = state["step"] + 1
+        if rank == 0:
+            print(f"attempt {attempt}: resumed from the checkpoint of step {step - 1}", flush=True)
 
     start = time.perf_counter()
-    step, epoch, onset_step, stop = 0, 0, -1, False
+    epoch, onset_step, stop = 0, -1, False
     while not stop:
         sampler.set_epoch(epoch)
         for x, y in hook.wrap_loader(loader):
-            with hook.step():
+            with hook.step(step):
                 faulty = fault != "none" and 0 <= onset_step <= step
                 if faulty and step == onset_step and args.marker_dir:
                     write_marker(args.marker_dir, rank, step, fault)
+                if faulty and fault == "crash":
+                    os.kill(os.getpid(), signal.SIGKILL)
                 inp = degraded_device(x, args.fault_factor) if faulty and fault == "slow_backward" else x
                 logits = model(inp)[: x.shape[0]]
                 loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
@@ -278,7 +302,8 @@ def main() -> None:
                 if rank == 0 and step > 0 and step % args.eval_every == 0:
                     print(f"step {step:5d}  eval loss {evaluate(raw_model, eval_x, eval_y):.3f}", flush=True)
                 if rank == 0 and step > 0 and step % args.ckpt_every == 0:
-                    save_checkpoint(raw_model, opt, step, ckpt_dir)
+                    with hook.checkpoint():
+                        save_checkpoint(raw_model, opt, step, ckpt_dir)
                 if faulty and fault == "hang_checkpoint":
                     save_checkpoint(raw_model, opt, step, ckpt_dir, storage=stuck_storage)
             step += 1

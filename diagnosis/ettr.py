@@ -1,0 +1,291 @@
+"""A job's effective training time ratio (ETTR), measured from its records, and what it would be.
+
+ETTR = productive training time / wall-clock time (Meta, arXiv 2410.21680). The wall clock runs
+from the job's first attach to its last step; every second of it is put in one bucket:
+
+``productive``  step time up to the job's own healthy pace (``baseline_step_s``);
+``slowdown``    step time beyond that pace (stragglers, contention, jitter);
+``hang``        steps that took ``stall_s`` or more beyond it, and an attempt's last minutes in
+                which its ranks were alive (heartbeats) but made no progress;
+``checkpoint``  the part of steps spent inside ``Hook.checkpoint()`` saves;
+``restart``     from an attempt's last progress to the next attempt's first step (detection,
+                rescheduling, start-up), and checkpoint loads;
+``redo``        work an attempt did that the next one did again: from the step it resumed at to
+                the failed attempt's last progress;
+``other``       the rest (the hook paused, gaps between steps).
+
+Attempts are the ranks' starts (``rank`` records: torchrun's restarts, or any relaunch). The steps
+of one rank (the lowest) stand for the job's: in synchronous training every rank's step takes the
+job's step time. Its heartbeats (every few seconds) tell how far a failed attempt got beyond the
+steps it shipped; the store keeps the later attempt's rows of a step it redid.
+
+The projection uses :mod:`diagnosis.reliability` with the job's measured restart time, checkpoint
+interval and write time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import pandas as pd
+
+from . import reliability
+
+CAUSES = ("slowdown", "hang", "checkpoint", "restart", "redo", "other")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunRecords:
+    """What the measurement reads of a job (``read_run`` fills it from a store)."""
+
+    job: str
+    rank: int
+    """The rank whose steps and heartbeats stand for the job's."""
+    steps: pd.DataFrame
+    """That rank's steps: ``step, start_us, dur_us``."""
+    attempts: pd.DataFrame
+    """Every start of every rank: ``rank, host, attempt, time_us``."""
+    checkpoints: pd.DataFrame
+    """One row per checkpoint: ``kind, step, start_us, end_us, dur_us``."""
+    progress: pd.DataFrame
+    """That rank's heartbeats: ``time_us, step, progress_age_s``."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Attempt:
+    number: int
+    start_s: float
+    """Seconds from the job's first start."""
+    first_step: int
+    """-1: it made no step."""
+    last_step: int
+    """The last step it finished (from its steps and heartbeats)."""
+    redone_steps: int = 0
+    """Steps of this attempt that the next one did again."""
+    redo_s: float = 0.0
+    hang_s: float = 0.0
+    """Its ranks alive without progress before it ended."""
+    restart_s: float = 0.0
+    """From its last progress to the next attempt's first step (0 for the last attempt)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Reliability:
+    job: str
+    wall_s: float
+    productive_s: float
+    ettr: float
+    lost_s: dict[str, float]
+    """Seconds lost per cause (``CAUSES``); with ``productive_s`` they add up to ``wall_s``."""
+    baseline_step_s: float
+    steps: int
+    """Distinct steps trained."""
+    nodes: int
+    attempts: list[Attempt]
+    saves: int
+    loads: int
+    write_s: float | None
+    """Median time a checkpoint save blocked training."""
+    interval_s: float | None
+    """Median time between the starts of consecutive saves."""
+    restart_s: float | None
+    """Median restart time (u0) measured, or the one given."""
+    failures_per_node_day: float
+    mttf_s: float
+    """Projected at the job's node count: 1 / (N·r_f)."""
+    expected_ettr: float | None
+    """E[ETTR] at the measured restart time, checkpoint interval and write time."""
+    optimal_interval_s: float | None
+    notes: list[str] = field(default_factory=list)
+    """What could not be measured, said plainly."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class RunReader(Protocol):
+    """What :func:`read_run` needs of a store (``aggregator.Store`` has it)."""
+
+    def attempts(self, job: str) -> pd.DataFrame: ...
+    def steps(
+        self, job: str, since_step: int | None = None, since_us: int | None = None, rank: int | None = None
+    ) -> pd.DataFrame: ...
+    def checkpoints(self, job: str) -> pd.DataFrame: ...
+    def progress(self, job: str, rank: int) -> pd.DataFrame: ...
+
+
+def read_run(store: RunReader, job: str) -> RunRecords:
+    attempts = store.attempts(job)
+    rank = int(attempts["rank"].min()) if not attempts.empty else 0
+    return RunRecords(
+        job=job,
+        rank=rank,
+        steps=store.steps(job, rank=rank),
+        attempts=attempts,
+        checkpoints=store.checkpoints(job),
+        progress=store.progress(job, rank),
+    )
+
+
+def _baseline_us(dur: np.ndarray, chunk: int = 20) -> float:
+    """The job's healthy pace: the 10th percentile of the medians of consecutive ``chunk``-step runs
+    (the median over all steps if there are fewer)."""
+    if dur.size < 2 * chunk:
+        return float(np.median(dur))
+    n = dur.size // chunk
+    return float(np.percentile(np.median(dur[: n * chunk].reshape(n, chunk), axis=1), 10))
+
+
+def _overlap_us(lo: np.ndarray, hi: np.ndarray, intervals: pd.DataFrame) -> np.ndarray:
+    """Per step ``[lo, hi)``, how much of it the ``start_us, end_us`` intervals cover."""
+    out = np.zeros(lo.size)
+    for a, b in intervals[["start_us", "end_us"]].to_numpy(dtype=np.float64):
+        out += np.clip(np.minimum(hi, b) - np.maximum(lo, a), 0, None)
+    return np.minimum(out, hi - lo)
+
+
+def measure(
+    run: RunRecords,
+    *,
+    failures_per_node_day: float = reliability.FAILURES_PER_NODE_DAY,
+    restart_s: float | None = None,
+    stall_s: float = 10.0,
+) -> Reliability:
+    """The job's ETTR and its lost time by cause, its attempts, and the projection (``restart_s``:
+    the restart time to project with when the job had none; a measured one wins)."""
+    notes: list[str] = []
+    steps = run.steps.sort_values("start_us")
+    if steps.empty:
+        raise ValueError(f"job {run.job!r} has no steps of rank {run.rank}: nothing to measure")
+    mine = run.attempts[run.attempts["rank"] == run.rank]
+    starts = np.sort(mine["time_us"].to_numpy(dtype=np.float64)) if not mine.empty else np.zeros(0)
+    first_us = float(steps["start_us"].min())
+    if starts.size == 0 or starts[0] > first_us:
+        starts = np.concatenate([[first_us], starts[starts > first_us]])
+    begin = np.minimum(starts[0], first_us)
+
+    step = steps["step"].to_numpy(dtype=np.int64)
+    lo = steps["start_us"].to_numpy(dtype=np.float64)
+    dur = steps["dur_us"].to_numpy(dtype=np.float64)
+    hi = lo + dur
+    which = np.clip(np.searchsorted(starts, lo, side="right") - 1, 0, None)
+    beats = run.progress
+    beat_t = beats["time_us"].to_numpy(dtype=np.float64)
+    beat_which = np.searchsorted(starts, beat_t, side="right") - 1
+
+    ck = run.checkpoints
+    saves, loads = ck[ck["kind"] == "save"], ck[ck["kind"] == "load"]
+    in_save, in_load = _overlap_us(lo, hi, saves), _overlap_us(lo, hi, loads)
+    rest = dur - in_save - in_load
+    base = _baseline_us(rest)
+    excess = np.clip(rest - base, 0, None)
+    stalled = excess >= stall_s * 1e6
+    lost = dict.fromkeys(CAUSES, 0.0)
+    lost["slowdown"] = float(excess[~stalled].sum())
+    lost["hang"] = float(excess[stalled].sum())
+    lost["checkpoint"] = float(in_save.sum())
+    lost["restart"] = float(in_load.sum()) + float(lo[0] - begin)
+    productive = float((rest - excess).sum())
+
+    beat_step = beats["step"].to_numpy(dtype=np.int64)
+    beat_age = beats["progress_age_s"].to_numpy(dtype=np.float64)
+    spans = []  # per attempt: first step, last step, time of its last progress, last sign of life
+    for k in range(starts.size):
+        own, b = which == k, beat_which == k
+        first = int(step[own].min()) if own.any() else -1
+        last = int(step[own].max()) if own.any() else -1
+        end = float(hi[own].max()) if own.any() else float(starts[k])
+        if b.any() and int(beat_step[b].max()) > last:  # it got further than the steps it shipped
+            last = int(beat_step[b].max())
+            at = b & (beat_step == last)
+            end = max(end, float((beat_t[at] - beat_age[at] * 1e6).min()))
+        alive = max(end, float(beat_t[b].max())) if b.any() else end
+        spans.append((first, last, end, alive))
+    attempts = []
+    for k, (first, last, end, alive) in enumerate(spans):
+        # A failed attempt: what the next one redid, how long it hung, how long the restart took.
+        nxt = next((j for j in range(k + 1, len(spans)) if spans[j][0] >= 0), None)
+        redone, redo, hang, restart = 0, 0.0, 0.0, 0.0
+        if first < 0:
+            pass  # no step: its time lies within the restart before the next attempt's first step
+        elif nxt is None:
+            hang = alive - end if alive - end >= stall_s * 1e6 else 0.0  # hung now, or at the end
+        else:
+            resumed = spans[nxt][0]
+            next_lo = float(lo[(which == nxt) & (step == resumed)].min())
+            if last >= resumed:
+                redone = last - resumed + 1
+                before = (which == k) & (step == resumed - 1)  # its last step the next one kept
+                redo = end - (float(hi[before].max()) if before.any() else float(lo[which == k].min()))
+            hang = alive - end if alive - end >= stall_s * 1e6 else 0.0
+            restart = max(0.0, next_lo - end - hang)
+        attempts.append(
+            Attempt(
+                number=k,
+                start_s=round((starts[k] - begin) / 1e6, 3),
+                first_step=first,
+                last_step=last,
+                redone_steps=redone,
+                redo_s=round(max(redo, 0.0) / 1e6, 3),
+                hang_s=round(hang / 1e6, 3),
+                restart_s=round(restart / 1e6, 3),
+            )
+        )
+        lost["redo"] += max(redo, 0.0)
+        lost["hang"] += hang
+        lost["restart"] += restart
+
+    wall = max(float(hi.max()), spans[-1][3]) - begin
+    lost["other"] = max(0.0, wall - productive - sum(lost.values()))
+    restarts = [a.restart_s for a in attempts[:-1] if a.restart_s > 0]
+    measured_u0 = float(np.median(restarts)) if restarts else None
+    u0 = measured_u0 if measured_u0 is not None else restart_s
+    write = float(np.median(saves["dur_us"])) / 1e6 if not saves.empty else None
+    gaps = np.diff(np.sort(saves["start_us"].to_numpy(dtype=np.float64))) / 1e6
+    interval = float(np.median(gaps)) if gaps.size else None
+    nodes = max(1, int(run.attempts["host"].nunique())) if not run.attempts.empty else 1
+    if saves.empty:
+        notes.append("no checkpoints seen (time them with hook.checkpoint()): a failure would lose all work")
+    elif interval is None:
+        notes.append("one checkpoint seen: no interval between checkpoints to measure")
+    if len(attempts) == 1:
+        notes.append(
+            "no restarts seen" + ("" if restart_s is None else f": projected with u0 = {restart_s:g} s")
+        )
+    shape = None
+    if interval is not None and write is not None and u0 is not None:
+        shape = reliability.JobShape(
+            nodes=nodes,
+            restart_s=u0,
+            interval_s=interval,
+            write_s=write,
+            failures_per_node_day=failures_per_node_day,
+        )
+    elif u0 is None:
+        notes.append("no restart time to project with (none seen; give one)")
+    rate = reliability.JobShape(
+        nodes=nodes, restart_s=0, interval_s=1, write_s=0, failures_per_node_day=failures_per_node_day
+    )
+    return Reliability(
+        job=run.job,
+        wall_s=round(wall / 1e6, 3),
+        productive_s=round(productive / 1e6, 3),
+        ettr=round(productive / wall, 4) if wall > 0 else 0.0,
+        lost_s={c: round(v / 1e6, 3) for c, v in lost.items()},
+        baseline_step_s=round(base / 1e6, 6),
+        steps=int(np.unique(step).size),
+        nodes=nodes,
+        attempts=attempts,
+        saves=len(saves),
+        loads=len(loads),
+        write_s=write,
+        interval_s=interval,
+        restart_s=u0,
+        failures_per_node_day=failures_per_node_day,
+        mttf_s=reliability.mttf_s(rate),
+        expected_ettr=reliability.expected_ettr(shape) if shape else None,
+        optimal_interval_s=reliability.optimal_interval_s(shape) if shape and write else None,
+        notes=notes,
+    )

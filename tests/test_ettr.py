@@ -1,0 +1,105 @@
+"""A job's ETTR measured from its records (``diagnosis.ettr``): every second of the wall clock in one bucket."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from diagnosis.ettr import CAUSES, RunRecords, measure
+
+S = 1_000_000  # µs
+
+
+def _run(*, hung_s: float = 0.0, checkpoints: bool = True) -> RunRecords:
+    """Attempt 0 trains steps 0-79 at 0.1 s (a 1 s checkpoint save inside step 49, holding step 50)
+    and dies; its rank shipped steps up to 75, its heartbeat saw step 79. Attempt 1 starts 15 s
+    after that progress, loads the checkpoint (5 s, inside its first step) and trains steps 50-149,
+    step 100 taking 0.3 s. The store keeps attempt 0's steps 0-49 and attempt 1's 50-149."""
+    rows, t = [], 0
+    for s in range(80):
+        d = 0.1 * S + (S if checkpoints and s == 49 else 0)
+        if s < 76:
+            rows.append((s, t, d))
+        t += d
+    end0 = t
+    beats = [(end0 + 2 * S, 79, 2.0)] + ([(end0 + hung_s * S, 79, hung_s)] if hung_s else [])
+    start1 = end0 + 15 * S
+    t = start1
+    steps1 = []
+    for s in range(50, 150):
+        d = 0.1 * S + (5 * S if checkpoints and s == 50 else 0) + (0.2 * S if s == 100 else 0)
+        steps1.append((s, t, d))
+        t += d
+    kept = [r for r in rows if r[0] < 50] + steps1
+    ck = [
+        ("save", 50, 0, 4.9 * S + 0.05 * S, 5.95 * S, S, 1),
+        ("load", -1, 1, start1, start1 + 5 * S, 5 * S, 1),
+    ]
+    return RunRecords(
+        job="j",
+        rank=0,
+        steps=pd.DataFrame(kept, columns=["step", "start_us", "dur_us"]),
+        attempts=pd.DataFrame(
+            [(r, f"h{r}", a, at + r) for a, at in enumerate((0, start1)) for r in range(2)],
+            columns=["rank", "host", "attempt", "time_us"],
+        ),
+        checkpoints=pd.DataFrame(
+            ck if checkpoints else [],
+            columns=["kind", "step", "attempt", "start_us", "end_us", "dur_us", "ranks"],
+        ),
+        progress=pd.DataFrame(beats, columns=["time_us", "step", "progress_age_s"]),
+    )
+
+
+def test_a_restarted_job_puts_every_second_in_one_bucket() -> None:
+    r = measure(_run())
+    assert r.wall_s == pytest.approx(5 + 1 + 3 + 15 + 5 + 10 + 0.2)
+    assert r.productive_s == pytest.approx(150 * 0.1)
+    assert r.lost_s["redo"] == pytest.approx(3.0), "steps 50-79 were done twice"
+    assert r.lost_s["restart"] == pytest.approx(15 + 5), "the gap, and the checkpoint load"
+    assert r.lost_s["checkpoint"] == pytest.approx(1.0)
+    assert r.lost_s["slowdown"] == pytest.approx(0.2)
+    assert r.lost_s["hang"] == 0 and r.lost_s["other"] == pytest.approx(0, abs=1e-3)
+    assert r.productive_s + sum(r.lost_s.values()) == pytest.approx(r.wall_s)
+    assert r.ettr == pytest.approx(15 / r.wall_s, abs=1e-4)
+    first, second = r.attempts
+    assert (first.first_step, first.last_step, first.redone_steps) == (0, 79, 30)
+    assert first.restart_s == pytest.approx(15) and second.first_step == 50 and second.restart_s == 0
+    assert r.steps == 150 and r.nodes == 2 and r.baseline_step_s == pytest.approx(0.1)
+    assert (r.saves, r.loads, r.write_s, r.interval_s) == (1, 1, 1.0, None)
+    assert r.restart_s == pytest.approx(15), "u0 as measured"
+    assert r.expected_ettr is None, "one checkpoint: no interval to project with"
+
+
+def test_ranks_alive_without_progress_before_the_restart_count_as_a_hang() -> None:
+    r = measure(_run(hung_s=12))
+    assert r.lost_s["hang"] == pytest.approx(12)
+    assert r.lost_s["restart"] == pytest.approx(3 + 5)
+    assert r.productive_s + sum(r.lost_s.values()) == pytest.approx(r.wall_s)
+
+
+def test_a_job_without_checkpoints_or_restarts_says_so() -> None:
+    one = _run(checkpoints=False)
+    only = RunRecords(
+        job="j",
+        rank=0,
+        steps=one.steps[one.steps["step"] < 50],
+        attempts=one.attempts[one.attempts["attempt"] == 0],
+        checkpoints=one.checkpoints,
+        progress=one.progress.iloc[:0],
+    )
+    r = measure(only, restart_s=600)
+    assert r.ettr == pytest.approx(1.0) and set(r.lost_s) == set(CAUSES)
+    assert any("no checkpoints seen" in n for n in r.notes) and any("no restarts seen" in n for n in r.notes)
+    assert r.expected_ettr is None and r.mttf_s == pytest.approx(86_400 / (2 * 6.5e-3))
+    with pytest.raises(ValueError, match="no steps"):
+        measure(
+            RunRecords(
+                job="j",
+                rank=0,
+                steps=only.steps.iloc[:0],
+                attempts=only.attempts,
+                checkpoints=only.checkpoints,
+                progress=only.progress,
+            )
+        )
