@@ -174,6 +174,27 @@ def _reliability(a: argparse.Namespace) -> int:
     return 0
 
 
+def _efficiency(a: argparse.Namespace) -> int:
+    from aggregator import UsageError
+    from diagnosis.efficiency import measure
+    from renderers.text import format_efficiency, format_fleet, printable
+
+    def one(store: Any, job: str) -> Any:
+        steps = store.steps(job)
+        return measure(job, steps, store.windows(job), store.ranks(job)) if not steps.empty else None
+
+    with _reading(a) as store:
+        if not a.fleet:
+            if (e := one(store, job := _pick_job(a, store))) is None:
+                raise UsageError(f"job {printable(job)!r} has no steps yet: nothing to measure")
+            print(json.dumps(e.to_dict(), indent=2) if a.json else format_efficiency(e), flush=True)
+            return 0
+        fleet = [e for job in store.jobs()["job"] if (e := one(store, str(job))) is not None]
+    fleet.sort(key=lambda e: -(e.idle_device_hours if e.idle_device_hours is not None else e.device_hours))
+    print(json.dumps([e.to_dict() for e in fleet], indent=2) if a.json else format_fleet(fleet), flush=True)
+    return 0
+
+
 def _serve(a: argparse.Namespace) -> int:
     import ipaddress
 
@@ -315,6 +336,17 @@ def parser() -> argparse.ArgumentParser:
         "--restart-s", type=_positive, help="restart time to project with when the job had no restart"
     )
     r.set_defaults(func=_reliability)
+
+    e = sub.add_parser(
+        "efficiency", help="where a job's time goes per rank; --fleet: jobs by idle device-hours"
+    )
+    _store_options(e)
+    e.add_argument("--job", help="job id (default: the most recent job)")
+    e.add_argument(
+        "--fleet", action="store_true", help="every job in the store, most idle device-hours first"
+    )
+    e.add_argument("--json", action="store_true", help="print the measurement as JSON")
+    e.set_defaults(func=_efficiency)
 
     v = sub.add_parser(
         "serve", help="the always-on service: ingest, diagnose every job, tickets, API and web page"

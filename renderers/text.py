@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TextIO
 
 from diagnosis import Diagnosis
+from diagnosis.efficiency import Efficiency
 from diagnosis.ettr import Reliability
 
 _KEYS = (
@@ -118,4 +119,43 @@ def format_reliability(r: Reliability) -> str:
         + (f", best checkpoint interval {_dur(r.optimal_interval_s)}" if r.optimal_interval_s else "")
     )
     lines += [f"  note: {n}" for n in r.notes]
+    return "\n".join(printable(line) for line in lines)
+
+
+def _pct(x: float | None) -> str:
+    return "—" if x is None else f"{100 * x:.1f}%"
+
+
+def format_efficiency(e: Efficiency) -> str:
+    """Where a job's time goes, per rank, as lines of text."""
+    idle = f"{e.idle_device_hours:.3f}" if e.idle_device_hours is not None else "—"
+    s = e.shares
+    lines = [
+        f"rankscope efficiency of job {e.job}: {len(e.ranks)} ranks ({e.device}), wall clock {_dur(e.wall_s)}, "
+        f"{e.device_hours:.3f} device-hours, {idle} of them not computing",
+        f"  job: compute {_pct(s['compute'])}, waiting for collectives {_pct(s['comm_wait'])}, "
+        f"waiting for data {_pct(s['data_wait'])}, host overhead and idle {_pct(s['overhead'])}",
+        f"  {'rank':>5} {'host':<12} {'step ms':>8} {'compute':>8} {'comm':>7} {'data':>7} {'overhead':>9} windows",
+    ]
+    for r in e.ranks:
+        lines.append(
+            f"  {r.rank:>5} {r.host[:12]:<12} {r.step_ms:>8.1f} {_pct(r.compute):>8} {_pct(r.comm_wait):>7} "
+            f"{_pct(r.data_wait):>7} {_pct(r.overhead):>9} {r.windows:>7}"
+        )
+    lines += [f"  note: {n}" for n in e.notes]
+    return "\n".join(printable(line) for line in lines)
+
+
+def format_fleet(fleet: list[Efficiency]) -> str:
+    """Jobs, one line each, as ``rankscope efficiency --fleet`` orders them."""
+    lines = [
+        f"{'job':<32} {'ranks':>5} {'device-h':>9} {'not computing':>14} {'compute':>8} {'comm':>7} {'data':>7}"
+    ]
+    for e in fleet:
+        s = e.shares
+        idle = f"{e.idle_device_hours:.3f}" if e.idle_device_hours is not None else "—"
+        lines.append(
+            f"{e.job[:32]:<32} {len(e.ranks):>5} {e.device_hours:>9.3f} {idle:>14} {_pct(s['compute']):>8} "
+            f"{_pct(s['comm_wait']):>7} {_pct(s['data_wait']):>7}"
+        )
     return "\n".join(printable(line) for line in lines)

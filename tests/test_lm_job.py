@@ -109,6 +109,17 @@ def test_a_rank_killed_under_torchrun_restarts_the_job_and_reliability_measures_
     text = rankscope("reliability", "--store", str(store))
     assert text.returncode == 0 and "attempt 1" in text.stdout and "ETTR" in text.stdout, text.stdout
 
+    eff = rankscope("efficiency", "--store", str(store), "--json")
+    assert eff.returncode == 0, eff.stderr
+    e = json.loads(eff.stdout)
+    assert [r["rank"] for r in e["ranks"]] == [0, 1] and e["device"] == "cpu"
+    for r in e["ranks"]:  # DDP's all-reduces are timed, so the split is more than one figure
+        assert 0 < r["comm_wait"] < 1 and r["own"] + r["comm_wait"] + r["data_wait"] == pytest.approx(
+            1, abs=1e-3
+        )
+    fleet = rankscope("efficiency", "--store", str(store), "--fleet")
+    assert fleet.returncode == 0 and "lm-restart" in fleet.stdout, fleet.stdout
+
 
 def test_lm_scenarios_load_and_map_onto_the_suites_fault_families() -> None:
     lm = {s.name: s for s in load_all("full", ["lm-"])}

@@ -1,0 +1,136 @@
+"""Where a job's wall time goes, per rank: compute, communication it waited for, data, the rest.
+
+From the always-on step rows, every step splits into the time its batch took to arrive
+(``data_us``), the time the training thread waited inside collectives (``comm_us``: communication
+that compute did not hide) and its own time. The profiling windows split that own time further:
+each window says what fraction of it the training thread spent running operators (on a GPU: what
+fraction the GPU ran kernels or copies), ``busy["compute"]``; the rest of the own time is host
+overhead — Python, the optimizer's bookkeeping, launches — and idling. Without a window, the own
+time stays one figure (``compute`` is None).
+
+``device_hours``: the job's wall time on all its ranks; ``idle_device_hours``: the part of it not
+computing, the figure a fleet list ranks jobs by.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+PARTS = ("compute", "comm_wait", "data_wait", "overhead")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankEfficiency:
+    rank: int
+    host: str
+    step_ms: float
+    """Mean step time."""
+    own: float
+    """Fraction of the step time outside collectives and data waits."""
+    comm_wait: float
+    data_wait: float
+    compute: float | None
+    """Fraction computing (None: no profiling window to tell)."""
+    overhead: float | None
+    """Host overhead and idling: ``own - compute``."""
+    windows: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Efficiency:
+    job: str
+    device: str
+    ranks: list[RankEfficiency]
+    shares: dict[str, float | None]
+    """The job's split of its wall time (``PARTS``; means over ranks)."""
+    wall_s: float
+    device_hours: float
+    idle_device_hours: float | None
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def measure(job: str, steps: pd.DataFrame, windows: pd.DataFrame, ranks: pd.DataFrame) -> Efficiency:
+    """The split of ``job``'s time from its ``steps`` (``rank, start_us, dur_us, data_us, comm_us``),
+    ``windows`` (``rank, busy``) and ``ranks`` (``rank, host, device``)."""
+    if steps.empty:
+        raise ValueError(f"job {job!r} has no steps: nothing to measure")
+    per = steps.groupby("rank").agg(
+        n=("dur_us", "size"),
+        dur=("dur_us", "sum"),
+        data=("data_us", "sum"),
+        comm=("comm_us", "sum"),
+        first=("start_us", "min"),
+    )
+    per["end"] = (steps["start_us"] + steps["dur_us"]).groupby(steps["rank"]).max()
+    compute_share: dict[int, float] = {}
+    n_windows: dict[int, int] = {}
+    for rank, w in windows.groupby("rank") if not windows.empty else ():
+        fractions = []
+        for busy in w["busy"]:
+            b = dict(busy)
+            own = 1.0 - b.get("comm", 0.0) - b.get("data", 0.0)
+            if own > 0.05:
+                fractions.append(min(1.0, b.get("compute", 0.0) / own))
+        if fractions:
+            compute_share[int(rank)] = float(np.mean(fractions))
+            n_windows[int(rank)] = len(fractions)
+    hosts = (
+        dict(zip(ranks["rank"].astype(int), ranks["host"].astype(str), strict=False))
+        if not ranks.empty
+        else {}
+    )
+    out = []
+    for rank, r in per.iterrows():
+        dur = max(float(r["dur"]), 1.0)
+        data, comm = float(r["data"]) / dur, float(r["comm"]) / dur
+        own = max(0.0, 1.0 - data - comm)
+        share = compute_share.get(int(rank))
+        out.append(
+            RankEfficiency(
+                rank=int(rank),
+                host=hosts.get(int(rank), ""),
+                step_ms=round(dur / r["n"] / 1e3, 3),
+                own=round(own, 4),
+                comm_wait=round(comm, 4),
+                data_wait=round(data, 4),
+                compute=round(own * share, 4) if share is not None else None,
+                overhead=round(own * (1 - share), 4) if share is not None else None,
+                windows=n_windows.get(int(rank), 0),
+            )
+        )
+    known = [r for r in out if r.compute is not None]
+    shares: dict[str, float | None] = {
+        "comm_wait": round(float(np.mean([r.comm_wait for r in out])), 4),
+        "data_wait": round(float(np.mean([r.data_wait for r in out])), 4),
+        "compute": round(float(np.mean([r.compute for r in known])), 4) if known else None,  # type: ignore[misc]
+        "overhead": round(float(np.mean([r.overhead for r in known])), 4) if known else None,  # type: ignore[misc]
+    }
+    wall_s = float(per["end"].max() - per["first"].min()) / 1e6
+    device_hours = wall_s * len(out) / 3600
+    notes = []
+    if not known:
+        notes.append("no profiling window yet: compute and host overhead are not told apart")
+    elif len(known) < len(out):
+        notes.append(f"{len(out) - len(known)} of {len(out)} ranks have no profiling window")
+    device = str(ranks["device"].iloc[0]) if not ranks.empty and "device" in ranks else "cpu"
+    if device == "cpu":
+        notes.append("CPU job: compute is operators on the training thread, not a GPU's kernels")
+    return Efficiency(
+        job=job,
+        device=device,
+        ranks=out,
+        shares=shares,
+        wall_s=round(wall_s, 3),
+        device_hours=round(device_hours, 4),
+        idle_device_hours=round(device_hours * (1 - shares["compute"]), 4)
+        if shares["compute"] is not None
+        else None,
+        notes=notes,
+    )
