@@ -128,12 +128,17 @@ class Reads:
         """One row per checkpoint of ``job`` (over its ranks): ``kind, step, attempt, start_us``
         (the first rank's), ``end_us`` (the last rank's), ``dur_us`` (the longest), ``ranks``."""
         sql = f"""
-            SELECT kind, step, attempt, min(start_us) AS start_us, max(start_us + dur_us) AS end_us,
-                   max(dur_us) AS dur_us, uniqExact(rank) AS ranks
+            SELECT kind, step, attempt, min(start_us) AS first, max(start_us + dur_us) AS last,
+                   max(dur_us) AS longest, uniqExact(rank) AS ranks
             FROM {self._t(CHECKPOINTS)} FINAL WHERE job = {{job:String}}
-            GROUP BY kind, step, attempt ORDER BY start_us"""
-        return self._frame(
-            sql, {"job": job}, ("kind", "step", "attempt", "start_us", "end_us", "dur_us", "ranks")
+            GROUP BY kind, step, attempt ORDER BY first"""
+        names = {
+            "first": "start_us",
+            "last": "end_us",
+            "longest": "dur_us",
+        }  # an alias may not shadow a column
+        return self._frame(sql, {"job": job}, ("kind", "step", "attempt", *names, "ranks")).rename(
+            columns=names
         )
 
     def progress(self, job: str, rank: int) -> pd.DataFrame:

@@ -4,12 +4,15 @@ ETTR = productive training time / wall-clock time (Meta, arXiv 2410.21680). The 
 from the job's first attach to its last step; every second of it is put in one bucket:
 
 ``productive``  step time up to the job's own healthy pace (``baseline_step_s``);
+``startup``     the first attempt's first step beyond that pace: its first step runs from the
+                attach on (building the model and the process group, the first batch);
 ``slowdown``    step time beyond that pace (stragglers, contention, jitter);
 ``hang``        steps that took ``stall_s`` or more beyond it, and an attempt's last minutes in
                 which its ranks were alive (heartbeats) but made no progress;
 ``checkpoint``  the part of steps spent inside ``Hook.checkpoint()`` saves;
 ``restart``     from an attempt's last progress to the next attempt's first step (detection,
-                rescheduling, start-up), and checkpoint loads;
+                rescheduling, start-up), that first step beyond the pace, and its checkpoint loads
+                (the first attempt's count as ``startup``);
 ``redo``        work an attempt did that the next one did again: from the step it resumed at to
                 the failed attempt's last progress;
 ``other``       the rest (the hook paused, gaps between steps).
@@ -33,7 +36,7 @@ import pandas as pd
 
 from . import reliability
 
-CAUSES = ("slowdown", "hang", "checkpoint", "restart", "redo", "other")
+CAUSES = ("startup", "slowdown", "hang", "checkpoint", "restart", "redo", "other")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -68,7 +71,8 @@ class Attempt:
     hang_s: float = 0.0
     """Its ranks alive without progress before it ended."""
     restart_s: float = 0.0
-    """From its last progress to the next attempt's first step (0 for the last attempt)."""
+    """From its last progress until the next attempt runs at pace: to its first step, and that
+    step beyond the pace (0 for the last attempt)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -181,12 +185,23 @@ def measure(
     rest = dur - in_save - in_load
     base = _baseline_us(rest)
     excess = np.clip(rest - base, 0, None)
-    stalled = excess >= stall_s * 1e6
+    # An attempt's first step runs from the attach on: building the model, the process group,
+    # the first batch. Beyond the pace, that is start-up (a restart's, after the first attempt).
+    opening = np.zeros(step.size, dtype=bool)
+    for k in np.unique(which):
+        opening[np.flatnonzero(which == k)[np.argmin(lo[which == k])]] = True
+    stalled = (excess >= stall_s * 1e6) & ~opening
     lost = dict.fromkeys(CAUSES, 0.0)
-    lost["slowdown"] = float(excess[~stalled].sum())
+    lost["slowdown"] = float(excess[~stalled & ~opening].sum())
     lost["hang"] = float(excess[stalled].sum())
     lost["checkpoint"] = float(in_save.sum())
-    lost["restart"] = float(in_load.sum()) + float(lo[0] - begin)
+    # Per attempt, its start-up beyond the gap before it: the first step's excess and checkpoint loads.
+    start_up = {
+        int(k): float(excess[opening & (which == k)].sum() + in_load[which == k].sum())
+        for k in np.unique(which)
+    }
+    lost["startup"] = start_up.pop(0, 0.0) + float(lo[0] - begin)
+    lost["restart"] = sum(start_up.values())
     productive = float((rest - excess).sum())
 
     beat_step = beats["step"].to_numpy(dtype=np.int64)
@@ -221,6 +236,8 @@ def measure(
                 redo = end - (float(hi[before].max()) if before.any() else float(lo[which == k].min()))
             hang = alive - end if alive - end >= stall_s * 1e6 else 0.0
             restart = max(0.0, next_lo - end - hang)
+            lost["restart"] += restart
+            restart += start_up.get(nxt, 0.0)
         attempts.append(
             Attempt(
                 number=k,
@@ -235,7 +252,6 @@ def measure(
         )
         lost["redo"] += max(redo, 0.0)
         lost["hang"] += hang
-        lost["restart"] += restart
 
     wall = max(float(hi.max()), spans[-1][3]) - begin
     lost["other"] = max(0.0, wall - productive - sum(lost.values()))

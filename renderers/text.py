@@ -90,6 +90,8 @@ def _dur(s: float | None) -> str:
         return f"{s / 86_400:.1f} d"
     if s >= 3600:
         return f"{s / 3600:.1f} h"
+    if s < 1:
+        return f"{1e3 * s:.0f} ms"
     return f"{s / 60:.1f} min" if s >= 120 else f"{s:.1f} s"
 
 

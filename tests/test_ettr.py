@@ -10,14 +10,14 @@ from diagnosis.ettr import CAUSES, RunRecords, measure
 S = 1_000_000  # µs
 
 
-def _run(*, hung_s: float = 0.0, checkpoints: bool = True) -> RunRecords:
+def _run(*, hung_s: float = 0.0, checkpoints: bool = True, warmup_s: float = 0.0) -> RunRecords:
     """Attempt 0 trains steps 0-79 at 0.1 s (a 1 s checkpoint save inside step 49, holding step 50)
     and dies; its rank shipped steps up to 75, its heartbeat saw step 79. Attempt 1 starts 15 s
     after that progress, loads the checkpoint (5 s, inside its first step) and trains steps 50-149,
     step 100 taking 0.3 s. The store keeps attempt 0's steps 0-49 and attempt 1's 50-149."""
     rows, t = [], 0
     for s in range(80):
-        d = 0.1 * S + (S if checkpoints and s == 49 else 0)
+        d = 0.1 * S + (S if checkpoints and s == 49 else 0) + (warmup_s * S if s == 0 else 0)
         if s < 76:
             rows.append((s, t, d))
         t += d
@@ -31,10 +31,8 @@ def _run(*, hung_s: float = 0.0, checkpoints: bool = True) -> RunRecords:
         steps1.append((s, t, d))
         t += d
     kept = [r for r in rows if r[0] < 50] + steps1
-    ck = [
-        ("save", 50, 0, 4.9 * S + 0.05 * S, 5.95 * S, S, 1),
-        ("load", -1, 1, start1, start1 + 5 * S, 5 * S, 1),
-    ]
+    save = (4.95 + warmup_s) * S  # inside step 49
+    ck = [("save", 50, 0, save, save + S, S, 1), ("load", -1, 1, start1, start1 + 5 * S, 5 * S, 1)]
     return RunRecords(
         job="j",
         rank=0,
@@ -59,21 +57,23 @@ def test_a_restarted_job_puts_every_second_in_one_bucket() -> None:
     assert r.lost_s["restart"] == pytest.approx(15 + 5), "the gap, and the checkpoint load"
     assert r.lost_s["checkpoint"] == pytest.approx(1.0)
     assert r.lost_s["slowdown"] == pytest.approx(0.2)
-    assert r.lost_s["hang"] == 0 and r.lost_s["other"] == pytest.approx(0, abs=1e-3)
+    assert r.lost_s["hang"] == r.lost_s["startup"] == 0 and r.lost_s["other"] == pytest.approx(0, abs=1e-3)
     assert r.productive_s + sum(r.lost_s.values()) == pytest.approx(r.wall_s)
     assert r.ettr == pytest.approx(15 / r.wall_s, abs=1e-4)
     first, second = r.attempts
     assert (first.first_step, first.last_step, first.redone_steps) == (0, 79, 30)
-    assert first.restart_s == pytest.approx(15) and second.first_step == 50 and second.restart_s == 0
+    assert first.restart_s == pytest.approx(20), "the gap, and the next attempt's load"
+    assert second.first_step == 50 and second.restart_s == 0
     assert r.steps == 150 and r.nodes == 2 and r.baseline_step_s == pytest.approx(0.1)
     assert (r.saves, r.loads, r.write_s, r.interval_s) == (1, 1, 1.0, None)
-    assert r.restart_s == pytest.approx(15), "u0 as measured"
+    assert r.restart_s == pytest.approx(20), "u0 as measured"
     assert r.expected_ettr is None, "one checkpoint: no interval to project with"
 
 
 def test_ranks_alive_without_progress_before_the_restart_count_as_a_hang() -> None:
-    r = measure(_run(hung_s=12))
-    assert r.lost_s["hang"] == pytest.approx(12)
+    r = measure(_run(hung_s=12, warmup_s=11))
+    assert r.lost_s["hang"] == pytest.approx(12), "the first step's 11 s are start-up, not a hang"
+    assert r.lost_s["startup"] == pytest.approx(11)
     assert r.lost_s["restart"] == pytest.approx(3 + 5)
     assert r.productive_s + sum(r.lost_s.values()) == pytest.approx(r.wall_s)
 

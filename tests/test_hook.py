@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -716,3 +717,33 @@ def test_the_hook_never_emits_nan_or_infinity() -> None:
     shipper.close()
     assert [decode(v).time_us for v in sink.got] == [2]
     assert shipper.dropped == 2
+
+
+_UNCLOSED = """
+import os, signal, sys, time
+import profiler_hook
+hook = profiler_hook.attach(job="exit", spool_dir=sys.argv[1], rank=0, world_size=1, window_s=0, flush_s=60)
+for step in range(30):
+    with hook.step():
+        time.sleep(0.001)
+if sys.argv[2] == "sigterm":
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(10)  # the signal ends the process first
+"""
+
+
+@pytest.mark.parametrize("end", ["return", "sigterm"])
+def test_a_hook_never_closed_ships_its_last_steps_when_the_process_ends(tmp_path: Path, end: str) -> None:
+    """torchrun stops a failed attempt's surviving workers with SIGTERM; scripts forget close()."""
+    run = subprocess.run(
+        [sys.executable, "-c", _UNCLOSED, str(tmp_path), end], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == (-signal.SIGTERM if end == "sigterm" else 0), run.stderr[-2000:]
+    rows = [
+        row
+        for path in tmp_path.rglob("*.jsonl")
+        for line in path.read_text().splitlines()
+        if (r := json.loads(line))["type"] == "steps"
+        for row in r["rows"]
+    ]
+    assert sum(row[-1] for row in rows) == 30, rows  # n_steps, the last column

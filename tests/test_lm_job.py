@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -80,14 +82,32 @@ def test_a_rank_killed_under_torchrun_restarts_the_job_and_reliability_measures_
     from tests.test_cli import rankscope
 
     spool, ckpt = tmp_path / "spool", tmp_path / "ckpt"
+    # Restarts as torch 2.13 makes them work: a c10d rendezvous (each attempt a new round), and its
+    # store not shared with the process group, which otherwise hands a restarted attempt its
+    # predecessor's gloo addresses (pytorch/pytorch#135712; failed 1 run in 2 here without it).
     env = {**os.environ, "RANKSCOPE_SPOOL": str(spool), "RANKSCOPE_HOST": "nodeA"}
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1"]
-    cmd += ["--master-port", str(free_port()), "--rdzv-id", "lm-restart", str(SCRIPTS["lm_ddp"])]
+    cmd += [
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{free_port()}",
+        "--rdzv-id",
+        "lm-restart",
+    ]
+    cmd += [str(SCRIPTS["lm_ddp"])]
     cmd += ["--seconds", "6", "--fault", "crash", "--fault-rank", "1", "--onset-s", "3"]
     cmd += ["--ckpt-every", "15", "--ckpt-dir", str(ckpt)]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "attempt 1: resumed from the checkpoint" in run.stdout, run.stdout[-3000:]
+    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as job:  # fmt: skip
+        try:
+            stdout, stderr = job.communicate(timeout=240)
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # no worker outlives a failed test
+                os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    assert "attempt 1: resumed from the checkpoint" in stdout, stdout[-3000:]
 
     store = tmp_path / "store"
     assert rankscope("ingest", "--spool", str(spool), "--store", str(store)).returncode == 0
@@ -100,7 +120,9 @@ def test_a_rank_killed_under_torchrun_restarts_the_job_and_reliability_measures_
     )
     assert second["first_step"] % 15 == 1, "...one step after the checkpoint's"
     assert first["last_step"] >= second["first_step"] - 1 and first["restart_s"] > 0
-    assert first["redone_steps"] == first["last_step"] - second["first_step"] + 1
+    # The killed rank's peer shipped its last steps as torchrun stopped it (the hook closes on SIGTERM).
+    assert first["redone_steps"] == first["last_step"] - second["first_step"] + 1 > 0
+    assert r["lost_s"]["redo"] == first["redo_s"] > 0
     assert r["saves"] >= 2 and r["loads"] == 1 and r["write_s"] > 0 and r["interval_s"] > 0
     assert r["restart_s"] == first["restart_s"] and r["expected_ettr"] is not None
     assert set(r["lost_s"]) == set(CAUSES) and r["lost_s"]["restart"] >= first["restart_s"]

@@ -249,6 +249,7 @@ def main() -> None:
         n_params = sum(p.numel() for p in raw_model.parameters())
         print(f"rank 0: {world} ranks, {n_params / 1e3:.0f}k parameters, fault {args.fault}", flush=True)
     ckpt_dir = args.ckpt_dir or tempfile.mkdtemp(prefix="lm-ckpt-")
+    os.makedirs(ckpt_dir, exist_ok=True)
     stuck_storage = threading.Event()  # never set: the faulty rank's checkpoint write never completes
     step = 0
     if os.path.exists(latest := os.path.join(ckpt_dir, "latest.pt")):
