@@ -166,8 +166,9 @@ def measure(
     mine = run.attempts[run.attempts["rank"] == run.rank]
     starts = np.sort(mine["time_us"].to_numpy(dtype=np.float64)) if not mine.empty else np.zeros(0)
     first_us = float(steps["start_us"].min())
-    if starts.size == 0 or starts[0] > first_us:
-        starts = np.concatenate([[first_us], starts[starts > first_us]])
+    # The first start is the job's, whenever its first step began: earlier hooks stamped their
+    # ``rank`` record after the attach's warm-up, when the first step had begun already.
+    starts = np.concatenate([[min(starts[0], first_us)], starts[1:]]) if starts.size else np.array([first_us])
     begin = np.minimum(starts[0], first_us)
 
     step = steps["step"].to_numpy(dtype=np.int64)

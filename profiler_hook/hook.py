@@ -198,15 +198,18 @@ class Hook:
         ``rankscope reliability`` reads these to measure the checkpoints' cost and interval; the
         work a restart redoes it measures from the step numbers, so a resumed job should number
         its steps on (``hook.step(step)``)."""
-        t0 = time.time_ns()
+        t0 = time.time()
         try:
             yield
         finally:
-            self._checkpointed(step, load, t0)
+            self.record_checkpoint(t0, step, load=load)
 
-    def _checkpointed(self, step: int | None, load: bool, t0: int) -> None:
+    def record_checkpoint(self, started: float, step: int | None = None, *, load: bool = False) -> None:
+        """A checkpoint save (or load) that began at ``started`` (``time.time()``) and ended now:
+        for a framework that saves on its own and says so afterwards (see :meth:`checkpoint`)."""
         if not self.enabled:
             return
+        t0 = int(started * 1e9)
         try:
             self.shipper.submit(
                 Checkpoint(
@@ -220,6 +223,12 @@ class Hook:
             )
         except Exception as exc:
             self._fail("checkpoint", exc)
+
+    def add_data_wait(self, seconds: float) -> None:
+        """Count ``seconds`` as the current step's wait for its batch, where the training loop fetches
+        batches itself instead of through :meth:`wrap_loader` (the framework callbacks)."""
+        if self.enabled and not self.paused and seconds > 0:
+            self._data_ns += int(seconds * 1e9)
 
     def pause(self) -> None:
         """Stop measuring until :meth:`resume`: no step accounting, no windows (their clock stops
