@@ -1,0 +1,75 @@
+"""The framework callbacks in real multi-process CPU runs: Lightning's DDP launcher and the Hugging
+Face Trainer under torchrun, each with DDP over gloo and checkpoint saves, the hook attached only
+through the callback."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rankscope.workload import free_port
+
+JOBS = Path(__file__).parent / "jobs"
+
+
+def _run(cmd: list[str], cwd: Path) -> str:
+    """Run a training job in its own session (no process outlives it); its output."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    with subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          start_new_session=True) as job:  # fmt: skip
+        try:
+            out, _ = job.communicate(timeout=300)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode == 0, out[-4000:]
+    return out
+
+
+def _records(spool: Path, job: str) -> list[dict]:
+    return [json.loads(line) for p in (spool / job).glob("*.jsonl") for line in p.read_text().splitlines()]
+
+
+def _check(recs: list[dict], steps: int) -> None:
+    """Both ranks shipped every step with DDP's all-reduce timed, and rank 0's checkpoints."""
+    for rank in (0, 1):
+        rows = [row for r in recs if r["type"] == "steps" and r["rank"] == rank for row in r["rows"]]
+        assert sum(row[-1] for row in rows) == steps, (rank, rows)  # n_steps: the last column
+        assert {row[0] for row in rows} >= {0}, "steps numbered by the framework's global step from 0"
+        assert sum(row[4] for row in rows) > 0 and sum(row[5] for row in rows) >= steps, "comm_us, n_coll"
+        assert sum(row[3] for row in rows) > 0, "data_us: the time between steps the loop fetched batches"
+    saves = [r for r in recs if r["type"] == "checkpoint" and r["rank"] == 0]
+    assert [s["step"] for s in saves] == [20, 40, 60] and all(s["dur_us"] > 0 for s in saves), saves
+    assert {r["rank"] for r in recs if r["type"] == "rank"} == {0, 1}
+
+
+@pytest.mark.slow
+def test_the_lightning_callback_in_a_two_process_ddp_fit(tmp_path: Path) -> None:
+    pytest.importorskip("lightning", reason="pip install rankscope[lightning] (./dev test installs it)")
+    spool = tmp_path / "spool"
+    _run([sys.executable, str(JOBS / "lightning_ddp.py"), str(spool), str(tmp_path / "ckpt")], tmp_path)
+    _check(_records(spool, "lightning-job"), 60)
+
+
+@pytest.mark.slow
+def test_the_hugging_face_callback_in_a_two_process_trainer_under_torchrun(tmp_path: Path) -> None:
+    pytest.importorskip("transformers", reason="pip install rankscope[hf] (./dev test installs it)")
+    spool = tmp_path / "spool"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+    ]
+    _run([*cmd, str(JOBS / "hf_trainer.py"), str(spool), str(tmp_path / "out")], tmp_path)
+    _check(_records(spool, "hf-job"), 60)
