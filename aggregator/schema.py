@@ -24,7 +24,7 @@ from .errors import RankscopeError
 
 log = logging.getLogger(__name__)
 
-STORE_VERSION = 2
+STORE_VERSION = 3
 DEFAULT_DATABASE = "rankscope"
 _COMMENT = f"rankscope schema {STORE_VERSION}"
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -80,6 +80,7 @@ RANKS = Table(
         ("pid", "Int64"),
         ("nic", "LowCardinality(String)"),
         ("switch", "LowCardinality(String)"),
+        ("spine", "LowCardinality(String)"),  # schema 3
         ("backend", "LowCardinality(String)"),
         ("device", "LowCardinality(String)"),
         _TIME,
@@ -437,8 +438,10 @@ def ensure_schema(client: Any, database: str = DEFAULT_DATABASE) -> None:
     log.debug("schema %s ready in database %s", STORE_VERSION, database)
 
 
+_ADD_SPINE = "ADD COLUMN IF NOT EXISTS `spine` LowCardinality(String) DEFAULT '' AFTER `switch`"
 MIGRATIONS: dict[str, dict[str, list[str]]] = {
-    "rankscope schema 1": {"steps": ["ADD COLUMN IF NOT EXISTS `n_steps` Int64 DEFAULT 1"]},
+    "rankscope schema 1": {"steps": ["ADD COLUMN IF NOT EXISTS `n_steps` Int64 DEFAULT 1"], "ranks": [_ADD_SPINE]},
+    "rankscope schema 2": {"ranks": [_ADD_SPINE]},
 }
 """For each older schema's comment, the ALTERs that bring its tables (by name) to this version."""
 

@@ -22,10 +22,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from diagnosis import Finding
+from diagnosis.findings import LEVELS
 
 State = Literal["open", "acknowledged", "resolved"]
 STATES: tuple[State, ...] = ("open", "acknowledged", "resolved")
-_GROUPS = ("nic", "host", "switch")
+_GROUPS = LEVELS
 
 
 @dataclass(slots=True)

@@ -29,7 +29,7 @@ from typing import Any
 
 from diagnosis.findings import CAUSES, Diagnosis, Finding
 
-SCOPES = ("rank", "host", "switch", "job")
+SCOPES = ("rank", "host", "switch", "spine", "job")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -128,7 +128,7 @@ class Score:
 
 
 def describe(f: Finding) -> str:
-    where = f"{f.scope} {','.join(f.hosts)}" if f.scope in ("host", "switch") else f"ranks {f.ranks}"
+    where = f"{f.scope} {','.join(f.hosts)}" if f.scope in ("host", "switch", "spine") else f"ranks {f.ranks}"
     if f.scope == "job":
         where = "job"
     return f"{f.cause} @ {where}"

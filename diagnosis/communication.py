@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from .findings import LEVELS
 from .robust import needed, spread
 
 TRANSFER_PREFIX = "net_send@"
@@ -169,12 +170,12 @@ def _slow_links(f: pd.DataFrame, s: CommunicationSettings) -> pd.DataFrame:
 
 def _groups(d: pd.DataFrame, ranks: pd.DataFrame | None, suspects: set[int]) -> list[frozenset[int]]:
     """Candidate culprits holding a suspect rank, smallest first: the ranks behind each address,
-    then each NIC, host and switch of the ranks table."""
+    then each NIC, host, switch and spine of the ranks table."""
     behind = d[d["local"].isin(d.loc[d["rank"].isin(suspects), "local"])]
     out = set(behind.groupby("local")["rank"].agg(frozenset))
     if ranks is not None and not ranks.empty:
         r = ranks[ranks["rank"].isin(d["rank"].unique())]
-        for level in ("nic", "host", "switch"):
+        for level in LEVELS:
             if level in r:
                 labeled = r[r[level].astype(str) != ""]
                 mine = labeled[labeled[level].isin(labeled.loc[labeled["rank"].isin(suspects), level])]

@@ -43,8 +43,8 @@ def _empty(columns: list[str]) -> pd.DataFrame:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class JobData:
     job: str
-    ranks: pd.DataFrame = field(default_factory=lambda: _empty(["rank", "host", "nic", "switch"]))
-    """One row per rank: rank, host, nic, switch."""
+    ranks: pd.DataFrame = field(default_factory=lambda: _empty(["rank", "host", "nic", "switch", "spine"]))
+    """One row per rank: rank, host, nic, switch, spine."""
     steps: pd.DataFrame = field(default_factory=lambda: _empty(STEP_FIELDS))
     """One row per rank and step (``StepRow`` columns)."""
     functions: pd.DataFrame = field(default_factory=lambda: _empty(FUNCTION_FIELDS))

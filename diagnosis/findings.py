@@ -9,6 +9,8 @@ from typing import Any, Literal, get_args
 Cause = Literal["compute", "communication", "dataloader", "host_contention", "code_path", "hang", "job_wide"]
 CAUSES: tuple[Cause, ...] = get_args(Cause)
 """Stable cause names: part of the output contract (JSON, tickets, API)."""
+LEVELS = ("nic", "host", "switch", "spine")
+"""The topology levels a rank's ``rank`` record may name, smallest first (a switch: the leaf)."""
 
 
 def ms(us: float) -> float:
@@ -35,7 +37,7 @@ class Finding:
     evidence: dict[str, Any] = field(default_factory=dict)
     """Numbers a person can check: the culprit's value, the peer median, the ratio, windows flagged."""
     scope: str = "rank"
-    """``rank``, ``nic``, ``host``, ``switch`` or ``job``: what the culprits have in common."""
+    """``rank``, one of ``LEVELS`` or ``job``: what the culprits have in common."""
 
     def __post_init__(self) -> None:
         if self.cause not in CAUSES:

@@ -1,4 +1,4 @@
-"""Culprits that make up a whole NIC, host or switch become one finding naming it."""
+"""Culprits that make up a whole NIC, host, switch or spine become one finding naming it."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from typing import Any
 
 import pandas as pd
 
-from .findings import Cause, Finding
+from .findings import LEVELS, Cause, Finding
 
-_LEVELS = (("nic", ("rank",)), ("host", ("rank", "nic")), ("switch", ("rank", "nic", "host")))
+_LEVELS = tuple((level, ("rank", *LEVELS[:i])) for i, level in enumerate(LEVELS))
 """Each topology level and the finding scopes it merges; a NIC only for communication culprits."""
 
 

@@ -8,6 +8,8 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any
 
+from .labels import topology
+
 log = logging.getLogger(__name__)
 _warned_shared_job = False
 
@@ -115,6 +117,7 @@ class Identity:
     host: str
     nic: str = ""
     switch: str = ""
+    spine: str = ""
     pid: int = field(default_factory=os.getpid)
     attempt: int = 0
     """torchrun's restart count: 0 for the job's first attempt."""
@@ -123,7 +126,8 @@ class Identity:
     def from_env(cls, rank: int | None = None, world_size: int | None = None) -> Identity:
         """Read $RANK, $LOCAL_RANK, $WORLD_SIZE (set by torchrun), falling back to torch.distributed.
 
-        Overrides: $RANKSCOPE_HOST, $RANKSCOPE_NIC, $RANKSCOPE_SWITCH (e.g. from Kubernetes labels).
+        Topology: $RANKSCOPE_HOST, $RANKSCOPE_NIC, $RANKSCOPE_SWITCH, $RANKSCOPE_SPINE, or Kubernetes
+        node labels (see :mod:`profiler_hook.labels`).
         """
         env = os.environ
         if rank is None or world_size is None:
@@ -135,12 +139,14 @@ class Identity:
                     rank_env, world_env = str(dist.get_rank()), str(dist.get_world_size())
             rank = int(rank_env or 0) if rank is None else rank
             world_size = int(world_env or 1) if world_size is None else world_size
+        where = topology(env)
         return cls(
             rank=rank,
             local_rank=int(env.get("LOCAL_RANK", rank)),
             world_size=world_size,
-            host=env.get("RANKSCOPE_HOST") or socket.gethostname(),
-            nic=env.get("RANKSCOPE_NIC", ""),
-            switch=env.get("RANKSCOPE_SWITCH", ""),
+            host=where["host"] or socket.gethostname(),
+            nic=where["nic"],
+            switch=where["switch"],
+            spine=where["spine"],
             attempt=int(restarts) if (restarts := env.get("TORCHELASTIC_RESTART_COUNT", "")).isdigit() else 0,
         )

@@ -106,6 +106,7 @@ class Hook:
                 pid=ident.pid,
                 nic=ident.nic,
                 switch=ident.switch,
+                spine=ident.spine,
                 backend=_backend(),
                 device="cuda" if _cuda() else "cpu",
                 attempt=ident.attempt,

@@ -412,6 +412,19 @@ def test_a_slow_switch_uplink_is_the_switch_whose_links_to_the_rest_are_slow() -
     assert (f.cause, f.scope, f.ranks, f.evidence["switch"]) == ("communication", "switch", [2, 3], "sw1")
 
 
+def test_stragglers_that_make_up_a_spine_become_one_finding_naming_it() -> None:
+    # 16 hosts of one rank, two hosts per leaf switch, two leaves per spine; spine s1's 4 ranks slow.
+    data = synthetic(ranks=16, hosts_of=16, slow={r: {"compute_us": 3000} for r in range(4, 8)})
+    leaves = data.ranks.assign(switch=[f"sw{r // 2}" for r in range(16)])
+    assert [(f.scope, f.ranks) for f in diagnose(replace(data, ranks=leaves)).findings] == [
+        ("switch", [4, 5]),
+        ("switch", [6, 7]),
+    ]
+    spines = leaves.assign(spine=[f"s{r // 4}" for r in range(16)])
+    f = only(diagnose(replace(data, ranks=spines)).findings)
+    assert (f.cause, f.scope, f.ranks, f.evidence["spine"]) == ("compute", "spine", [4, 5, 6, 7], "s1")
+
+
 def test_host_contention_from_preemption_signals() -> None:
     data = synthetic(slow={1: {"compute_us": 1500, "nivcsw": 40, "cpu": 0.5}})
     f = only(diagnose(data).findings)

@@ -86,7 +86,7 @@ def store(chdb_path: Path) -> Iterator[Store]:
 def rank_info(rank: int, time_us: int = T0) -> RankInfo:
     return RankInfo(
         job=JOB, rank=rank, host=f"node{rank // 2}", time_us=time_us, local_rank=rank % 2, world_size=2,
-        pid=1000 + rank, nic="mlx5_0", switch="leaf1", backend="gloo", device="cpu",
+        pid=1000 + rank, nic="mlx5_0", switch="leaf1", spine="spine0", backend="gloo", device="cpu",
     )  # fmt: skip
 
 
@@ -209,12 +209,16 @@ def test_schema_of_another_version_is_refused(store: Store) -> None:
 def test_a_store_of_schema_1_is_migrated_and_its_rows_read_as_before(store: Store) -> None:
     store.write(all_records())
     before = store.steps(JOB)
-    # What schema 1 had: steps without n_steps, and every table's comment saying so.
+    ranks = store.ranks(JOB)
+    # What schema 1 had: steps without n_steps, ranks without spine, every table's comment saying so.
     store.client.command(f"ALTER TABLE {store.database}.steps DROP COLUMN n_steps")
+    store.client.command(f"ALTER TABLE {store.database}.ranks DROP COLUMN spine")
     for name in TABLES:
         store.client.command(f"ALTER TABLE {store.database}.{name} MODIFY COMMENT 'rankscope schema 1'")
     ensure_schema(store.client, store.database)
     pd.testing.assert_frame_equal(store.steps(JOB), before)
+    assert store.ranks(JOB).assign(spine="spine0").to_dict("records") == ranks.to_dict("records")
+    assert (store.ranks(JOB)["spine"] == "").all(), "ranks stored before the migration name no spine"
     comments = store.client.query(
         "SELECT DISTINCT comment FROM system.tables WHERE database = {db:String} AND name IN {t:Array(String)}",
         parameters={"db": store.database, "t": list(TABLES)},

@@ -19,7 +19,7 @@ Record types:
 ``window``     one per profiling window: per-function execution patterns and busy fractions.
 ``checkpoint`` one per checkpoint saved or loaded inside ``Hook.checkpoint()``: when, how long it blocked.
 
-Readers ignore fields they do not know, so ``RankInfo.attempt`` and the ``checkpoint`` type came
+Readers ignore fields they do not know, so ``RankInfo.attempt``, ``.spine`` and the ``checkpoint`` type came
 within version 2: an older aggregator stores the rest and dead-letters a checkpoint with its reason.
 """
 
@@ -120,6 +120,8 @@ class RankInfo(_Base):
     pid: int
     nic: str = ""
     switch: str = ""
+    """The leaf switch."""
+    spine: str = ""
     backend: str = ""
     device: str = "cpu"
     attempt: int = 0
