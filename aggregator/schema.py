@@ -440,7 +440,10 @@ def ensure_schema(client: Any, database: str = DEFAULT_DATABASE) -> None:
 
 _ADD_SPINE = "ADD COLUMN IF NOT EXISTS `spine` LowCardinality(String) DEFAULT '' AFTER `switch`"
 MIGRATIONS: dict[str, dict[str, list[str]]] = {
-    "rankscope schema 1": {"steps": ["ADD COLUMN IF NOT EXISTS `n_steps` Int64 DEFAULT 1"], "ranks": [_ADD_SPINE]},
+    "rankscope schema 1": {
+        "steps": ["ADD COLUMN IF NOT EXISTS `n_steps` Int64 DEFAULT 1"],
+        "ranks": [_ADD_SPINE],
+    },
     "rankscope schema 2": {"ranks": [_ADD_SPINE]},
 }
 """For each older schema's comment, the ALTERs that bring its tables (by name) to this version."""

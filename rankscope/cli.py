@@ -195,6 +195,34 @@ def _efficiency(a: argparse.Namespace) -> int:
     return 0
 
 
+def _preflight(a: argparse.Namespace) -> int:
+    from aggregator import UsageError
+    from preflight.run import baseline_of, run
+    from renderers.text import format_preflight
+
+    baseline = None
+    if a.baseline:
+        try:
+            baseline = baseline_of(json.loads(Path(a.baseline).read_text()))
+        except (OSError, ValueError, TypeError, KeyError) as exc:
+            raise UsageError(f"--baseline {a.baseline}: not a preflight report ({exc})") from None
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+        if name not in os.environ:
+            raise UsageError(f"${name} is not set: run one preflight per node with the job's rendezvous")
+    report, rank = run(min_ratio=a.min_ratio, baseline=baseline, serial=a.serial)
+    mine = [c for c in report.failed if c.rank == rank]
+    if a.out and rank == 0:
+        Path(a.out).write_text(json.dumps(report.to_dict(), indent=2))
+    if a.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    elif rank == 0:
+        print(format_preflight(report))
+    if a.taint and mine:
+        node = report.nodes[rank]["node"]
+        print(f"kubectl taint nodes {node} rankscope.io/preflight=failed:NoSchedule")
+    return 1 if mine else 0
+
+
 def _serve(a: argparse.Namespace) -> int:
     import ipaddress
 
@@ -347,6 +375,23 @@ def parser() -> argparse.ArgumentParser:
     )
     e.add_argument("--json", action="store_true", help="print the measurement as JSON")
     e.set_defaults(func=_efficiency)
+
+    f = sub.add_parser(
+        "preflight", help="check this node (devices, compute, memory, network) before training"
+    )
+    f.add_argument(
+        "--min-ratio", type=_positive, default=0.7, help="fail below this share of the reference (0.7)"
+    )
+    f.add_argument("--baseline", help="an earlier report (--out): hold the nodes to its medians")
+    f.add_argument("--out", help="rank 0 writes the report here (JSON)")
+    f.add_argument("--json", action="store_true", help="print the report as JSON")
+    f.add_argument(
+        "--taint", action="store_true", help="print the kubectl taint command for this node if it fails"
+    )
+    f.add_argument(
+        "--serial", action="store_true", help="nodes sharing a machine take turns on the local probes"
+    )
+    f.set_defaults(func=_preflight)
 
     v = sub.add_parser(
         "serve", help="the always-on service: ingest, diagnose every job, tickets, API and web page"

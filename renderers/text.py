@@ -7,6 +7,7 @@ from typing import TextIO
 from diagnosis import Diagnosis
 from diagnosis.efficiency import Efficiency
 from diagnosis.ettr import Reliability
+from preflight.verdict import Report
 
 _KEYS = (
     "rank_value_ms",
@@ -160,4 +161,21 @@ def format_fleet(fleet: list[Efficiency]) -> str:
             f"{e.job[:32]:<32} {len(e.ranks):>5} {e.device_hours:>9.3f} {idle:>14} {_pct(s['compute']):>8} "
             f"{_pct(s['comm_wait']):>7} {_pct(s['data_wait']):>7}"
         )
+    return "\n".join(printable(line) for line in lines)
+
+
+def format_preflight(r: Report) -> str:
+    """Every node's probes and the verdict, as lines of text."""
+    lines = [
+        f"rankscope preflight: {len(r.nodes)} nodes, all-reduce bus bandwidth {r.allreduce_busbw_gbps:.3g} GB/s, "
+        f"{'FAILED: ' + ', '.join(sorted({c.node for c in r.failed})) if r.failed else 'all passed'}",
+        f"  {'rank':>4} {'node':<16} {'device':<6} {'GFLOP/s':>9} {'memory GB/s':>12} {'send GB/s':>10}",
+    ]
+    for n in r.nodes:
+        lines.append(
+            f"  {n['rank']:>4} {str(n['node'])[:16]:<16} {n['device']:<6} {n['matmul_gflops']:>9.1f} "
+            f"{n['memory_gbps']:>12.2f} {n['send_gbps']:>10.3f}"
+        )
+    lines += [f"  FAIL {c.node} ({c.check}): {c.message}" for c in r.failed]
+    lines += [f"  note: {n}" for n in [*r.notes, *sorted({n["note"] for n in r.nodes if n.get("note")})]]
     return "\n".join(printable(line) for line in lines)

@@ -13,9 +13,10 @@ MAY_IMPORT = {
     "profiler_hook": {"wire"},
     "aggregator": {"wire"},
     "diagnosis": {"aggregator"},
-    "renderers": {"diagnosis"},
+    "preflight": set(),
+    "renderers": {"diagnosis", "preflight"},
     "api": {"aggregator", "diagnosis", "renderers"},
-    "rankscope": {"wire", "profiler_hook", "aggregator", "diagnosis", "renderers", "api"},
+    "rankscope": {"wire", "profiler_hook", "aggregator", "diagnosis", "renderers", "api", "preflight"},
 }
 
 
