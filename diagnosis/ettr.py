@@ -306,3 +306,11 @@ def measure(
         optimal_interval_s=reliability.optimal_interval_s(shape) if shape and write else None,
         notes=notes,
     )
+
+
+def observed_failure_rate(runs: list[Reliability]) -> tuple[float | None, int, float]:
+    """Failures per node-day over ``runs`` (each job's restarts on its nodes over its wall clock):
+    (rate, failures, node-days); the rate is None without a failure to go by."""
+    failures = sum(len(r.attempts) - 1 for r in runs)
+    node_days = sum(r.nodes * r.wall_s for r in runs) / reliability.DAY_S
+    return (failures / node_days if failures and node_days > 0 else None), failures, node_days

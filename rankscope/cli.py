@@ -162,14 +162,35 @@ def _diagnose(a: argparse.Namespace) -> int:
 
 def _reliability(a: argparse.Namespace) -> int:
     from aggregator import UsageError
-    from diagnosis.ettr import measure, read_run
+    from diagnosis.ettr import measure, observed_failure_rate, read_run
     from renderers.text import format_reliability, printable
 
     with _reading(a) as store:
         run = read_run(store, job := _pick_job(a, store))
+        others = (
+            [read_run(store, str(j)) for j in store.jobs()["job"]]
+            if a.failures_per_1000_node_days == "store"
+            else []
+        )
     if run.steps.empty:
         raise UsageError(f"job {printable(job)!r} has no steps yet: nothing to measure")
-    r = measure(run, failures_per_node_day=a.failures_per_1000_node_days / 1000, restart_s=a.restart_s)
+    rate, note = 6.5e-3, ""
+    if others:  # the store's own jobs: their restarts over their node-days
+        observed, failures, node_days = observed_failure_rate(
+            [measure(o) for o in others if not o.steps.empty]
+        )
+        if observed is None:
+            note = f"no failure in this store's {node_days:.3g} node-days: projected at the default 6.5 per 1,000"
+        else:
+            rate, note = (
+                observed,
+                f"failure rate from this store: {failures} failures in {node_days:.3g} node-days",
+            )
+    elif a.failures_per_1000_node_days is not None:
+        rate = float(a.failures_per_1000_node_days) / 1000
+    r = measure(run, failures_per_node_day=rate, restart_s=a.restart_s)
+    if note:
+        r.notes.append(note)
     print(json.dumps(r.to_dict(), indent=2) if a.json else format_reliability(r), flush=True)
     return 0
 
@@ -356,9 +377,10 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--json", action="store_true", help="print the measurement as JSON")
     r.add_argument(
         "--failures-per-1000-node-days",
-        type=_positive,
-        default=6.5,
-        help="node failure rate to project MTTF with (default: 6.5, Meta's clusters)",
+        type=lambda v: v if v == "store" else _positive(v),
+        metavar="R|store",
+        help="node failure rate to project MTTF with (default: 6.5, Meta's clusters; "
+        "'store': this store's jobs' restarts over their node-days)",
     )
     r.add_argument(
         "--restart-s", type=_positive, help="restart time to project with when the job had no restart"

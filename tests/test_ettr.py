@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pandas as pd
 import pytest
 
-from diagnosis.ettr import CAUSES, RunRecords, measure
+from diagnosis.ettr import CAUSES, RunRecords, measure, observed_failure_rate
 
 S = 1_000_000  # µs
 
@@ -103,3 +105,14 @@ def test_a_job_without_checkpoints_or_restarts_says_so() -> None:
                 progress=only.progress,
             )
         )
+
+
+def test_the_failure_rate_a_store_observed_is_its_restarts_over_its_node_days() -> None:
+    run = _run()
+    restarted = measure(run)
+    first = run.attempts["attempt"] == 0
+    single = measure(replace(run, steps=run.steps.iloc[:40], attempts=run.attempts[first]))
+    rate, failures, node_days = observed_failure_rate([restarted, single])
+    assert failures == 1 and node_days == pytest.approx((2 * restarted.wall_s + 2 * single.wall_s) / 86_400)
+    assert rate == pytest.approx(1 / node_days)
+    assert observed_failure_rate([single]) == (None, 0, pytest.approx(2 * single.wall_s / 86_400))

@@ -130,6 +130,14 @@ def test_a_rank_killed_under_torchrun_restarts_the_job_and_reliability_measures_
     assert r["productive_s"] + sum(r["lost_s"].values()) == pytest.approx(r["wall_s"], rel=1e-3)
     text = rankscope("reliability", "--store", str(store))
     assert text.returncode == 0 and "attempt 1" in text.stdout and "ETTR" in text.stdout, text.stdout
+    own = json.loads(
+        rankscope(
+            "reliability", "--store", str(store), "--json", "--failures-per-1000-node-days", "store"
+        ).stdout
+    )
+    node_days = r["nodes"] * r["wall_s"] / 86_400  # the store's only job: its one failure over its node-days
+    assert own["failures_per_node_day"] == pytest.approx(1 / node_days, rel=1e-3)
+    assert any("1 failures in" in n for n in own["notes"]) and own["mttf_s"] < r["mttf_s"]
 
     eff = rankscope("efficiency", "--store", str(store), "--json")
     assert eff.returncode == 0, eff.stderr
