@@ -15,7 +15,7 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import HTMLResponse
 
 from diagnosis import Diagnosis
-from renderers.html import page, reliability_section, render_report
+from renderers.html import efficiency_section, page, reliability_section, render_report
 
 from .auth import need_read
 from .deps import Svc, known_job, known_ticket
@@ -94,6 +94,8 @@ def job_page(job: str, svc: Svc) -> HTMLResponse:
         f'{js.steps_per_s:.2f} steps/s · diagnosed {_time(js.diagnosed_us)} · <a href="/">all jobs</a></p>'
         f"<h2>Tickets</h2>{_ticket_rows(tickets)}"
     )
+    if (e := svc.efficiency(job)) is not None:
+        extra += efficiency_section(e)
     if (r := svc.reliability(job)) is not None:
         extra += reliability_section(r)
     head = _refresh(state != "ended") + f"<style>{_CSS}</style>"

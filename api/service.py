@@ -21,6 +21,8 @@ from typing import Any
 from aggregator import RankscopeError, Store, ingest
 from aggregator.consumer import Aggregator, BatchSettings, KafkaSettings
 from diagnosis import Diagnosis, Finding, JobData, diagnose, read_job
+from diagnosis.efficiency import Efficiency
+from diagnosis.efficiency import measure as measure_efficiency
 from diagnosis.ettr import Reliability, measure, read_run
 
 from . import storage
@@ -245,6 +247,17 @@ class Service:
         return Diagnosis(
             job=doc["job"], findings=[Finding(**f) for f in doc["findings"]], analyzed=doc["analyzed"]
         )
+
+    def efficiency(self, job: str) -> Efficiency | None:
+        """Where the job's recent time went, per rank (None before its first step)."""
+        js = self.jobs.get(job)
+        since = js.last_us - int(self.settings.recent_s * 1e6) if js is not None else None
+        with self.lock:
+            steps = self.store.steps(job, since_us=since)
+            windows, ranks = self.store.windows(job), self.store.ranks(job)
+        if since is not None and not windows.empty:
+            windows = windows[windows["time_us"] >= since]
+        return measure_efficiency(job, steps, windows, ranks) if not steps.empty else None
 
     def reliability(self, job: str) -> Reliability | None:
         """The job's ETTR so far and the time it lost (None before its first step)."""

@@ -14,6 +14,7 @@ from typing import Any
 import pandas as pd
 
 from diagnosis import Diagnosis, Finding, JobData
+from diagnosis.efficiency import Efficiency
 from diagnosis.ettr import Reliability
 
 TOP_FUNCTIONS = 20
@@ -382,4 +383,26 @@ def reliability_section(r: Reliability) -> str:
         f'<table class="list"><tr><th>lost to</th><th>s</th><th>of wall</th></tr>{lost}</table>'
         f'<table class="list"><tr><th>attempt</th><th>from s</th><th>steps</th><th>redone</th>'
         f"<th>hung s</th><th>restart s</th></tr>{attempts}</table>{notes}"
+    )
+
+
+def efficiency_section(e: Efficiency) -> str:
+    """Where the job's time goes per rank, as an HTML section."""
+
+    def pct(x: float | None) -> str:
+        return "—" if x is None else f"{100 * x:.1f}%"
+
+    rows = "".join(
+        f"<tr><td>{r.rank}</td><td>{_e(r.host)}</td><td>{r.step_ms:.1f}</td><td>{pct(r.compute)}</td>"
+        f"<td>{pct(r.comm_wait)}</td><td>{pct(r.data_wait)}</td><td>{pct(r.overhead)}</td></tr>"
+        for r in e.ranks
+    )
+    s = e.shares
+    notes = "".join(f'<p class="note">{_e(n)}</p>' for n in e.notes)
+    return (
+        f"<h2>Where the time goes</h2><p>compute {pct(s['compute'])}, waiting for collectives "
+        f"{pct(s['comm_wait'])}, waiting for data {pct(s['data_wait'])}, host overhead and idle "
+        f"{pct(s['overhead'])} ({e.device})</p>"
+        '<table class="list"><tr><th>rank</th><th>host</th><th>step ms</th><th>compute</th>'
+        f"<th>collectives</th><th>data</th><th>overhead</th></tr>{rows}</table>{notes}"
     )

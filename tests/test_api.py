@@ -206,7 +206,16 @@ def test_a_job_id_with_slashes_has_its_routes_and_page(served: tuple[Service, Te
     svc.cycle(now_us=now + 1_000_000)
     auth = {"Authorization": f"Bearer {READ}"}
     quoted = quote(job, safe="")
-    for path in ("", "/diagnosis", "/diagnoses", "/heatmap", "/steps", "/windows", "/reliability"):
+    for path in (
+        "",
+        "/diagnosis",
+        "/diagnoses",
+        "/heatmap",
+        "/steps",
+        "/windows",
+        "/reliability",
+        "/efficiency",
+    ):
         for name in (job, quoted):
             r = client.get(f"/api/v1/jobs/{name}{path}", headers=auth)
             assert r.status_code == 200, (name, path, r.text)
@@ -302,6 +311,10 @@ def test_the_data_behind_the_pictures(served: tuple[Service, TestClient]) -> Non
     reliability = _get(client, "/api/v1/jobs/compute-r2/reliability")
     assert reliability == json.loads(json.dumps(measure(read_run(svc.store, "compute-r2")).to_dict()))
     assert 0 < reliability["ettr"] <= 1 and len(reliability["attempts"]) == 1
+    eff = _get(client, "/api/v1/jobs/compute-r2/efficiency")
+    assert [r["rank"] for r in eff["ranks"]] == [0, 1, 2, 3] and eff["shares"]["compute"] is not None
+    slow = max(eff["ranks"], key=lambda r: r["own"])
+    assert slow["rank"] == 2, "the slow device's rank spends the most of its step on its own work"
 
 
 def test_ticket_filters_and_actions_with_scopes(served: tuple[Service, TestClient]) -> None:
@@ -392,6 +405,7 @@ def test_pages_show_the_culprit_and_the_ticket(served: tuple[Service, TestClient
     page = client.get("/jobs/compute-r2").text
     assert "rank 2" in page and "compute" in page and t.id in page
     assert "<h2>Reliability</h2>" in page and "ETTR" in page and "no restarts seen" in page
+    assert "<h2>Where the time goes</h2>" in page
     ticket = client.get(f"/tickets/{t.id}").text
     assert "Timeline" in ticket and "ranks 2" in ticket and "compute-r2" in ticket
     client.cookies.clear()

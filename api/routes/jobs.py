@@ -67,6 +67,16 @@ def get_reliability(job: str, svc: Svc) -> dict[str, Any]:
     return r.to_dict()
 
 
+@router.get("/{job:path}/efficiency")
+def get_efficiency(job: str, svc: Svc) -> dict[str, Any]:
+    """Where the job's recent time went per rank (compute, collective wait, data wait, overhead), in
+    the shape ``rankscope efficiency --json`` prints for the same steps."""
+    e = svc.efficiency(known_job(svc, job).job)
+    if e is None:
+        raise HTTPException(404, f"job {job!r} has no steps yet")
+    return e.to_dict()
+
+
 @router.get("/{job:path}/heatmap")
 def get_heatmap(job: str, svc: Svc) -> dict[str, Any]:
     """Rank x function: each shown function's ms per step on each rank, from the profiling windows."""
