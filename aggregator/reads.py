@@ -178,6 +178,19 @@ class Reads:
         )
         return self._frame(sql, {"job": job}, HEARTBEATS.column_names)
 
+    def gpu_usage(self, job: str, since_us: int | None = None) -> pd.DataFrame:
+        """Per rank of ``job`` with NVML samples in its heartbeats (from ``since_us`` on, if given):
+        ``rank, gpu_util`` (the mean) ``, gpu_mem_mb`` (the largest), ``samples``."""
+        sql = (
+            "SELECT rank, avg(gpu_util) AS util, max(gpu_mem_mb) AS mem, count() AS samples "
+            f"FROM (SELECT DISTINCT rank, time_us, gpu_util, gpu_mem_mb FROM {self._t(HEARTBEATS)} "
+            "WHERE job = {job:String} AND gpu_util >= 0 AND time_us >= {since:Int64}) GROUP BY rank ORDER BY rank"
+        )
+        df = self._frame(sql, {"job": job, "since": since_us or 0}, ("rank", "util", "mem", "samples"))
+        return df.rename(
+            columns={"util": "gpu_util", "mem": "gpu_mem_mb"}
+        )  # an alias may not shadow a column
+
     def dead_letters(self, limit: int = 1000) -> pd.DataFrame:
         """Up to ``limit`` dead letters, ordered by source and position (raw values can be 1 MB each)."""
         # Positions are strings (a byte offset, a Kafka offset…): shorter first sorts numbers numerically.

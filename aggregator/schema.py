@@ -137,6 +137,8 @@ HEARTBEATS = Table(
         ("last_seq", "Map(String, Int64)"),
         ("stack", "String"),
         ("dropped", "Int64"),
+        ("gpu_util", "Float64"),  # schema 3
+        ("gpu_mem_mb", "Float64"),
     ),
     order_by=("job", "rank", "time_us"),
 )
@@ -438,13 +440,16 @@ def ensure_schema(client: Any, database: str = DEFAULT_DATABASE) -> None:
     log.debug("schema %s ready in database %s", STORE_VERSION, database)
 
 
-_ADD_SPINE = "ADD COLUMN IF NOT EXISTS `spine` LowCardinality(String) DEFAULT '' AFTER `switch`"
+_TO_3 = {
+    "ranks": ["ADD COLUMN IF NOT EXISTS `spine` LowCardinality(String) DEFAULT '' AFTER `switch`"],
+    "heartbeats": [
+        "ADD COLUMN IF NOT EXISTS `gpu_util` Float64 DEFAULT -1",
+        "ADD COLUMN IF NOT EXISTS `gpu_mem_mb` Float64 DEFAULT -1",
+    ],
+}
 MIGRATIONS: dict[str, dict[str, list[str]]] = {
-    "rankscope schema 1": {
-        "steps": ["ADD COLUMN IF NOT EXISTS `n_steps` Int64 DEFAULT 1"],
-        "ranks": [_ADD_SPINE],
-    },
-    "rankscope schema 2": {"ranks": [_ADD_SPINE]},
+    "rankscope schema 1": {"steps": ["ADD COLUMN IF NOT EXISTS `n_steps` Int64 DEFAULT 1"], **_TO_3},
+    "rankscope schema 2": _TO_3,
 }
 """For each older schema's comment, the ALTERs that bring its tables (by name) to this version."""
 

@@ -255,9 +255,10 @@ class Service:
         with self.lock:
             steps = self.store.steps(job, since_us=since)
             windows, ranks = self.store.windows(job), self.store.ranks(job)
+            gpu = self.store.gpu_usage(job, since_us=since)
         if since is not None and not windows.empty:
             windows = windows[windows["time_us"] >= since]
-        return measure_efficiency(job, steps, windows, ranks) if not steps.empty else None
+        return measure_efficiency(job, steps, windows, ranks, gpu) if not steps.empty else None
 
     def reliability(self, job: str) -> Reliability | None:
         """The job's ETTR so far and the time it lost (None before its first step)."""

@@ -9,7 +9,8 @@ overhead — Python, the optimizer's bookkeeping, launches — and idling. Witho
 time stays one figure (``compute`` is None).
 
 ``device_hours``: the job's wall time on all its ranks; ``idle_device_hours``: the part of it not
-computing, the figure a fleet list ranks jobs by.
+computing, the figure a fleet list ranks jobs by. Where the hook could read NVML (``pynvml`` and a
+GPU), each rank also gets its GPU's mean utilization and its memory in use from the heartbeats.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ class RankEfficiency:
     overhead: float | None
     """Host overhead and idling: ``own - compute``."""
     windows: int
+    gpu_util: float | None = None
+    """NVML's mean utilization of the rank's GPU over its heartbeats, percent (None: not sampled)."""
+    gpu_mem_mb: float | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -56,9 +60,12 @@ class Efficiency:
         return asdict(self)
 
 
-def measure(job: str, steps: pd.DataFrame, windows: pd.DataFrame, ranks: pd.DataFrame) -> Efficiency:
+def measure(
+    job: str, steps: pd.DataFrame, windows: pd.DataFrame, ranks: pd.DataFrame, gpu: pd.DataFrame | None = None
+) -> Efficiency:
     """The split of ``job``'s time from its ``steps`` (``rank, start_us, dur_us, data_us, comm_us``),
-    ``windows`` (``rank, busy``) and ``ranks`` (``rank, host, device``)."""
+    ``windows`` (``rank, busy``), ``ranks`` (``rank, host, device``) and ``gpu`` (``rank, gpu_util,
+    gpu_mem_mb``: NVML's samples, where the heartbeats carried them)."""
     if steps.empty:
         raise ValueError(f"job {job!r} has no steps: nothing to measure")
     per = steps.groupby("rank").agg(
@@ -86,6 +93,7 @@ def measure(job: str, steps: pd.DataFrame, windows: pd.DataFrame, ranks: pd.Data
         if not ranks.empty
         else {}
     )
+    nvml = {int(g["rank"]): g for _, g in gpu.iterrows()} if gpu is not None and not gpu.empty else {}
     out = []
     for rank, r in per.iterrows():
         dur = max(float(r["dur"]), 1.0)
@@ -103,6 +111,8 @@ def measure(job: str, steps: pd.DataFrame, windows: pd.DataFrame, ranks: pd.Data
                 compute=round(own * share, 4) if share is not None else None,
                 overhead=round(own * (1 - share), 4) if share is not None else None,
                 windows=n_windows.get(int(rank), 0),
+                gpu_util=round(float(nvml[int(rank)]["gpu_util"]), 1) if int(rank) in nvml else None,
+                gpu_mem_mb=round(float(nvml[int(rank)]["gpu_mem_mb"]), 1) if int(rank) in nvml else None,
             )
         )
     known = [r for r in out if r.compute is not None]

@@ -31,6 +31,7 @@ from . import ddp
 from .blocks import StepBlocks
 from .collectives import CollectiveTracker
 from .config import Config, Identity
+from .gpu import GpuSampler
 from .netstat import Counters, send_patterns, tcp_counters
 from .schedstat import Waits, run_queue_wait, wait_pattern
 from .schedule import Schedule
@@ -112,8 +113,11 @@ class Hook:
                 attempt=ident.attempt,
             )
         )
+        gpu = GpuSampler(_cuda_device()) if _cuda() else None
         self.watchdog = Watchdog(
-            make=lambda **kw: Heartbeat(**self._origin(), dropped=self.shipper.dropped, **kw),
+            make=lambda **kw: Heartbeat(
+                **self._origin(), dropped=self.shipper.dropped, **kw, **(gpu.sample() if gpu else {})
+            ),
             submit=self.shipper.submit,
             # Paused, the hook watches no steps: it must not read its own pause as a stall.
             progress=lambda: (self.step_num, time.perf_counter_ns() if self.paused else self._mark_ns),
@@ -417,6 +421,12 @@ def _closing_at_exit(hook: Hook) -> None:
             if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
                 signal.signal(signal.SIGTERM, _on_sigterm)
     _OPEN.add(hook)
+
+
+def _cuda_device() -> int:
+    import torch
+
+    return int(torch.cuda.current_device())
 
 
 def _cuda() -> bool:

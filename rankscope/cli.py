@@ -202,7 +202,9 @@ def _efficiency(a: argparse.Namespace) -> int:
 
     def one(store: Any, job: str) -> Any:
         steps = store.steps(job)
-        return measure(job, steps, store.windows(job), store.ranks(job)) if not steps.empty else None
+        if steps.empty:
+            return None
+        return measure(job, steps, store.windows(job), store.ranks(job), store.gpu_usage(job))
 
     with _reading(a) as store:
         if not a.fleet:

@@ -138,12 +138,14 @@ def format_efficiency(e: Efficiency) -> str:
         f"{e.device_hours:.3f} device-hours, {idle} of them not computing",
         f"  job: compute {_pct(s['compute'])}, waiting for collectives {_pct(s['comm_wait'])}, "
         f"waiting for data {_pct(s['data_wait'])}, host overhead and idle {_pct(s['overhead'])}",
-        f"  {'rank':>5} {'host':<12} {'step ms':>8} {'compute':>8} {'comm':>7} {'data':>7} {'overhead':>9} windows",
+        f"  {'rank':>5} {'host':<12} {'step ms':>8} {'compute':>8} {'comm':>7} {'data':>7} {'overhead':>9} windows"
+        + ("  GPU util  GPU MiB" if any(r.gpu_util is not None for r in e.ranks) else ""),
     ]
     for r in e.ranks:
         lines.append(
             f"  {r.rank:>5} {r.host[:12]:<12} {r.step_ms:>8.1f} {_pct(r.compute):>8} {_pct(r.comm_wait):>7} "
             f"{_pct(r.data_wait):>7} {_pct(r.overhead):>9} {r.windows:>7}"
+            + (f"  {r.gpu_util:>7.1f}% {r.gpu_mem_mb:>8.0f}" if r.gpu_util is not None else "")
         )
     lines += [f"  note: {n}" for n in e.notes]
     return "\n".join(printable(line) for line in lines)

@@ -780,3 +780,28 @@ def test_topology_comes_from_kubernetes_node_labels_through_a_configured_mapping
     assert "unknown level 'rack'" in caplog.text
     ident = Identity.from_env(rank=0, world_size=1)  # this machine: no labels file, its host name
     assert ident.host == (os.environ.get("RANKSCOPE_HOST") or socket.gethostname())
+
+
+def test_nvml_samples_the_ranks_own_gpu_through_cuda_visible_devices(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No GPU here: a stand-in ``pynvml`` module answers as NVML would, to test the mapping and
+    the samples; on a GPU the real one does (nothing here needs it)."""
+    from types import SimpleNamespace
+
+    from profiler_hook.gpu import GpuSampler
+
+    fake = SimpleNamespace(
+        nvmlInit=lambda: None,
+        nvmlDeviceGetHandleByIndex=lambda i: ("index", i),
+        nvmlDeviceGetHandleByUUID=lambda u: ("uuid", u),
+        nvmlDeviceGetUtilizationRates=lambda h: SimpleNamespace(gpu=87),
+        nvmlDeviceGetMemoryInfo=lambda h: SimpleNamespace(used=3 << 30),
+    )
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,GPU-5f2e")
+    first, second = GpuSampler(0), GpuSampler(1)
+    assert (first._handle, second._handle) == (("index", 3), ("uuid", "GPU-5f2e"))
+    assert first.sample() == {"gpu_util": 87.0, "gpu_mem_mb": 3072.0}
+    fake.nvmlDeviceGetUtilizationRates = lambda h: (_ for _ in ()).throw(RuntimeError("GPU is lost"))
+    assert first.sample() == {}, "a failing NVML call gives no sample, never an exception"
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # not installed: import fails
+    assert GpuSampler(0).sample() == {}

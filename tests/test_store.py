@@ -16,6 +16,7 @@ import json
 import logging
 import os
 from collections.abc import Iterable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
@@ -213,6 +214,8 @@ def test_a_store_of_schema_1_is_migrated_and_its_rows_read_as_before(store: Stor
     # What schema 1 had: steps without n_steps, ranks without spine, every table's comment saying so.
     store.client.command(f"ALTER TABLE {store.database}.steps DROP COLUMN n_steps")
     store.client.command(f"ALTER TABLE {store.database}.ranks DROP COLUMN spine")
+    for column in ("gpu_util", "gpu_mem_mb"):
+        store.client.command(f"ALTER TABLE {store.database}.heartbeats DROP COLUMN {column}")
     for name in TABLES:
         store.client.command(f"ALTER TABLE {store.database}.{name} MODIFY COMMENT 'rankscope schema 1'")
     ensure_schema(store.client, store.database)
@@ -901,3 +904,16 @@ def test_any_json_value_is_stored_exactly_as_sent_or_dead_lettered(
         assert dead[0][0] and not stored, (dead, stored)
     else:
         assert sorted(stored) == sorted(_expected(kind, d)), raw
+
+
+def test_nvml_samples_in_heartbeats_give_each_ranks_gpu_use(store: Store) -> None:
+    from diagnosis.efficiency import measure
+
+    sampled = [replace(heartbeat(0, T0 + i * 1_000_000, i), gpu_util=u, gpu_mem_mb=m) for i, (u, m) in
+               enumerate([(80.0, 1000.0), (90.0, 3000.0)])]  # fmt: skip
+    store.write([*sampled, sampled[0], heartbeat(1, T0, 0), steps(0, 0, 5), steps(1, 0, 5)])
+    gpu = store.gpu_usage(JOB)
+    assert gpu.to_dict("records") == [{"rank": 0, "gpu_util": 85.0, "gpu_mem_mb": 3000.0, "samples": 2}]
+    assert store.gpu_usage(JOB, since_us=T0 + 500_000)["gpu_util"].tolist() == [90.0]
+    e = measure(JOB, store.steps(JOB), store.windows(JOB), store.ranks(JOB), gpu)
+    assert [(r.rank, r.gpu_util, r.gpu_mem_mb) for r in e.ranks] == [(0, 85.0, 3000.0), (1, None, None)]

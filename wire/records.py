@@ -19,7 +19,8 @@ Record types:
 ``window``     one per profiling window: per-function execution patterns and busy fractions.
 ``checkpoint`` one per checkpoint saved or loaded inside ``Hook.checkpoint()``: when, how long it blocked.
 
-Readers ignore fields they do not know, so ``RankInfo.attempt``, ``.spine`` and the ``checkpoint`` type came
+Readers ignore fields they do not know, so ``RankInfo.attempt``, ``.spine``, the heartbeats' GPU
+samples and the ``checkpoint`` type came
 within version 2: an older aggregator stores the rest and dead-letters a checkpoint with its reason.
 """
 
@@ -152,6 +153,10 @@ class Heartbeat(_Base):
     """The main thread's Python stack, filled in when the rank is stalled."""
     dropped: int = 0
     """Records this rank dropped so far because its queue or transport was full."""
+    gpu_util: float = -1.0
+    """NVML: percent of the last sample period a kernel ran on the rank's GPU (-1: not read)."""
+    gpu_mem_mb: float = -1.0
+    """NVML: the GPU's memory in use, MiB (-1: not read)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
