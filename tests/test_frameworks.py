@@ -62,14 +62,12 @@ def test_the_lightning_callback_in_a_two_process_ddp_fit(tmp_path: Path) -> None
 def test_the_hugging_face_callback_in_a_two_process_trainer_under_torchrun(tmp_path: Path) -> None:
     pytest.importorskip("transformers", reason="pip install rankscope[hf] (./dev test installs it)")
     spool = tmp_path / "spool"
-    cmd = [
+    torchrun = [
         sys.executable,
         "-m",
         "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--master-port",
-        str(free_port()),
+        "--nproc-per-node=2",
+        f"--master-port={free_port()}",
     ]
-    _run([*cmd, str(JOBS / "hf_trainer.py"), str(spool), str(tmp_path / "out")], tmp_path)
+    _run([*torchrun, str(JOBS / "hf_trainer.py"), str(spool), str(tmp_path / "out")], tmp_path)
     _check(_records(spool, "hf-job"), 60)

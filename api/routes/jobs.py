@@ -6,6 +6,8 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, HTTPException, Query
 
+from diagnosis.efficiency import Efficiency
+from diagnosis.ettr import Reliability
 from renderers.html import heatmap_data, step_series
 
 from ..auth import need_read
@@ -61,20 +63,20 @@ def get_history(job: str, svc: Svc, limit: int = Query(50, ge=1, le=1000)) -> li
 def get_reliability(job: str, svc: Svc) -> dict[str, Any]:
     """ETTR, the time lost by cause, the attempts and the MTTF projection, in the shape
     ``rankscope reliability --json`` prints."""
-    r = svc.reliability(known_job(svc, job).job)
-    if r is None:
-        raise HTTPException(404, f"job {job!r} has no steps yet")
-    return r.to_dict()
+    return _measured(svc.reliability(known_job(svc, job).job), job)
 
 
 @router.get("/{job:path}/efficiency")
 def get_efficiency(job: str, svc: Svc) -> dict[str, Any]:
     """Where the job's recent time went per rank (compute, collective wait, data wait, overhead), in
     the shape ``rankscope efficiency --json`` prints for the same steps."""
-    e = svc.efficiency(known_job(svc, job).job)
-    if e is None:
+    return _measured(svc.efficiency(known_job(svc, job).job), job)
+
+
+def _measured(m: Reliability | Efficiency | None, job: str) -> dict[str, Any]:
+    if m is None:  # the measurements need steps
         raise HTTPException(404, f"job {job!r} has no steps yet")
-    return e.to_dict()
+    return m.to_dict()
 
 
 @router.get("/{job:path}/heatmap")
