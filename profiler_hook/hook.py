@@ -13,21 +13,17 @@ Every public method catches its own failures: the hook never raises into the tra
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
-import os
 import resource
-import signal
 import threading
 import time
-import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
 
 from wire.records import Checkpoint, FunctionPattern, Heartbeat, RankInfo, StepBatch, WindowSummary
 
-from . import ddp
+from . import ddp, exits
 from .blocks import StepBlocks
 from .collectives import CollectiveTracker
 from .config import Config, Identity
@@ -127,7 +123,7 @@ class Hook:
             main_thread_id=threading.get_ident(),
             tick=lambda: self.schedule.poll(self.step_num),
         )
-        _closing_at_exit(self)
+        exits.closing_at_exit(self)
 
     def _origin(self) -> dict[str, Any]:
         return {"job": self.cfg.job, "rank": self.ident.rank, "host": self.ident.host, "time_us": _now_us()}
@@ -266,7 +262,7 @@ class Hook:
         if not self.enabled:
             return
         self.enabled = False
-        _OPEN.discard(self)
+        exits.forget(self)
         deadline = time.monotonic() + timeout
         try:
             if self._prof is not None:
@@ -385,42 +381,6 @@ class Hook:
             )
         except Exception as exc:
             self._fail("summarizing a profiling window", exc)
-
-
-_OPEN: weakref.WeakSet[Hook] = weakref.WeakSet()
-"""Hooks not closed yet: the process's exit (or a SIGTERM) closes them, shipping their last steps."""
-_exit_hooks_installed = False
-EXIT_CLOSE_S = 2.0
-"""How long closing at exit may take, for all open hooks together."""
-
-
-def _close_open() -> None:
-    deadline = time.monotonic() + EXIT_CLOSE_S
-    for hook in list(_OPEN):
-        hook.close(max(0.1, deadline - time.monotonic()))
-
-
-def _on_sigterm(signum: int, frame: object) -> None:
-    """torchrun stops the surviving workers of a failed attempt with SIGTERM: ship the steps they
-    made since their last flush (what a restart's redone work is measured by), then die of the
-    signal as the process would have without the hook."""
-    with contextlib.suppress(Exception):
-        _close_open()
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    os.kill(os.getpid(), signal.SIGTERM)
-
-
-def _closing_at_exit(hook: Hook) -> None:
-    """Close ``hook`` when the process exits (normally, on an exception, or on a SIGTERM whose
-    handling the script left to the default) if the script does not close it itself."""
-    global _exit_hooks_installed
-    if not _exit_hooks_installed:
-        _exit_hooks_installed = True
-        atexit.register(_close_open)
-        with contextlib.suppress(ValueError):  # only the main thread may set a signal handler
-            if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-                signal.signal(signal.SIGTERM, _on_sigterm)
-    _OPEN.add(hook)
 
 
 def _cuda_device() -> int:

@@ -720,7 +720,8 @@ def test_the_hook_never_emits_nan_or_infinity() -> None:
 
 
 _UNCLOSED = """
-import os, signal, sys, time
+import os, signal, sys, threading, time
+from datetime import timedelta
 import profiler_hook
 hook = profiler_hook.attach(job="exit", spool_dir=sys.argv[1], rank=0, world_size=1, window_s=0, flush_s=60)
 for step in range(30):
@@ -729,16 +730,34 @@ for step in range(30):
 if sys.argv[2] == "sigterm":
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(10)  # the signal ends the process first
+elif sys.argv[2] == "sigterm-in-c":  # as a worker stuck in a collective whose peer died
+    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[3], rank=0, world_size=2,
+                            timeout=timedelta(seconds=120))  # the second rank never comes: blocks in C++
 """
 
 
-@pytest.mark.parametrize("end", ["return", "sigterm"])
+@pytest.mark.parametrize("end", ["return", "sigterm", "sigterm-in-c"])
 def test_a_hook_never_closed_ships_its_last_steps_when_the_process_ends(tmp_path: Path, end: str) -> None:
-    """torchrun stops a failed attempt's surviving workers with SIGTERM; scripts forget close()."""
+    """torchrun stops a failed attempt's surviving workers with SIGTERM (perhaps stuck in a
+    collective: they must still die at once, as without the hook); scripts forget close()."""
+    from rankscope.workload import free_port
+
+    t0 = time.monotonic()
     run = subprocess.run(
-        [sys.executable, "-c", _UNCLOSED, str(tmp_path), end], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", _UNCLOSED, str(tmp_path), end, str(free_port())],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
-    assert run.returncode == (-signal.SIGTERM if end == "sigterm" else 0), run.stderr[-2000:]
+    took = time.monotonic() - t0
+    # Dead of the signal (the handler, main thread free) or exit 143 (our thread, main thread stuck).
+    assert run.returncode in ((0,) if end == "return" else (-signal.SIGTERM, 128 + signal.SIGTERM)), (
+        run.stderr[-2000:]
+    )
+    if end == "sigterm-in-c":
+        assert run.returncode == 128 + signal.SIGTERM and took < 30, (run.returncode, took)
     rows = [
         row
         for path in tmp_path.rglob("*.jsonl")

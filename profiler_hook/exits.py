@@ -1,0 +1,84 @@
+"""Hooks the script never closed are closed when the process ends, so their last steps ship.
+
+* At a normal exit (or one on an uncaught exception): ``atexit``.
+* On SIGTERM, when the script left it to the default (torchrun stops a failed attempt's surviving
+  workers so): the steps since the last flush are what a restart's redone work is measured by.
+  The process then dies as it would have. A Python signal handler runs only when the main thread
+  runs Python again, and a worker stuck in a collective (a peer died) may not for minutes, where
+  the default would have ended it at once. So the signal also wakes a thread of ours (through
+  ``signal.set_wakeup_fd``) that closes the hooks and ends the process itself (exit status 143,
+  the shell's 128 + SIGTERM). Whichever comes first does it. If the script installs its own
+  SIGTERM handler later, or something else owns the wakeup fd (asyncio), the signal is theirs.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import signal
+import threading
+import time
+import weakref
+from typing import Any
+
+CLOSE_S = 2.0
+"""How long closing at exit may take, for all open hooks together."""
+
+_open: weakref.WeakSet[Any] = weakref.WeakSet()
+_installed = False
+_dying = threading.Lock()
+
+
+def closing_at_exit(hook: Any) -> None:
+    """Close ``hook`` (a ``Hook``) when the process ends, unless the script closes it first."""
+    global _installed
+    if not _installed:
+        _installed = True
+        atexit.register(_close_open)
+        _watch_sigterm()
+    _open.add(hook)
+
+
+def forget(hook: Any) -> None:
+    _open.discard(hook)
+
+
+def _close_open() -> None:
+    deadline = time.monotonic() + CLOSE_S
+    for hook in list(_open):
+        hook.close(max(0.1, deadline - time.monotonic()))
+
+
+def _watch_sigterm() -> None:
+    if threading.current_thread() is not threading.main_thread():
+        return  # only the main thread may set a signal handler
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return  # the script's own
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    if signal.set_wakeup_fd(w, warn_on_full_buffer=False) != -1:  # someone else's: give it back
+        signal.set_wakeup_fd(-1)
+        os.close(r)
+        os.close(w)
+        return
+    threading.Thread(target=_wake_on_sigterm, args=(r,), name="rankscope-sigterm", daemon=True).start()
+
+
+def _wake_on_sigterm(r: int) -> None:
+    while data := os.read(r, 64):  # one byte per signal that has a Python handler
+        ours = signal.SIGTERM in data and signal.getsignal(signal.SIGTERM) is _on_sigterm
+        if ours and _dying.acquire(blocking=False):
+            with contextlib.suppress(Exception):
+                _close_open()
+            os._exit(128 + signal.SIGTERM)
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    if not _dying.acquire(blocking=False):
+        return  # the thread is on it
+    with contextlib.suppress(Exception):
+        _close_open()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
