@@ -66,4 +66,7 @@ def run_demo(
     (out / "diagnosis.json").write_text(json.dumps(result, indent=2))
     report = write_report(out / "report.html", diagnosis, data)
     print(f"[4/4] wrote {out / 'diagnosis.json'} and {report}")
+    print(
+        f"      more of this job: rankscope efficiency --store {store_dir}  (or reliability, diagnose --json)"
+    )
     return result
