@@ -214,7 +214,7 @@ def measure(
         last = int(step[own].max()) if own.any() else -1
         end = float(hi[own].max()) if own.any() else float(starts[k])
         if b.any() and int(beat_step[b].max()) > last:  # it got further than the steps it shipped
-            last = int(beat_step[b].max())
+            last = int(beat_step[b].max())  # a heartbeat's step: the last one the rank finished
             at = b & (beat_step == last)
             end = max(end, float((beat_t[at] - beat_age[at] * 1e6).min()))
         alive = max(end, float(beat_t[b].max())) if b.any() else end
@@ -234,7 +234,10 @@ def measure(
             if last >= resumed:
                 redone = last - resumed + 1
                 before = (which == k) & (step == resumed - 1)  # its last step the next one kept
-                redo = end - (float(hi[before].max()) if before.any() else float(lo[which == k].min()))
+                redo = max(
+                    0.0, end - (float(hi[before].max()) if before.any() else float(lo[which == k].min()))
+                )
+                redone = redone if redo > 0 else 0
             hang = alive - end if alive - end >= stall_s * 1e6 else 0.0
             restart = max(0.0, next_lo - end - hang)
             lost["restart"] += restart

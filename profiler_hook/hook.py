@@ -61,6 +61,8 @@ class Hook:
         """Hook calls that failed (and were logged): the training loop never sees them."""
         self._warm = threading.Event()
         self.step_num = -1
+        self._finished = -1
+        """The last step that ended (``step_num`` is the one begun): what heartbeats report."""
         self._blocks = StepBlocks(cfg.step_block_s)
         self._last_flush = time.perf_counter()
         self._mark_ns = time.perf_counter_ns()
@@ -116,7 +118,7 @@ class Hook:
             ),
             submit=self.shipper.submit,
             # Paused, the hook watches no steps: it must not read its own pause as a stall.
-            progress=lambda: (self.step_num, time.perf_counter_ns() if self.paused else self._mark_ns),
+            progress=lambda: (self._finished, time.perf_counter_ns() if self.paused else self._mark_ns),
             tracker=self.tracker,
             interval_s=cfg.heartbeat_s,
             stall_s=cfg.stall_s,
@@ -179,6 +181,7 @@ class Hook:
                 nivcsw - self._usage[1],
             )
             self._usage = (cpu_us, nivcsw)
+            self._finished = self.step_num
             self.schedule.note_step(self.step_num, now - self._mark_ns)
             self._mark_ns, self._data_ns = now, 0
             self._maybe_stop_window()

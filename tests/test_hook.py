@@ -412,9 +412,11 @@ def test_stalled_rank_heartbeat_carries_its_stack() -> None:
     t.start()
     t.join()
     hook.end_step()
+    after = hook.watchdog.beat()
     hook.close(timeout=30)
     assert hb[0].progress_age_s >= 0.05
     assert "test_stalled_rank_heartbeat_carries_its_stack" in hb[0].stack
+    assert (hb[0].step, after.step) == (-1, 0), "a heartbeat names the last step finished, not the one begun"
 
 
 def test_a_paused_hook_is_not_a_stalled_rank() -> None:

@@ -120,9 +120,10 @@ def test_a_rank_killed_under_torchrun_restarts_the_job_and_reliability_measures_
     )
     assert second["first_step"] % 15 == 1, "...one step after the checkpoint's"
     assert first["last_step"] >= second["first_step"] - 1 and first["restart_s"] > 0
-    # The killed rank's peer shipped its last steps as torchrun stopped it (the hook closes on SIGTERM).
-    assert first["redone_steps"] == first["last_step"] - second["first_step"] + 1 > 0
-    assert r["lost_s"]["redo"] == first["redo_s"] > 0
+    # The killed rank's peer shipped its last steps as torchrun stopped it (the hook closes on
+    # SIGTERM); none are redone only if the kill came right after a checkpoint (1 run in 15).
+    assert first["redone_steps"] == max(0, first["last_step"] - second["first_step"] + 1)
+    assert r["lost_s"]["redo"] == first["redo_s"] and (first["redo_s"] > 0) == (first["redone_steps"] > 0)
     assert r["saves"] >= 2 and r["loads"] == 1 and r["write_s"] > 0 and r["interval_s"] > 0
     assert r["restart_s"] == first["restart_s"] and r["expected_ettr"] is not None
     assert set(r["lost_s"]) == set(CAUSES) and r["lost_s"]["restart"] >= first["restart_s"]
