@@ -216,7 +216,9 @@ def _heatmap(data: JobData, diagnosis: Diagnosis, culprits: list[int], hosts: di
     if wide.empty:
         return head + '<p class="note">No profiling windows were recorded for this job.</p>'
     named = {f.function for f in diagnosis.findings}
-    cols = _columns(wide, named)
+    parts = _step_parts(data, wide.columns)
+    cols: list[_Column] = [(key, []) for key in parts.index] + _columns(wide, named)
+    wide = pd.concat([parts, wide])
     ranks = _sample([int(r) for r in wide.columns], culprits, MAX_ROWS)
     more = f"; {len(ranks)} of {wide.shape[1]} ranks shown" if len(ranks) < wide.shape[1] else ""
     note = (
@@ -224,10 +226,26 @@ def _heatmap(data: JobData, diagnosis: Diagnosis, culprits: list[int], hosts: di
         "(red: slower than its peers, blue: faster; ∞: only some ranks run it). Hover for ms per step. "
         f"The {len(cols)} functions with the most time; collectives, enclosing frames and functions timed "
         f"the same as a shown one (listed in its tooltip) are left out{more}. "
-        "Functions a finding names are marked ▼.</p>"
+        "Functions a finding names are marked ▼. The first columns split each rank's whole step, "
+        "from the always-on rows: waiting for its batch, waiting in collectives, and its own work.</p>"
     )
     rows = [(r, f"rank {r} · {hosts.get(r, '?')}", r in culprits) for r in ranks]
     return head + note + _heatmap_svg(wide, cols, rows, named)
+
+
+STEP_PARTS = {"data_us": "waiting for data", "comm_us": "waiting in collectives", "own_us": "own work"}
+
+
+def _step_parts(data: JobData, ranks: pd.Index) -> pd.DataFrame:
+    """Each rank's mean time per step (us) waiting for data, waiting in collectives and on its own
+    work, as heatmap rows of kind ``step`` (the breakdown ``rankscope efficiency`` gives)."""
+    if data.steps.empty:
+        return pd.DataFrame(columns=ranks)
+    st = data.steps.assign(**{c: data.steps.get(c, 0.0) for c in ("data_us", "comm_us")})
+    st = st.assign(own_us=st["dur_us"] - st["data_us"] - st["comm_us"])
+    per = st.groupby("rank")[list(STEP_PARTS)].mean().T.reindex(columns=ranks, fill_value=0.0)
+    per.index = pd.MultiIndex.from_tuples([("step", STEP_PARTS[c]) for c in per.index])
+    return per
 
 
 def _heatmap_svg(

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from diagnosis import Diagnosis, Finding, JobData
-from renderers.html import MAX_POINTS, TOP_FUNCTIONS, _short, write_report
+from renderers.html import MAX_POINTS, STEP_PARTS, TOP_FUNCTIONS, _short, write_report
 
 RANKS = 4
 CULPRIT = 2
@@ -133,8 +133,9 @@ def test_findings_header_and_culprit_highlighted(tmp_path: Path, diagnosis: Diag
 def test_one_cell_per_rank_and_function_shown(tmp_path: Path, diagnosis: Diagnosis, data: JobData) -> None:
     text, page = _write(tmp_path, diagnosis, data)
     columns = page.having("text", "col")
-    assert len(columns) == TOP_FUNCTIONS
+    assert len(columns) == len(STEP_PARTS) + TOP_FUNCTIONS  # the step's split, then the functions
     assert len(page.having("g", "cell")) == RANKS * len(columns)
+    assert all(f">{part}<" in text for part in STEP_PARTS.values())
     assert "▼ aten::linear" in text  # the finding's function is shown, and marked
     assert "all_reduce@world" not in text and "_train" not in text  # collectives, enclosing frames
 
@@ -151,8 +152,12 @@ def test_cells_are_ratios_to_the_median_over_ranks(
     )
     text, _ = _write(tmp_path, diagnosis, data)
     cells = re.findall(r'<g class="cell">.*?<text[^>]*>([^<]*)</text></g>', text)
+    per_row = len(STEP_PARTS) + 2
+    functions_only = [c for i, c in enumerate(cells) if i % per_row >= len(STEP_PARTS)]
     # rows = ranks, columns by total time: aten::linear (3, 3, 6, 3 ms), aten::sometimes (0, 2.5, 2.5, 2.5)
-    assert cells == ["1.00", "0.00", "1.00", "1.00", "2.00", "1.00", "1.00", "1.00"]
+    assert functions_only == ["1.00", "0.00", "1.00", "1.00", "2.00", "1.00", "1.00", "1.00"]
+    own = [float(c) for i, c in enumerate(cells) if i % per_row == len(STEP_PARTS) - 1]
+    assert max(own) == own[CULPRIT] > 1, "the slow rank's own work per step, against the median"
     assert "6.000 ms/step (median over ranks 3.000 ms)" in text
 
 
