@@ -58,8 +58,9 @@ def _watch_sigterm() -> None:
     signal.signal(signal.SIGTERM, _on_sigterm)
     r, w = os.pipe()
     os.set_blocking(w, False)
-    if signal.set_wakeup_fd(w, warn_on_full_buffer=False) != -1:  # someone else's: give it back
-        signal.set_wakeup_fd(-1)
+    theirs = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    if theirs != -1:  # someone else's (asyncio's): give it back
+        signal.set_wakeup_fd(theirs)
         os.close(r)
         os.close(w)
         return
