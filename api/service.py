@@ -22,7 +22,7 @@ from aggregator import RankscopeError, Store, ingest
 from aggregator.consumer import Aggregator, BatchSettings, KafkaSettings
 from diagnosis import Diagnosis, Finding, JobData, diagnose, read_job
 from diagnosis.efficiency import Efficiency
-from diagnosis.efficiency import measure as measure_efficiency
+from diagnosis.efficiency import read as read_efficiency
 from diagnosis.ettr import Reliability, measure, read_run
 
 from . import storage
@@ -253,12 +253,7 @@ class Service:
         js = self.jobs.get(job)
         since = js.last_us - int(self.settings.recent_s * 1e6) if js is not None else None
         with self.lock:
-            steps = self.store.steps(job, since_us=since)
-            windows, ranks = self.store.windows(job), self.store.ranks(job)
-            gpu = self.store.gpu_usage(job, since_us=since)
-        if since is not None and not windows.empty:
-            windows = windows[windows["time_us"] >= since]
-        return measure_efficiency(job, steps, windows, ranks, gpu) if not steps.empty else None
+            return read_efficiency(self.store, job, since)
 
     def reliability(self, job: str) -> Reliability | None:
         """The job's ETTR so far and the time it lost (None before its first step)."""

@@ -16,7 +16,7 @@ GPU), each rank also gets its GPU's mean utilization and its memory in use from 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import pandas as pd
@@ -144,3 +144,24 @@ def measure(
         else None,
         notes=notes,
     )
+
+
+class EfficiencyReader(Protocol):
+    """What :func:`read` needs of a store (``aggregator.Store`` has it)."""
+
+    def steps(self, job: str, since_step: int | None = None, since_us: int | None = None) -> pd.DataFrame: ...
+    def windows(self, job: str) -> pd.DataFrame: ...
+    def ranks(self, job: str) -> pd.DataFrame: ...
+    def gpu_usage(self, job: str, since_us: int | None = None) -> pd.DataFrame: ...
+
+
+def read(store: EfficiencyReader, job: str, since_us: int | None = None) -> Efficiency | None:
+    """:func:`measure` of ``job``'s records in ``store`` (from ``since_us`` on, if given); None
+    before its first step."""
+    steps = store.steps(job, since_us=since_us)
+    if steps.empty:
+        return None
+    windows = store.windows(job)
+    if since_us is not None and not windows.empty:
+        windows = windows[windows["time_us"] >= since_us]
+    return measure(job, steps, windows, store.ranks(job), store.gpu_usage(job, since_us=since_us))

@@ -197,22 +197,16 @@ def _reliability(a: argparse.Namespace) -> int:
 
 def _efficiency(a: argparse.Namespace) -> int:
     from aggregator import UsageError
-    from diagnosis.efficiency import measure
+    from diagnosis.efficiency import read
     from renderers.text import format_efficiency, format_fleet, printable
-
-    def one(store: Any, job: str) -> Any:
-        steps = store.steps(job)
-        if steps.empty:
-            return None
-        return measure(job, steps, store.windows(job), store.ranks(job), store.gpu_usage(job))
 
     with _reading(a) as store:
         if not a.fleet:
-            if (e := one(store, job := _pick_job(a, store))) is None:
+            if (e := read(store, job := _pick_job(a, store))) is None:
                 raise UsageError(f"job {printable(job)!r} has no steps yet: nothing to measure")
             print(json.dumps(e.to_dict(), indent=2) if a.json else format_efficiency(e), flush=True)
             return 0
-        fleet = [e for job in store.jobs()["job"] if (e := one(store, str(job))) is not None]
+        fleet = [e for job in store.jobs()["job"] if (e := read(store, str(job))) is not None]
     fleet.sort(key=lambda e: -(e.idle_device_hours if e.idle_device_hours is not None else e.device_hours))
     print(json.dumps([e.to_dict() for e in fleet], indent=2) if a.json else format_fleet(fleet), flush=True)
     return 0
