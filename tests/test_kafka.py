@@ -49,8 +49,14 @@ from wire.records import (
 )
 
 pytestmark = pytest.mark.kafka
-MAX_STEP_S = 0.05
-"""No training step may spend longer than this in the hook (where waiting on a broker would show)."""
+MAX_STEP_S = 0.25
+"""No training step may spend longer than this in the hook (where waiting on a broker would show).
+
+A step that waited on the broker would wait at least the producer's ``max_block_ms`` (1 s) or the
+outage itself (seconds). The bound sits well under both, and above what a busy 2-core CI runner adds
+to a step that waits on nothing: with a Java broker, an aggregator starting up and the shipper's
+thread sharing two cores, one step in the broker-up phase measured 149 ms of pure scheduling delay.
+"""
 FAST_GROUP = {"session_timeout_ms": 3000, "heartbeat_interval_ms": 500}
 """Consumer-group timings that let the tests' rebalances finish in seconds."""
 
