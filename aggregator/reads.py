@@ -8,7 +8,7 @@ twice count once; job values travel as bound parameters, never spliced into SQL.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 import pandas as pd
@@ -31,6 +31,10 @@ from .schema import (
 )
 
 log = logging.getLogger(__name__)
+
+
+STEP_COLUMNS = [c for c in STEPS.column_names if c not in ("job", "host", "n_steps")]
+"""The columns of :meth:`Reads.steps`."""
 
 
 class SpoolOffset(NamedTuple):
@@ -99,15 +103,29 @@ class Reads:
         return self._select(RANKS, job, "", {}, "rank")
 
     def steps(
-        self, job: str, since_step: int | None = None, since_us: int | None = None, rank: int | None = None
+        self,
+        job: str,
+        since_step: int | None = None,
+        since_us: int | None = None,
+        rank: int | None = None,
+        after_us: Sequence[int] | None = None,
     ) -> pd.DataFrame:
         """One row per step of ``job`` (only steps ``>= since_step``, those of rows that ended
         after ``since_us``, and those of ``rank``, if given), ordered by rank and step: the stored
         rows of ``n_steps`` steps each read back as that many steps with the row's mean values
-        (durations and counts as floats)."""
+        (durations and counts as floats). Without the ``job`` and ``host`` columns: strings
+        cost more to read than all the numbers (``ranks`` has each rank's host).
+
+        ``after_us[r]``: of rank ``r`` only the rows that ended after it (all rows of the ranks
+        past the list's end): what the store gained since a reader last saw each rank's rows end
+        there, as a rank's rows end one after another (a restarted rank's too)."""
         where, params = "", dict[str, Any]()
         if rank is not None:
             where, params = "AND rank = {rank:Int32}", {"rank": rank}
+        if after_us is not None:
+            # Past the array's end arrayElement gives 0: every row (ends are epoch microseconds).
+            where = f"{where} AND start_us + dur_us > arrayElement({{after_us:Array(Int64)}}, rank + 1)"
+            params["after_us"] = [int(x) for x in after_us]
         if since_step is not None:
             where, params = (
                 f"{where} AND step + n_steps > {{since_step:Int64}}",
@@ -154,13 +172,22 @@ class Reads:
         return self._select(WINDOWS, job, "", {}, "window, rank")
 
     def functions(
-        self, job: str, windows: list[int] | None = None, since_us: int | None = None
+        self,
+        job: str,
+        windows: list[int] | None = None,
+        since_us: int | None = None,
+        from_window: Sequence[int] | None = None,
     ) -> pd.DataFrame:
         """Function patterns of ``job``: of the given ``windows`` only if not None, of the windows
-        taken from ``since_us`` on if given."""
+        taken from ``since_us`` on if given, of rank ``r``'s windows numbered ``from_window[r]``
+        or later if given (every window of the ranks past the list's end)."""
         where, params = "", dict[str, Any]()
         if windows is not None:
             where, params = "AND window IN {windows:Array(Int64)}", {"windows": list(windows)}
+        if from_window is not None:
+            # Past the array's end arrayElement gives 0: every window (they are numbered from 0).
+            where += " AND window >= arrayElement({from_window:Array(Int64)}, rank + 1)"
+            params["from_window"] = [int(x) for x in from_window]
         if since_us is not None:
             where += (
                 f" AND window IN (SELECT window FROM {self._t(WINDOWS)} "
@@ -215,11 +242,11 @@ class Reads:
         # A rank restarted from a checkpoint may have rows of other lengths over the same steps: the
         # later run (larger start) counts, as ReplacingMergeTree keeps it for rows of one step.
         sql = f"""
-            SELECT job, rank, host, s + i AS step, t + intDiv(d * i, n) AS start_us, d / n AS dur_us,
+            SELECT rank, s + i AS step, t + intDiv(d * i, n) AS start_us, d / n AS dur_us,
                    da / n AS data_us, c / n AS comm_us, nc / n AS n_coll, fc AS first_coll_us,
                    cpu / n AS cpu_us, cs / n AS nivcsw
             FROM (
-                SELECT job, rank, host, step AS s, start_us AS t, dur_us AS d, data_us AS da,
+                SELECT rank, step AS s, start_us AS t, dur_us AS d, data_us AS da,
                        comm_us AS c, n_coll AS nc, first_coll_us AS fc, cpu_us AS cpu, nivcsw AS cs,
                        n_steps AS n
                 FROM {self._t(STEPS)} FINAL WHERE job = {{job:String}} {where}
@@ -227,8 +254,7 @@ class Reads:
             ARRAY JOIN range(toUInt64(n)) AS i
             WHERE s + i >= {{since_step:Int64}}
             ORDER BY rank, step, start_us DESC LIMIT 1 BY rank, step"""
-        columns = [c for c in STEPS.column_names if c != "n_steps"]
-        return self._frame(sql, {**params, "job": job, "since_step": since_step}, columns)
+        return self._frame(sql, {**params, "job": job, "since_step": since_step}, STEP_COLUMNS)
 
     def _select(self, table: Table, job: str, where: str, params: dict[str, Any], order: str) -> pd.DataFrame:
         sql = f"SELECT * FROM {self._t(table)} FINAL WHERE job = {{job:String}} {where} ORDER BY {order}"

@@ -21,6 +21,7 @@ from typing import Any
 from aggregator import RankscopeError, Store, ingest
 from aggregator.consumer import Aggregator, BatchSettings, KafkaSettings
 from diagnosis import Diagnosis, Finding, JobData, diagnose, read_job
+from diagnosis.data import RecentJob
 from diagnosis.efficiency import Efficiency
 from diagnosis.efficiency import read as read_efficiency
 from diagnosis.ettr import Reliability, measure, read_run
@@ -66,6 +67,8 @@ class JobState:
     diagnosed_us: int = 0
     data_last_us: int = -1
     """The job's ``last_us`` when it was last diagnosed: a job is diagnosed again only after it grew."""
+    recent: RecentJob | None = None
+    """Its recent data, brought up to date each time it is diagnosed (what the pictures show)."""
 
     def state(self, now_us: int, ended_after_s: float) -> str:
         if now_us - self.last_us >= ended_after_s * 1e6:
@@ -192,8 +195,10 @@ class Service:
                 self._reconcile(js, [], now_us, ended=True)
 
     def _diagnose(self, js: JobState, now_us: int, ended: bool) -> None:
+        if js.recent is None:
+            js.recent = RecentJob(js.job, self.settings.recent_s)
         with self.lock:
-            data = read_job(self.store, js.job, since_us=js.last_us - int(self.settings.recent_s * 1e6))
+            data = js.recent.update(self.store, js.last_us, self.settings.recent_s)
         d = diagnose(data)
         doc = {**d.to_dict(), "time_us": now_us, "data_last_us": js.last_us}
         js.diagnosis, js.diagnosed_us, js.data_last_us = doc, now_us, js.last_us
@@ -234,11 +239,15 @@ class Service:
         return f"{self.settings.base_url.rstrip('/')}/tickets/{ticket_id}"
 
     def job_data(self, job: str) -> JobData:
-        """What the pictures show: the data the job's diagnoses read."""
+        """What the pictures show: the data the job's last diagnosis read."""
         js = self.jobs.get(job)
-        since = js.last_us - int(self.settings.recent_s * 1e6) if js is not None else None
-        with self.lock:
-            return read_job(self.store, job, since_us=since)
+        if js is not None and js.recent is not None and js.recent.data is not None:
+            return js.recent.data
+        with self.lock:  # not diagnosed since this service started
+            return read_job(self.store, job, since_us=self._since(js))
+
+    def _since(self, js: JobState | None) -> int | None:
+        return js.last_us - int(self.settings.recent_s * 1e6) if js is not None else None
 
     def diagnosis(self, job: str) -> Diagnosis | None:
         doc = self.jobs[job].diagnosis if job in self.jobs else None
@@ -250,10 +259,9 @@ class Service:
 
     def efficiency(self, job: str) -> Efficiency | None:
         """Where the job's recent time went, per rank (None before its first step)."""
-        js = self.jobs.get(job)
-        since = js.last_us - int(self.settings.recent_s * 1e6) if js is not None else None
+        steps = self.job_data(job).steps
         with self.lock:
-            return read_efficiency(self.store, job, since)
+            return read_efficiency(self.store, job, self._since(self.jobs.get(job)), steps)
 
     def reliability(self, job: str) -> Reliability | None:
         """The job's ETTR so far and the time it lost (None before its first step)."""

@@ -40,6 +40,7 @@ def _records(job: str, ranks: int, t0: int, s0: int, steps: int, slow_from: int)
         host = f"node{r // 8}"
         rows = []
         for b in range(s0, s0 + steps, BLOCK):
+            n = min(BLOCK, s0 + steps - b)  # a hook's blocks never overlap
             slow = r == slow_rank and b >= slow_from
             own = 60_000 * (1.5 if slow else 1.0)
             comm = STEP_US - own if not slow else 10_000
@@ -47,14 +48,14 @@ def _records(job: str, ranks: int, t0: int, s0: int, steps: int, slow_from: int)
                 StepRow(
                     b,
                     t0 + b * STEP_US,
-                    BLOCK * STEP_US,
-                    BLOCK * 2_000,
-                    int(BLOCK * comm),
-                    BLOCK,
+                    n * STEP_US,
+                    n * 2_000,
+                    int(n * comm),
+                    n,
                     int(own),
-                    int(BLOCK * own * 0.95),
-                    BLOCK,
-                    BLOCK,
+                    int(n * own * 0.95),
+                    n,
+                    n,
                 )
             )
         out.append(

@@ -5,9 +5,11 @@ The store fills these (``aggregator.Store.job_data``); tests and the simulator b
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import pandas as pd
 
 STEP_FIELDS = ["rank", "step", "dur_us", "data_us", "comm_us", "n_coll", "first_coll_us", "cpu_us", "nivcsw"]
@@ -57,13 +59,24 @@ class JobData:
 
 
 class StoreReader(Protocol):
-    """What :func:`read_job` needs of a store (``aggregator.Store`` has it; the diagnosis does not
-    import the aggregator: data flows from it, not back)."""
+    """What :func:`read_job` and :class:`RecentJob` need of a store (``aggregator.Store`` has it;
+    the diagnosis does not import the aggregator: data flows from it, not back)."""
 
     def ranks(self, job: str) -> pd.DataFrame: ...
-    def steps(self, job: str, since_step: int | None = None, since_us: int | None = None) -> pd.DataFrame: ...
+    def steps(
+        self,
+        job: str,
+        since_step: int | None = None,
+        since_us: int | None = None,
+        rank: int | None = None,
+        after_us: Sequence[int] | None = None,
+    ) -> pd.DataFrame: ...
     def functions(
-        self, job: str, windows: list[int] | None = None, since_us: int | None = None
+        self,
+        job: str,
+        windows: list[int] | None = None,
+        since_us: int | None = None,
+        from_window: Sequence[int] | None = None,
     ) -> pd.DataFrame: ...
     def heartbeats_latest(self, job: str) -> pd.DataFrame: ...
 
@@ -82,3 +95,95 @@ def read_job(store: StoreReader, job: str, since_us: int | None = None) -> JobDa
         functions=store.functions(job, since_us=since_us),
         heartbeats=store.heartbeats_latest(job),
     )
+
+
+class RecentJob:
+    """A running job's last ``recent_s`` seconds of steps and windows, kept in memory and brought up
+    to date from what the store gained since (what ``rankscope serve`` diagnoses every cycle).
+
+    An update reads each rank's step rows that end after the last one it holds and the windows
+    after the last one it holds: seconds of rows, where :func:`read_job` would read all of the last
+    ``recent_s`` again (at 1,000 ranks of 100 ms steps, 6 million steps). It reads everything
+    afresh when the ranks' records change (a rank started or restarted: a restarted rank redoes
+    steps it had shipped, and numbers windows anew) and when new rows would overlap held steps.
+    Rows come out in the order they arrived, not sorted: the diagnosis does not need them sorted.
+    """
+
+    def __init__(self, job: str, recent_s: float) -> None:
+        self.job, self.recent_s = job, recent_s
+        self.data: JobData | None = None
+        self._end_us = np.zeros(0, dtype=np.int64)
+        """Per rank (by index), the end of the last step row held (0: none)."""
+        self._last_step = np.full(0, -1, dtype=np.int64)
+        self._next_window = np.zeros(0, dtype=np.int64)
+        """Per rank, the first window number not held yet."""
+        self._trimmed_us = 0
+        """The ``since`` of the last time rows too old were dropped."""
+
+    def update(self, store: StoreReader, last_us: int, recent_s: float | None = None) -> JobData:
+        """The job's data for its last ``recent_s`` seconds (by default, as before) up to
+        ``last_us`` (its latest record)."""
+        if recent_s is not None and recent_s != self.recent_s:
+            self.recent_s, self.data = recent_s, None  # another span: read afresh
+        since = last_us - int(self.recent_s * 1e6)
+        ranks, beats = store.ranks(self.job), store.heartbeats_latest(self.job)
+        old = self.data
+        if old is not None and ranks.equals(old.ranks):
+            new_steps = store.steps(self.job, after_us=self._end_us.tolist())
+            new_fns = store.functions(self.job, from_window=self._next_window.tolist())
+            if not self._overlaps(new_steps):
+                steps, fns = _concat(old.steps, new_steps), _concat(old.functions, new_fns)
+                if since - self._trimmed_us >= self.recent_s * 1e5 and not steps.empty:
+                    # Every tenth of ``recent_s`` (a copy of every row costs more than the rows
+                    # held a little longer): the steps that ended before ``since`` go, and the
+                    # windows over none of the steps left.
+                    steps = _keep(steps, (steps["start_us"] + steps["dur_us"]).to_numpy() > since)
+                    if not fns.empty and not steps.empty:
+                        fns = _keep(fns, fns["step_hi"].to_numpy() >= int(steps["step"].min()))
+                    self._trimmed_us = since
+                self.data = JobData(job=self.job, ranks=ranks, steps=steps, functions=fns, heartbeats=beats)
+                self._mark(new_steps, new_fns)
+                return self.data
+        steps, fns = store.steps(self.job, since_us=since), store.functions(self.job, since_us=since)
+        self.data = JobData(job=self.job, ranks=ranks, steps=steps, functions=fns, heartbeats=beats)
+        self._end_us, self._last_step = np.zeros(0, dtype=np.int64), np.full(0, -1, dtype=np.int64)
+        self._next_window = np.zeros(0, dtype=np.int64)
+        self._trimmed_us = since
+        self._mark(steps, fns)
+        return self.data
+
+    def _overlaps(self, steps: pd.DataFrame) -> bool:
+        """Whether ``steps`` holds a step at or before the last one held of its rank."""
+        if steps.empty:
+            return False
+        rank = steps["rank"].to_numpy(dtype=np.int64)
+        held, known = np.full(len(rank), -1, dtype=np.int64), rank < len(self._last_step)
+        held[known] = self._last_step[rank[known]]
+        return bool((steps["step"].to_numpy(dtype=np.int64) <= held).any())
+
+    def _mark(self, steps: pd.DataFrame, fns: pd.DataFrame) -> None:
+        if not steps.empty:
+            rank = steps["rank"].to_numpy(dtype=np.int64)
+            end = (steps["start_us"] + steps["dur_us"]).to_numpy(dtype=np.float64)
+            self._end_us = _grow(self._end_us, rank, np.floor(end).astype(np.int64), 0)
+            self._last_step = _grow(self._last_step, rank, steps["step"].to_numpy(dtype=np.int64), -1)
+        if not fns.empty:
+            rank = fns["rank"].to_numpy(dtype=np.int64)
+            self._next_window = _grow(self._next_window, rank, fns["window"].to_numpy(dtype=np.int64) + 1, 0)
+
+
+def _grow(marks: np.ndarray, rank: np.ndarray, value: np.ndarray, empty: int) -> np.ndarray:
+    """``marks`` (per rank by index, ``empty`` where none) raised to the largest ``value`` per ``rank``."""
+    out = np.full(max(len(marks), int(rank.max()) + 1), empty, dtype=np.int64)
+    out[: len(marks)] = marks
+    np.maximum.at(out, rank, value)
+    return out
+
+
+def _concat(old: pd.DataFrame, new: pd.DataFrame) -> pd.DataFrame:
+    return old if new.empty else new if old.empty else pd.concat([old, new], ignore_index=True)
+
+
+def _keep(frame: pd.DataFrame, keep: np.ndarray) -> pd.DataFrame:
+    """The rows of ``frame`` where ``keep``: ``frame`` itself, not a copy, when that is every row."""
+    return frame if keep.all() else frame[keep].reset_index(drop=True)

@@ -155,10 +155,13 @@ class EfficiencyReader(Protocol):
     def gpu_usage(self, job: str, since_us: int | None = None) -> pd.DataFrame: ...
 
 
-def read(store: EfficiencyReader, job: str, since_us: int | None = None) -> Efficiency | None:
-    """:func:`measure` of ``job``'s records in ``store`` (from ``since_us`` on, if given); None
-    before its first step."""
-    steps = store.steps(job, since_us=since_us)
+def read(
+    store: EfficiencyReader, job: str, since_us: int | None = None, steps: pd.DataFrame | None = None
+) -> Efficiency | None:
+    """:func:`measure` of ``job``'s records in ``store`` (from ``since_us`` on, if given; its
+    ``steps`` from then on if the caller holds them already); None before its first step."""
+    if steps is None:
+        steps = store.steps(job, since_us=since_us)
     if steps.empty:
         return None
     windows = store.windows(job)

@@ -18,6 +18,7 @@ import os
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import pytest
@@ -35,7 +36,7 @@ from aggregator import (
     ingest,
 )
 from aggregator.batch import RAW_PREFIX_BYTES
-from aggregator.reads import SpoolOffset
+from aggregator.reads import STEP_COLUMNS, SpoolOffset
 from aggregator.schema import (
     FUNCTIONS,
     HEARTBEATS,
@@ -48,6 +49,7 @@ from aggregator.schema import (
 )
 from aggregator.spool import MAX_LINE_BYTES, file_id
 from diagnosis import read_job
+from diagnosis.data import RecentJob
 from wire.records import (
     MAX_VALUE_BYTES,
     Checkpoint,
@@ -229,6 +231,64 @@ def test_a_store_of_schema_1_is_migrated_and_its_rows_read_as_before(store: Stor
     assert comments == [(f"rankscope schema {STORE_VERSION}",)]
 
 
+def _rows(df: pd.DataFrame, columns: list[str]) -> list[tuple[object, ...]]:
+    return sorted(map(tuple, df[columns].itertuples(index=False)))
+
+
+def test_a_recent_job_reads_only_what_the_store_gained_and_holds_what_a_fresh_read_would(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``RecentJob`` (what ``rankscope serve`` diagnoses): after each update it holds the rows
+    ``read_job`` would read for the same span, though it read only the new ones; a rank whose rows
+    come late is caught up, and a restarted rank makes it read afresh."""
+    recent, read_rows = RecentJob(JOB, recent_s=3.0), []  # 3 s: 30 steps of 100 ms
+    real_steps = store.steps
+
+    def counting_steps(*args: Any, **kwargs: Any) -> pd.DataFrame:
+        df = real_steps(*args, **kwargs)
+        read_rows.append((len(df), "after_us" in kwargs))
+        return df
+
+    monkeypatch.setattr(store, "steps", counting_steps)
+    step_cols = ["rank", "step", "start_us", "dur_us", "comm_us"]
+    fn_cols = ["rank", "window", "name", "total_us"]
+
+    def check(last_step: int) -> None:
+        last_us = T0 + last_step * 100_000
+        got, want = recent.update(store, last_us), read_job(store, JOB, since_us=last_us - 3_000_000)
+        # read_job keeps a whole row whose end is in the span; the held frame may keep a little
+        # more (it drops old rows every tenth of the span): compare over the span.
+        lo = last_us - 3_000_000
+        in_span = lambda df: df[df["start_us"] >= lo]  # noqa: E731
+        assert _rows(in_span(got.steps), step_cols) == _rows(in_span(want.steps), step_cols)
+        first = want.functions["window"].min() if not want.functions.empty else 1 << 62
+        over = lambda df: df[df["window"] >= first]  # noqa: E731
+        assert _rows(over(got.functions), fn_cols) == _rows(want.functions, fn_cols)
+        assert got.ranks.equals(want.ranks) and got.heartbeats.equals(want.heartbeats)
+
+    store.write([rank_info(0), rank_info(1), steps(0, 0, 20), steps(1, 0, 20), window(0, 0), window(1, 0)])
+    check(20)
+    for lo in range(20, 80, 10):  # rank 1's rows of steps 40..60 come a cycle late
+        late = 40 <= lo < 60
+        store.write([steps(0, lo, lo + 10), heartbeat(0, T0 + lo * 100_000, lo)])
+        store.write([] if late else [steps(1, 40 if lo == 60 else lo, lo + 10)])
+        store.write([window(r, lo // 10) for r in (0, 1)] if lo % 20 == 0 else [])
+        read_rows.clear()
+        check(lo + 10)
+        # The update read 10 steps a rank (30 for the late rank's catch-up), read_job the span.
+        assert read_rows[0] == (10 + (30 if lo == 60 else 0 if late else 10), True), (lo, read_rows)
+    # Rank 1 restarts from a checkpoint at step 70 and redoes steps 70..79 later.
+    again = rank_info(1, T0 + 9_000_000)
+    redo = StepBatch(
+        job=JOB, rank=1, host="node0", time_us=T0 + 10_000_000,
+        rows=tuple(step_row(s, 1)._replace(start_us=T0 + 9_000_000 + (s - 70) * 100_000) for s in range(70, 80)),
+    )  # fmt: skip
+    store.write([again, redo])
+    read_rows.clear()
+    check(100)
+    assert read_rows[0] == (20, False)  # read afresh
+
+
 def test_a_row_of_a_block_of_steps_reads_back_as_its_steps(store: Store) -> None:
     row = StepRow(100, T0, 40_000, 4_000, 8_000, 12, 1_500, 30_000, 3, 4)  # steps 100..103, totals
     store.write([StepBatch(job=JOB, rank=0, host="h", time_us=T0, rows=(row,))])
@@ -279,7 +339,7 @@ def test_every_record_type_round_trips_through_the_spool(store: Store, tmp_path:
     ]
 
     df = store.steps(JOB)
-    expected = [(JOB, r, f"node{r // 2}", *step_row(s, r)[:-1]) for r in (0, 1) for s in range(8)]
+    expected = [(r, *step_row(s, r)[:-1]) for r in (0, 1) for s in range(8)]
     assert [tuple(row) for row in df.itertuples(index=False)] == expected
     assert store.steps(JOB, since_step=6)["step"].tolist() == [6, 7, 6, 7]
 
@@ -314,8 +374,9 @@ def test_every_record_type_round_trips_through_the_spool(store: Store, tmp_path:
 
 def test_reads_of_an_unknown_job_are_empty_frames_with_columns(store: Store) -> None:
     assert store.counts("nope") == dict.fromkeys(JOB_TABLES, 0)
-    for name, df in {"steps": store.steps("nope"), "heartbeats": store.heartbeats_latest("nope")}.items():
-        assert df.empty and list(df.columns) == [c for c in TABLES[name].column_names if c != "n_steps"]
+    assert store.steps("nope").empty and list(store.steps("nope").columns) == STEP_COLUMNS
+    df = store.heartbeats_latest("nope")
+    assert df.empty and list(df.columns) == list(TABLES["heartbeats"].column_names)
     assert store.jobs().empty and "job" in store.jobs().columns
 
 
