@@ -167,9 +167,14 @@ class Reads:
         )
         return self._frame(sql, {"job": job, "rank": rank}, ("time_us", "step", "progress_age_s"))
 
-    def windows(self, job: str) -> pd.DataFrame:
-        """Window summaries of ``job`` (without functions), ordered by window and rank."""
-        return self._select(WINDOWS, job, "", {}, "window, rank")
+    def windows(self, job: str, since_us: int | None = None) -> pd.DataFrame:
+        """Window summaries of ``job`` (without functions; those taken from ``since_us`` on, if
+        given), ordered by window and rank."""
+        if since_us is None:
+            return self._select(WINDOWS, job, "", {}, "window, rank")
+        return self._select(
+            WINDOWS, job, "AND time_us >= {since_us:Int64}", {"since_us": since_us}, "window, rank"
+        )
 
     def functions(
         self,

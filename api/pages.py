@@ -14,7 +14,6 @@ from urllib.parse import quote
 from fastapi import APIRouter, Depends
 from fastapi.responses import HTMLResponse
 
-from diagnosis import Diagnosis
 from renderers.html import efficiency_section, page, reliability_section, render_report
 
 from .auth import need_read
@@ -86,7 +85,7 @@ def jobs_page(svc: Svc) -> HTMLResponse:
 @router.get("/jobs/{job:path}", response_class=HTMLResponse)
 def job_page(job: str, svc: Svc) -> HTMLResponse:
     js = known_job(svc, job)
-    d = svc.diagnosis(job) or Diagnosis(job=job, findings=[])
+    d = svc.diagnosis_or_empty(job)
     state = js.state(svc.now_us, svc.settings.ended_after_s)
     tickets = sorted((t for t in list(svc.tickets.values()) if t.job == job), key=lambda t: -t.updated_us)
     extra = (
@@ -99,7 +98,8 @@ def job_page(job: str, svc: Svc) -> HTMLResponse:
     if (r := svc.reliability(job)) is not None:
         extra += reliability_section(r)
     head = _refresh(state != "ended") + f"<style>{_CSS}</style>"
-    return HTMLResponse(render_report(d, svc.job_data(job), extra=extra, head=head))
+    drawn = svc.view(job, "pictures")
+    return HTMLResponse(render_report(d, svc.job_data(job), extra=extra, head=head, drawn=drawn))
 
 
 @router.get("/tickets/{ticket_id}", response_class=HTMLResponse)

@@ -7,9 +7,10 @@ would ship them over ``--minutes``: a ``rank`` record each, step blocks of ~2 s 
 a heartbeat every 5 s, a profiling window every 30 s with 40 functions. One rank's device is 1.5x
 slower for the last half, so the diagnosis has a straggler to find (rank ``--ranks // 3``). Then a :class:`api.Service`
 on that store runs ``--cycles`` cycles, each after 5 s more of every rank's records were written
-(what a running job adds between two cycles), and the FastAPI app answers ``--requests`` requests
-per route, in process (``TestClient``: no network). The target is a cycle ≤ 2 s and an API p99
-≤ 200 ms; the table prints the medians, maxima and p99s.
+(what a running job adds between two cycles); halfway, the job's page is opened, so the later
+cycles also draw what the page and the API show. Then the FastAPI app answers ``--requests``
+requests per route, in process (``TestClient``: no network). The target is a cycle ≤ 2 s and an
+API p99 ≤ 200 ms; the table prints the medians, maxima and p99s.
 """
 
 from __future__ import annotations
@@ -138,17 +139,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             store.write(_records(job, a.ranks, t0, s0, min(600, steps - s0), steps // 2))
         fill_s = time.perf_counter() - w0
         svc = Service(store, ServeSettings())
-        cycles = []
+        client = TestClient(create_app(svc))
+        cycles, views = [], []
+        watched_from = a.cycles // 2 + 1
         for c in range(a.cycles + 1):
+            if c == watched_from:  # someone opens the job's page: from now on each cycle draws its pictures
+                client.get(f"/jobs/{job}")
             if c:  # 5 s more of every rank's records, as a running job sends between two cycles
                 store.write(_records(job, a.ranks, t0, steps + (c - 1) * 50, 50, steps // 2))
             now = t0 + (steps + c * 50) * STEP_US
             t = time.perf_counter()
             svc.cycle(now_us=now)
             cycles.append(time.perf_counter() - t)
+            views.append(svc.stats.last_views_s)
         problem = svc.stats.cycle_problem
         findings = (svc.jobs[job].diagnosis or {}).get("findings", [])
-        client = TestClient(create_app(svc))
         routes = ["/api/v1/jobs", f"/api/v1/jobs/{job}", f"/api/v1/jobs/{job}/diagnosis"]
         routes += [f"/api/v1/jobs/{job}/{part}" for part in ("heatmap", "steps", "efficiency", "reliability")]
         routes += [f"/jobs/{job}"]
@@ -164,8 +169,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "minutes": a.minutes,
         "fill_s": round(fill_s, 1),
         "first_cycle_s": round(cycles[0], 3),
-        "cycle_median_s": round(statistics.median(cycles[1:]), 3),
-        "cycle_max_s": round(max(cycles[1:]), 3),
+        "cycle_median_s": round(statistics.median(cycles[1:watched_from]), 3),
+        "cycle_max_s": round(max(cycles[1:watched_from]), 3),
+        "watched_cycle_median_s": round(statistics.median(cycles[watched_from:]), 3),
+        "views_median_s": round(statistics.median(views[watched_from:]), 3),
         "cycle_problem": problem,
         "top_finding": f"{findings[0]['cause']} @ ranks {findings[0]['ranks']}" if findings else "",
         "api_ms": {
@@ -177,7 +184,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"{a.ranks} ranks, {a.minutes:g} min of records (filled in {out['fill_s']} s); top finding: {out['top_finding']}"
     )
     print(
-        f"cycle: first {out['first_cycle_s']} s, then median {out['cycle_median_s']} s, max {out['cycle_max_s']} s"
+        f"cycle: first {out['first_cycle_s']} s, then median {out['cycle_median_s']} s, max {out['cycle_max_s']} s;"
+        f" with the job's page open median {out['watched_cycle_median_s']} s (of which drawing what the API"
+        f" and the page show: {out['views_median_s']} s)"
     )
     print("| route | p50 ms | p99 ms |\n|---|---|---|")
     for r, v in out["api_ms"].items():

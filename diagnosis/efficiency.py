@@ -21,6 +21,8 @@ from typing import Any, Protocol
 import numpy as np
 import pandas as pd
 
+from .robust import dense_index
+
 PARTS = ("compute", "comm_wait", "data_wait", "overhead")
 
 
@@ -60,6 +62,37 @@ class Efficiency:
         return asdict(self)
 
 
+def per_rank(steps: pd.DataFrame) -> pd.DataFrame:
+    """Per rank (the index): ``n`` steps, the sums ``dur, data, comm`` and ``first, end`` (us; NaN
+    without ``start_us``, and a missing ``data_us`` or ``comm_us`` counts 0). In numpy: a pandas
+    groupby of a 1,000-rank job's 6 million recent steps takes 0.4 s, this 0.1 s."""
+    ranks, at = dense_index(steps["rank"].to_numpy(dtype=np.int64))
+    n = len(ranks)
+
+    def total(column: str) -> np.ndarray:
+        if column not in steps:
+            return np.zeros(n)
+        return np.bincount(at, weights=steps[column].to_numpy(dtype=np.float64), minlength=n)
+
+    first, end = np.full(n, np.nan), np.full(n, np.nan)
+    if "start_us" in steps:
+        start = steps["start_us"].to_numpy(dtype=np.float64)
+        first[:], end[:] = np.inf, -np.inf
+        np.minimum.at(first, at, start)
+        np.maximum.at(end, at, start + steps["dur_us"].to_numpy(dtype=np.float64))
+    return pd.DataFrame(
+        {
+            "n": np.bincount(at, minlength=n),
+            "dur": total("dur_us"),
+            "data": total("data_us"),
+            "comm": total("comm_us"),
+            "first": first,
+            "end": end,
+        },
+        index=pd.Index(ranks, name="rank"),
+    )
+
+
 def measure(
     job: str, steps: pd.DataFrame, windows: pd.DataFrame, ranks: pd.DataFrame, gpu: pd.DataFrame | None = None
 ) -> Efficiency:
@@ -68,26 +101,17 @@ def measure(
     gpu_mem_mb``: NVML's samples, where the heartbeats carried them)."""
     if steps.empty:
         raise ValueError(f"job {job!r} has no steps: nothing to measure")
-    per = steps.groupby("rank").agg(
-        n=("dur_us", "size"),
-        dur=("dur_us", "sum"),
-        data=("data_us", "sum"),
-        comm=("comm_us", "sum"),
-        first=("start_us", "min"),
-    )
-    per["end"] = (steps["start_us"] + steps["dur_us"]).groupby(steps["rank"]).max()
+    per = per_rank(steps)
     compute_share: dict[int, float] = {}
     n_windows: dict[int, int] = {}
-    for rank, w in windows.groupby("rank") if not windows.empty else ():
-        fractions = []
-        for busy in w["busy"]:
-            b = dict(busy)
-            own = 1.0 - b.get("comm", 0.0) - b.get("data", 0.0)
-            if own > 0.05:
-                fractions.append(min(1.0, b.get("compute", 0.0) / own))
-        if fractions:
-            compute_share[int(rank)] = float(np.mean(fractions))
-            n_windows[int(rank)] = len(fractions)
+    fractions: dict[int, list[float]] = {}
+    for rank, busy in zip(windows["rank"], windows["busy"], strict=True) if not windows.empty else ():
+        b = dict(busy)
+        own = 1.0 - b.get("comm", 0.0) - b.get("data", 0.0)
+        if own > 0.05:
+            fractions.setdefault(int(rank), []).append(min(1.0, b.get("compute", 0.0) / own))
+    for rank, f in fractions.items():
+        compute_share[rank], n_windows[rank] = float(np.mean(f)), len(f)
     hosts = (
         dict(zip(ranks["rank"].astype(int), ranks["host"].astype(str), strict=False))
         if not ranks.empty
@@ -95,7 +119,7 @@ def measure(
     )
     nvml = {int(g["rank"]): g for _, g in gpu.iterrows()} if gpu is not None and not gpu.empty else {}
     out = []
-    for rank, r in per.iterrows():
+    for rank, r in zip(per.index, per.to_dict("records"), strict=True):
         dur = max(float(r["dur"]), 1.0)
         data, comm = float(r["data"]) / dur, float(r["comm"]) / dur
         own = max(0.0, 1.0 - data - comm)
@@ -150,7 +174,7 @@ class EfficiencyReader(Protocol):
     """What :func:`read` needs of a store (``aggregator.Store`` has it)."""
 
     def steps(self, job: str, since_step: int | None = None, since_us: int | None = None) -> pd.DataFrame: ...
-    def windows(self, job: str) -> pd.DataFrame: ...
+    def windows(self, job: str, since_us: int | None = None) -> pd.DataFrame: ...
     def ranks(self, job: str) -> pd.DataFrame: ...
     def gpu_usage(self, job: str, since_us: int | None = None) -> pd.DataFrame: ...
 
@@ -164,7 +188,5 @@ def read(
         steps = store.steps(job, since_us=since_us)
     if steps.empty:
         return None
-    windows = store.windows(job)
-    if since_us is not None and not windows.empty:
-        windows = windows[windows["time_us"] >= since_us]
+    windows = store.windows(job, since_us=since_us)
     return measure(job, steps, windows, store.ranks(job), store.gpu_usage(job, since_us=since_us))

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from .robust import needed
+from .robust import dense_index, needed
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -161,17 +161,6 @@ class Grid:
     """The step of the first column."""
 
 
-def _index(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(sorted distinct values, each value's position among them), like ``np.unique``."""
-    lo, hi = int(values.min()), int(values.max())
-    if hi - lo > 4 * len(values) + 1024:
-        return np.unique(values, return_inverse=True)
-    present = np.zeros(hi - lo + 1, dtype=bool)  # rank numbers are dense: no sort needed
-    present[values - lo] = True
-    position = np.cumsum(present) - 1
-    return np.flatnonzero(present) + lo, position[values - lo]
-
-
 def grid(steps: pd.DataFrame, s: StragglerSettings, columns: list[str]) -> Grid | None:
     """The analyzed steps of ``columns`` (``own_us`` derived): the most recent ``last_steps``
     after ``warmup_steps``, split into ``chunks`` consecutive chunks."""
@@ -184,7 +173,7 @@ def grid(steps: pd.DataFrame, s: StragglerSettings, columns: list[str]) -> Grid 
     sel = (step >= lo) & (step <= hi)
     if not sel.any():
         return None
-    ranks, ri = _index(steps["rank"].to_numpy(dtype=np.int64)[sel])
+    ranks, ri = dense_index(steps["rank"].to_numpy(dtype=np.int64)[sel])
     si = step[sel] - lo
     span = hi - lo + 1
     cell = ri * span + si

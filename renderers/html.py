@@ -8,13 +8,14 @@ from __future__ import annotations
 import html
 import math
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
 from diagnosis import Diagnosis, Finding, JobData
-from diagnosis.efficiency import Efficiency
+from diagnosis.efficiency import Efficiency, per_rank
 from diagnosis.ettr import Reliability
 
 TOP_FUNCTIONS = 20
@@ -57,18 +58,31 @@ def write_report(path: str | Path, diagnosis: Diagnosis, data: JobData) -> Path:
     return out
 
 
-def render_report(diagnosis: Diagnosis, data: JobData, extra: str = "", head: str = "") -> str:
+def render_report(
+    diagnosis: Diagnosis, data: JobData, extra: str = "", head: str = "", drawn: str | None = None
+) -> str:
     """The page :func:`write_report` writes, as a string; ``extra`` (HTML) goes after the findings,
-    ``head`` (HTML) into ``<head>``."""
-    culprits = sorted({r for f in diagnosis.findings for r in f.ranks})
-    hosts = data.hosts()
+    ``head`` (HTML) into ``<head>``; ``drawn``: :func:`pictures` of the same diagnosis and data,
+    if the caller has them already."""
     parts = [
         _header(diagnosis, not data.steps.empty),
         extra,
-        _heatmap(data, diagnosis, culprits, hosts),
-        _charts(data, culprits, hosts),
+        pictures(diagnosis, data) if drawn is None else drawn,
     ]
     return page(f"rankscope: job {diagnosis.job}", "\n".join(parts), head)
+
+
+def pictures(diagnosis: Diagnosis, data: JobData, wide: pd.DataFrame | None = None) -> str:
+    """The report's heatmap and step-time charts (HTML), the culprits highlighted (``wide``:
+    :func:`per_step` of ``data``, if the caller has it already)."""
+    culprits = culprit_ranks(diagnosis)
+    hosts = data.hosts()
+    wide = per_step(data) if wide is None else wide
+    return _heatmap(data, diagnosis, culprits, hosts, wide) + "\n" + _charts(data, culprits, hosts)
+
+
+def culprit_ranks(diagnosis: Diagnosis) -> list[int]:
+    return sorted({r for f in diagnosis.findings for r in f.ranks})
 
 
 def page(title: str, body: str, head: str = "") -> str:
@@ -79,9 +93,10 @@ def page(title: str, body: str, head: str = "") -> str:
     )
 
 
-def heatmap_data(data: JobData) -> dict[str, Any]:
-    """The heatmap's numbers: ``ranks`` and, per function shown, its ms per step on each rank."""
-    wide = _per_step(data)
+def heatmap_data(data: JobData, wide: pd.DataFrame | None = None) -> dict[str, Any]:
+    """The heatmap's numbers: ``ranks`` and, per function shown, its ms per step on each rank
+    (``wide``: :func:`per_step` of ``data``, if the caller has it already)."""
+    wide = per_step(data) if wide is None else wide
     if wide.empty:
         return {"ranks": [], "functions": []}
     cols = _columns(wide, set())
@@ -94,14 +109,23 @@ def heatmap_data(data: JobData) -> dict[str, Any]:
     }
 
 
-def step_series(data: JobData, points: int = MAX_POINTS) -> dict[str, Any]:
-    """Per rank, step time and own time (ms) by step, smoothed and cut to about ``points`` points."""
+def step_series(
+    data: JobData, points: int = MAX_POINTS, ranks: list[int] | None = None, culprits: Sequence[int] = ()
+) -> dict[str, Any]:
+    """Per rank, step time and own time (ms) by step, smoothed and cut to about ``points`` points:
+    of ``ranks``, or by default of every rank up to ``MAX_LINES`` of them, and beyond that of the
+    ``culprits`` and peers spread over the rest, as the job page draws them (``ranks_total`` says
+    how many there are)."""
     s = data.steps
     if s.empty:
-        return {"ranks": {}}
-    ranks = sorted(int(r) for r in s["rank"].unique())
+        return {"ranks": {}, "ranks_total": 0}
+    every = sorted(int(r) for r in s["rank"].unique())
+    if ranks is None:
+        ranks = _sample(every, list(culprits), MAX_LINES)
+    ranks = sorted(set(ranks) & set(every))
     dur, own = _series(s, s["dur_us"], ranks, points), _series(s, s["dur_us"] - s["comm_us"], ranks, points)
     return {
+        "ranks_total": len(every),
         "ranks": {
             str(r): {
                 "step": [int(x) for x in dur[r].index],
@@ -109,7 +133,7 @@ def step_series(data: JobData, points: int = MAX_POINTS) -> dict[str, Any]:
                 "own_ms": [round(float(v), 3) for v in own[r]],
             }
             for r in ranks
-        }
+        },
     }
 
 
@@ -144,7 +168,7 @@ def _finding(f: Finding) -> str:
     )
 
 
-def _per_step(data: JobData) -> pd.DataFrame:
+def per_step(data: JobData) -> pd.DataFrame:
     """Time per step (us) of each (kind, name): one row per function, one column per profiled rank."""
     f = data.functions[data.functions["kind"] != "collective"]
     if f.empty:
@@ -210,9 +234,10 @@ def _sample(ranks: list[int], culprits: list[int], limit: int) -> list[int]:
     return sorted(set(peers[:: math.ceil(len(peers) / room) or 1][:room]) | (set(culprits) & set(ranks)))
 
 
-def _heatmap(data: JobData, diagnosis: Diagnosis, culprits: list[int], hosts: dict[int, str]) -> str:
+def _heatmap(
+    data: JobData, diagnosis: Diagnosis, culprits: list[int], hosts: dict[int, str], wide: pd.DataFrame
+) -> str:
     head = "<h2>Where each rank spends its time</h2>"
-    wide = _per_step(data)
     if wide.empty:
         return head + '<p class="note">No profiling windows were recorded for this job.</p>'
     named = {f.function for f in diagnosis.findings}
@@ -241,9 +266,15 @@ def _step_parts(data: JobData, ranks: pd.Index) -> pd.DataFrame:
     work, as heatmap rows of kind ``step`` (the breakdown ``rankscope efficiency`` gives)."""
     if data.steps.empty:
         return pd.DataFrame(columns=ranks)
-    st = data.steps.assign(**{c: data.steps.get(c, 0.0) for c in ("data_us", "comm_us")})
-    st = st.assign(own_us=st["dur_us"] - st["data_us"] - st["comm_us"])
-    per = st.groupby("rank")[list(STEP_PARTS)].mean().T.reindex(columns=ranks, fill_value=0.0)
+    sums = per_rank(data.steps)
+    mean = pd.DataFrame(
+        {
+            "data_us": sums["data"] / sums["n"],
+            "comm_us": sums["comm"] / sums["n"],
+            "own_us": (sums["dur"] - sums["data"] - sums["comm"]) / sums["n"],
+        }
+    )
+    per = mean.T.reindex(columns=ranks, fill_value=0.0)
     per.index = pd.MultiIndex.from_tuples([("step", STEP_PARTS[c]) for c in per.index])
     return per
 
@@ -254,6 +285,9 @@ def _heatmap_svg(
     """One row per (rank, label, culprit), one cell per shown function; column labels rotated."""
     cw, ch, lw, top = 50, 24, 170, 190
     median = wide.median(axis=1)
+    # Cells by position: a lookup by label per cell costs more than drawing it (1,000s of cells).
+    shown = wide.loc[[key for key, _ in cols], [rank for rank, _, _ in rows]].to_numpy()
+    medians = median.loc[[key for key, _ in cols]].to_numpy()
     svg = [_svg(lw + cw * len(cols) + 140, top + ch * len(rows) + 8, 12), *_scale(10, 24)]
     for j, ((kind, name), alias) in enumerate(cols):
         tip = "\n".join([f"{name} ({kind})", *(["same time as:", *alias] if alias else [])])
@@ -261,15 +295,15 @@ def _heatmap_svg(
         label = _el("title", _e(tip)) + ("▼ " if mark else "") + _e(_short(name))
         at = f"translate({lw + cw * j + cw / 2:.0f},{top - 6}) rotate(-45)"
         svg.append(_el("text", label, transform=at, **{"class": "col", **mark}))
-    for i, (rank, label, bad) in enumerate(rows):
+    for i, (_, label, bad) in enumerate(rows):
         y = top + ch * i
         if bad:
             svg.append(_el("rect", x=0, y=y, width=lw - 2, height=ch - 1, fill="#fde0dd"))
         mark = {"fill": "#b2182b", "font_weight": "700", "class": "row culprit"} if bad else {"class": "row"}
         label = ("▶ " if bad else "") + _e(label)
         svg.append(_el("text", label, x=lw - 8, y=y + ch / 2 + 4, text_anchor="end", **mark))
-        for j, (key, _) in enumerate(cols):
-            svg.append(_cell(lw + cw * j, y, cw, ch, wide.at[key, rank], median[key]))
+        for j in range(len(cols)):
+            svg.append(_cell(lw + cw * j, y, cw, ch, float(shown[j, i]), float(medians[j])))
     return "\n".join([*svg, "</svg>"])
 
 
@@ -311,8 +345,10 @@ def _series(
 ) -> dict[int, pd.Series]:
     """Per rank, ``values`` in ms by step: a rolling median, then at most ``points`` points."""
     out = {}
-    frame = steps.assign(v=values / 1000)
-    for rank, g in frame[frame["rank"].isin(ranks)].groupby("rank"):
+    shown = steps["rank"].isin(ranks).to_numpy()  # first: a job's steps can be millions of rows
+    frame = pd.DataFrame({"rank": steps["rank"].to_numpy()[shown], "step": steps["step"].to_numpy()[shown]})
+    frame["v"] = values.to_numpy()[shown] / 1000
+    for rank, g in frame.groupby("rank"):
         s = g.sort_values("step").set_index("step")["v"]
         s = s.rolling(SMOOTH_STEPS, center=True, min_periods=1).median()
         stride = max(1, math.ceil(len(s) / points))

@@ -29,6 +29,7 @@ from aggregator import Store, ingest
 from api import ServeSettings, Service, create_app
 from api.auth import Tokens
 from api.notify import Webhook
+from api.service import VIEWS
 from api.tickets import Rules, Ticket, fingerprint, reconcile
 from diagnosis import Finding, diagnose, read_job
 from diagnosis.ettr import measure, read_run
@@ -297,6 +298,24 @@ def test_the_diagnosis_is_what_rankscope_diagnose_prints(served: tuple[Service, 
     assert got == want
 
 
+def test_the_pictures_are_drawn_once_a_diagnosis_by_the_cycle_while_someone_watches(
+    served: tuple[Service, TestClient],
+) -> None:
+    svc, client = served
+    now = _running(svc)
+    svc.cycle(now_us=now)  # nobody has asked for the job's pictures: none drawn
+    assert svc.stats.last_views_s == 0 and "compute-r2" not in svc._views
+    page = client.get("/jobs/compute-r2", headers={"Authorization": f"Bearer {READ}"}).text
+    drawn = svc._views["compute-r2"]
+    assert drawn[0] is svc.job_data("compute-r2") and "pictures" in drawn[1] and drawn[1]["pictures"] in page
+    assert svc.view("compute-r2", "pictures") is drawn[1]["pictures"]  # drawn once
+    svc.jobs["compute-r2"].data_last_us = -1  # as if new records had come
+    svc.cycle(now_us=now + 1_000_000)
+    again = svc._views["compute-r2"]
+    assert again is not drawn and set(again[1]) == set(VIEWS)  # the cycle drew them all anew
+    assert svc.stats.last_views_s > 0
+
+
 def test_the_data_behind_the_pictures(served: tuple[Service, TestClient]) -> None:
     svc, client = served
     _running(svc)
@@ -306,6 +325,8 @@ def test_the_data_behind_the_pictures(served: tuple[Service, TestClient]) -> Non
     steps = _get(client, "/api/v1/jobs/compute-r2/steps?points=20")["ranks"]
     assert set(steps) == {"0", "1", "2", "3"}
     assert all(len(r["step"]) == len(r["step_ms"]) == len(r["own_ms"]) <= 22 for r in steps.values())
+    assert _get(client, "/api/v1/jobs/compute-r2/steps?ranks=2&ranks=9")["ranks"].keys() == {"2"}
+    assert _get(client, "/api/v1/jobs/compute-r2/steps")["ranks_total"] == 4
     windows = _get(client, "/api/v1/jobs/compute-r2/windows")
     assert {w["rank"] for w in windows} == {0, 1, 2, 3}
     reliability = _get(client, "/api/v1/jobs/compute-r2/reliability")

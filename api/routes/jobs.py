@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Query
 
 from diagnosis.efficiency import Efficiency
 from diagnosis.ettr import Reliability
-from renderers.html import heatmap_data, step_series
+from renderers.html import MAX_POINTS, culprit_ranks, step_series
 
 from ..auth import need_read
 from ..deps import Svc, known_job
@@ -82,13 +82,27 @@ def _measured(m: Reliability | Efficiency | None, job: str) -> dict[str, Any]:
 @router.get("/{job:path}/heatmap")
 def get_heatmap(job: str, svc: Svc) -> dict[str, Any]:
     """Rank x function: each shown function's ms per step on each rank, from the profiling windows."""
-    return heatmap_data(svc.job_data(known_job(svc, job).job))
+    return svc.view(known_job(svc, job).job, "heatmap")  # type: ignore[no-any-return]
 
 
 @router.get("/{job:path}/steps")
-def get_steps(job: str, svc: Svc, points: int = Query(400, ge=2, le=5000)) -> dict[str, Any]:
+def get_steps(
+    job: str,
+    svc: Svc,
+    points: int = Query(MAX_POINTS, ge=2, le=5000),
+    ranks: Annotated[
+        list[int] | None,
+        Query(
+            description="these ranks (default: every rank up to 16; beyond, the culprits and a spread of peers)"
+        ),
+    ] = None,
+) -> dict[str, Any]:
     """Per rank: step time and own time (ms) by step, smoothed, at most about ``points`` points."""
-    return step_series(svc.job_data(known_job(svc, job).job), points)
+    name = known_job(svc, job).job
+    if points == MAX_POINTS and ranks is None:
+        return svc.view(name, "steps")  # type: ignore[no-any-return]
+    culprits = culprit_ranks(svc.diagnosis_or_empty(name))
+    return step_series(svc.job_data(name), points, ranks, culprits)
 
 
 @router.get("/{job:path}/windows")
