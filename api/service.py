@@ -227,6 +227,7 @@ class Service:
     def _reconcile(self, js: JobState, findings: list[Finding], now_us: int, ended: bool) -> None:
         world = max(js.world_size, js.ranks)
         with self.lock:  # the API's ticket actions change tickets too
+            self._refresh_tickets(js.job)
             changes = reconcile(self.tickets, js.job, findings, now_us, world, self.settings.rules, ended)
             if not changes:
                 return
@@ -238,6 +239,16 @@ class Service:
                 log.warning(
                     "rankscope serve: ticket %s %s: %s", c.ticket.id, c.kind, c.ticket.events[-1].reason
                 )
+
+    def _refresh_tickets(self, job: str) -> None:
+        """The job's tickets as the store holds them, where they are newer than this service's:
+        another ``serve`` replica on the same server changed them (its own diagnosis, or a person
+        acknowledging one through its API). Replicas name a ticket alike (its id is a function of
+        the finding), so they update one ticket, not one each."""
+        for doc in storage.load_tickets(self.store, job):
+            held = self.tickets.get(doc["id"])
+            if held is None or doc["updated_us"] > held.updated_us:
+                self.tickets[doc["id"]] = Ticket.from_dict(doc)
 
     def _resume_jobs(self) -> None:
         """After a restart: each job's latest diagnosis, so that nothing is diagnosed (or ticketed) twice."""

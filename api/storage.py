@@ -57,8 +57,10 @@ def save_tickets(store: Store, tickets: list[dict[str, Any]]) -> None:
     store.insert(TICKETS, rows)
 
 
-def load_tickets(store: Store) -> list[dict[str, Any]]:
-    return [json.loads(doc) for doc in store.select(TICKETS)["doc"]]
+def load_tickets(store: Store, job: str | None = None) -> list[dict[str, Any]]:
+    """Every ticket (of ``job`` only, if given), as its latest row says."""
+    where, params = ("job = {job:String}", {"job": job}) if job is not None else ("", {})
+    return [json.loads(doc) for doc in store.select(TICKETS, where, params)["doc"]]
 
 
 def save_diagnosis(store: Store, job: str, time_us: int, diagnosis: dict[str, Any]) -> None:

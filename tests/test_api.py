@@ -26,7 +26,7 @@ import uvicorn
 from fastapi.testclient import TestClient
 
 from aggregator import Store, ingest
-from api import ServeSettings, Service, create_app
+from api import ServeSettings, Service, create_app, storage
 from api.auth import Tokens
 from api.notify import Webhook
 from api.service import VIEWS
@@ -296,6 +296,37 @@ def test_the_diagnosis_is_what_rankscope_diagnose_prints(served: tuple[Service, 
     for d in (got, want):
         d["analyzed"].pop("seconds")
     assert got == want
+
+
+def test_replicas_on_one_store_keep_one_ticket_and_see_each_others_changes(
+    served: tuple[Service, TestClient],
+) -> None:
+    """Two ``serve`` replicas on one database (a ClickHouse server in production; here one chDB
+    store, which two connections share in one process): one ticket between them, and a person's
+    acknowledgement through one replica holds in the other's later diagnoses."""
+    svc, client = served
+    assert svc.store.reopen is not None
+    other_store = svc.store.reopen()
+    try:
+        other = Service(other_store, ServeSettings(ended_after_s=3600.0))  # svc ingests the spool
+        now = _running(svc)
+        other.cycle(now_us=now)
+        (tid,) = (t.id for t in svc.tickets.values() if t.job == "compute-r2")
+        assert [t.id for t in other.tickets.values() if t.job == "compute-r2"] == [tid]
+        assert [d["id"] for d in storage.load_tickets(svc.store, "compute-r2")] == [tid]
+        r = client.post(
+            f"/api/v1/tickets/{tid}/acknowledge",
+            json={"reason": "on it"},
+            headers={"Authorization": f"Bearer {WRITE}"},
+        )
+        assert r.status_code == 200
+        other.jobs["compute-r2"].data_last_us = -1  # new records: the other replica diagnoses again
+        other.cycle(now_us=now + 1_000_000)
+        assert other.tickets[tid].state == "acknowledged"
+        (stored,) = storage.load_tickets(svc.store, "compute-r2")
+        assert stored["state"] == "acknowledged" and stored["events"][-1]["reason"] != "opened"
+    finally:
+        other_store.close()
 
 
 def test_the_pictures_are_drawn_once_a_diagnosis_by_the_cycle_while_someone_watches(
