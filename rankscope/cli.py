@@ -12,7 +12,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from .workload import FAULTS
+from .demo import FAULTS
 
 
 def _demo(a: argparse.Namespace) -> int:

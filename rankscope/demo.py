@@ -10,7 +10,8 @@ import json
 import time
 from pathlib import Path
 
-from .workload import Fault, JobSpec, free_port, launch
+FAULTS = ("none", "compute", "dataloader", "code_path")
+"""The faults ``rankscope demo`` offers (the CLI lists them without importing the workload)."""
 
 
 def run_demo(
@@ -27,6 +28,8 @@ def run_demo(
     from diagnosis import diagnose, read_job
     from renderers.html import write_report
     from renderers.text import print_diagnosis
+
+    from .workload import Fault, JobSpec, free_port, launch
 
     if not 0 <= rank < world_size:
         raise SystemExit(f"--rank must be between 0 and {world_size - 1}, got {rank}")

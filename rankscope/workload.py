@@ -47,8 +47,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-FAULTS = ("none", "compute", "dataloader", "code_path")
-"""The faults ``rankscope demo`` offers."""
+from .demo import FAULTS
+
 SUITE_FAULTS = (*FAULTS, "callback", "grad_hook", "gc", "job_wide", "hang", "host", "nic", "switch")
 """Every fault kind; the last three are applied from outside the ranks (see the fault suite)."""
 HANG_SITES = ("collective", "dataloader", "python", "checkpoint")

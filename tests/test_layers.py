@@ -48,3 +48,13 @@ def test_no_package_imports_one_downstream_of_it() -> None:
         for package, allowed in MAY_IMPORT.items()
     }
     assert not any(wrong.values()), wrong
+
+
+def test_the_cli_does_not_load_the_demo_workload() -> None:
+    """The product's commands (``diagnose``, ``serve``…) import no demo training code: the demo's
+    workload and fault injection load only when ``rankscope demo`` runs."""
+    tree = ast.parse((ROOT / "rankscope" / "cli.py").read_text())
+    top = [n for n in tree.body if isinstance(n, ast.ImportFrom)]
+    assert not [n.module for n in top if n.module and n.module.split(".")[-1] == "workload"]
+    demo = ast.parse((ROOT / "rankscope" / "demo.py").read_text())
+    assert not [n for n in demo.body if isinstance(n, ast.ImportFrom) and n.module == "workload"]
