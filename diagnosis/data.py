@@ -164,8 +164,11 @@ class RecentJob:
     def _mark(self, steps: pd.DataFrame, fns: pd.DataFrame) -> None:
         if not steps.empty:
             rank = steps["rank"].to_numpy(dtype=np.int64)
+            # A block's steps are read back with integer starts and float durations: the last
+            # one ends up to 1 us before the stored row does. Rounded up, the mark is the row's end,
+            # and the next update does not read that row again.
             end = (steps["start_us"] + steps["dur_us"]).to_numpy(dtype=np.float64)
-            self._end_us = _grow(self._end_us, rank, np.floor(end).astype(np.int64), 0)
+            self._end_us = _grow(self._end_us, rank, np.ceil(end).astype(np.int64), 0)
             self._last_step = _grow(self._last_step, rank, steps["step"].to_numpy(dtype=np.int64), -1)
         if not fns.empty:
             rank = fns["rank"].to_numpy(dtype=np.int64)

@@ -18,6 +18,8 @@ from diagnosis import Diagnosis, Finding, JobData
 from diagnosis.efficiency import Efficiency, per_rank
 from diagnosis.ettr import Reliability
 
+from .text import pct
+
 TOP_FUNCTIONS = 20
 WRAPPER_SHARE = 0.6
 """A Python frame holding this share of a rank's median step encloses the step (the training loop, a
@@ -158,12 +160,12 @@ def _header(diagnosis: Diagnosis, has_steps: bool = True) -> str:
 
 def _finding(f: Finding) -> str:
     rows = "".join(f"<dt>{_e(k)}</dt><dd>{_e(v)}</dd>" for k, v in f.evidence.items())
-    pct = round(100 * f.confidence)
+    confidence = round(100 * f.confidence)
     return (
         f'<div class="card"><span class="cause">{_e(f.cause)}</span>'
         f"ranks <b>{_e(', '.join(map(str, f.ranks)))}</b> · hosts {_e(', '.join(f.hosts))} · "
         f"scope {_e(f.scope)} · function <code>{_e(f.function)}</code> · confidence "
-        f'<span class="conf"><i style="width:{pct}%;background:#b2182b"></i></span>{pct}%'
+        f'<span class="conf"><i style="width:{confidence}%;background:#b2182b"></i></span>{confidence}%'
         f'<p>{_e(f.summary)}</p><dl class="ev">{rows}</dl></div>'
     )
 
@@ -442,9 +444,6 @@ def reliability_section(r: Reliability) -> str:
 
 def efficiency_section(e: Efficiency) -> str:
     """Where the job's time goes per rank, as an HTML section."""
-
-    def pct(x: float | None) -> str:
-        return "—" if x is None else f"{100 * x:.1f}%"
 
     rows = "".join(
         f"<tr><td>{r.rank}</td><td>{_e(r.host)}</td><td>{r.step_ms:.1f}</td><td>{pct(r.compute)}</td>"

@@ -125,7 +125,8 @@ def format_reliability(r: Reliability) -> str:
     return "\n".join(printable(line) for line in lines)
 
 
-def _pct(x: float | None) -> str:
+def pct(x: float | None) -> str:
+    """A share as a percentage with one decimal; a dash for None (unknown)."""
     return "—" if x is None else f"{100 * x:.1f}%"
 
 
@@ -136,15 +137,15 @@ def format_efficiency(e: Efficiency) -> str:
     lines = [
         f"rankscope efficiency of job {e.job}: {len(e.ranks)} ranks ({e.device}), wall clock {_dur(e.wall_s)}, "
         f"{e.device_hours:.3f} device-hours, {idle} of them not computing",
-        f"  job: compute {_pct(s['compute'])}, waiting for collectives {_pct(s['comm_wait'])}, "
-        f"waiting for data {_pct(s['data_wait'])}, host overhead and idle {_pct(s['overhead'])}",
+        f"  job: compute {pct(s['compute'])}, waiting for collectives {pct(s['comm_wait'])}, "
+        f"waiting for data {pct(s['data_wait'])}, host overhead and idle {pct(s['overhead'])}",
         f"  {'rank':>5} {'host':<12} {'step ms':>8} {'compute':>8} {'comm':>7} {'data':>7} {'overhead':>9} windows"
         + ("  GPU util  GPU MiB" if any(r.gpu_util is not None for r in e.ranks) else ""),
     ]
     for r in e.ranks:
         lines.append(
-            f"  {r.rank:>5} {r.host[:12]:<12} {r.step_ms:>8.1f} {_pct(r.compute):>8} {_pct(r.comm_wait):>7} "
-            f"{_pct(r.data_wait):>7} {_pct(r.overhead):>9} {r.windows:>7}"
+            f"  {r.rank:>5} {r.host[:12]:<12} {r.step_ms:>8.1f} {pct(r.compute):>8} {pct(r.comm_wait):>7} "
+            f"{pct(r.data_wait):>7} {pct(r.overhead):>9} {r.windows:>7}"
             + (f"  {r.gpu_util:>7.1f}% {r.gpu_mem_mb:>8.0f}" if r.gpu_util is not None else "")
         )
     lines += [f"  note: {n}" for n in e.notes]
@@ -160,8 +161,8 @@ def format_fleet(fleet: list[Efficiency]) -> str:
         s = e.shares
         idle = f"{e.idle_device_hours:.3f}" if e.idle_device_hours is not None else "—"
         lines.append(
-            f"{e.job[:32]:<32} {len(e.ranks):>5} {e.device_hours:>9.3f} {idle:>14} {_pct(s['compute']):>8} "
-            f"{_pct(s['comm_wait']):>7} {_pct(s['data_wait']):>7}"
+            f"{e.job[:32]:<32} {len(e.ranks):>5} {e.device_hours:>9.3f} {idle:>14} {pct(s['compute']):>8} "
+            f"{pct(s['comm_wait']):>7} {pct(s['data_wait']):>7}"
         )
     return "\n".join(printable(line) for line in lines)
 

@@ -270,7 +270,10 @@ def test_a_recent_job_reads_only_what_the_store_gained_and_holds_what_a_fresh_re
     check(20)
     for lo in range(20, 80, 10):  # rank 1's rows of steps 40..60 come a cycle late
         late = 40 <= lo < 60
-        store.write([steps(0, lo, lo + 10), heartbeat(0, T0 + lo * 100_000, lo)])
+        # Rank 0 ships blocks of 10 steps whose duration does not divide evenly: the block's
+        # last step reads back ending a fraction of a microsecond before the row does.
+        block = StepRow(lo, T0 + lo * 100_000, 999_997, 10_000, 200_000, 30, 4_000, 850_000, 0, 10)
+        store.write([replace(steps(0, lo, lo + 10), rows=(block,)), heartbeat(0, T0 + lo * 100_000, lo)])
         store.write([] if late else [steps(1, 40 if lo == 60 else lo, lo + 10)])
         store.write([window(r, lo // 10) for r in (0, 1)] if lo % 20 == 0 else [])
         read_rows.clear()
