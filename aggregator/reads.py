@@ -116,15 +116,17 @@ class Reads:
         (durations and counts as floats). Without the ``job`` and ``host`` columns: strings
         cost more to read than all the numbers (``ranks`` has each rank's host).
 
-        ``after_us[r]``: of rank ``r`` only the rows that ended after it (all rows of the ranks
-        past the list's end): what the store gained since a reader last saw each rank's rows end
-        there, as a rank's rows end one after another (a restarted rank's too)."""
+        ``after_us[r]``: of rank ``r`` only the rows that start after it (all rows of the ranks
+        past the list's end): given the start of the last step a reader holds of each rank, what
+        the store gained since, as a rank's rows follow one another in time (a restarted rank's
+        too). Integers throughout: a block's last step, read back, ends a fraction of a
+        microsecond off its row's end, but starts at or after the row's start."""
         where, params = "", dict[str, Any]()
         if rank is not None:
             where, params = "AND rank = {rank:Int32}", {"rank": rank}
         if after_us is not None:
             # Past the array's end arrayElement gives 0: every row (ends are epoch microseconds).
-            where = f"{where} AND start_us + dur_us > arrayElement({{after_us:Array(Int64)}}, rank + 1)"
+            where = f"{where} AND start_us > arrayElement({{after_us:Array(Int64)}}, rank + 1)"
             params["after_us"] = [int(x) for x in after_us]
         if since_step is not None:
             where, params = (

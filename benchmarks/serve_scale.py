@@ -49,7 +49,7 @@ def _records(job: str, ranks: int, t0: int, s0: int, steps: int, slow_from: int)
                 StepRow(
                     b,
                     t0 + b * STEP_US,
-                    n * STEP_US,
+                    n * STEP_US - (b * 7919 + r) % 997,  # a measured block: not a multiple of n
                     n * 2_000,
                     int(n * comm),
                     n,

@@ -101,7 +101,7 @@ class RecentJob:
     """A running job's last ``recent_s`` seconds of steps and windows, kept in memory and brought up
     to date from what the store gained since (what ``rankscope serve`` diagnoses every cycle).
 
-    An update reads each rank's step rows that end after the last one it holds and the windows
+    An update reads each rank's step rows that start after the last step it holds and the windows
     after the last one it holds: seconds of rows, where :func:`read_job` would read all of the last
     ``recent_s`` again (at 1,000 ranks of 100 ms steps, 6 million steps). It reads everything
     afresh when the ranks' records change (a rank started or restarted: a restarted rank redoes
@@ -112,8 +112,8 @@ class RecentJob:
     def __init__(self, job: str, recent_s: float) -> None:
         self.job, self.recent_s = job, recent_s
         self.data: JobData | None = None
-        self._end_us = np.zeros(0, dtype=np.int64)
-        """Per rank (by index), the end of the last step row held (0: none)."""
+        self._start_us = np.zeros(0, dtype=np.int64)
+        """Per rank (by index), the start of the last step held (0: none)."""
         self._last_step = np.full(0, -1, dtype=np.int64)
         self._next_window = np.zeros(0, dtype=np.int64)
         """Per rank, the first window number not held yet."""
@@ -129,7 +129,7 @@ class RecentJob:
         ranks, beats = store.ranks(self.job), store.heartbeats_latest(self.job)
         old = self.data
         if old is not None and ranks.equals(old.ranks):
-            new_steps = store.steps(self.job, after_us=self._end_us.tolist())
+            new_steps = store.steps(self.job, after_us=self._start_us.tolist())
             new_fns = store.functions(self.job, from_window=self._next_window.tolist())
             if not self._overlaps(new_steps):
                 steps, fns = _concat(old.steps, new_steps), _concat(old.functions, new_fns)
@@ -146,7 +146,7 @@ class RecentJob:
                 return self.data
         steps, fns = store.steps(self.job, since_us=since), store.functions(self.job, since_us=since)
         self.data = JobData(job=self.job, ranks=ranks, steps=steps, functions=fns, heartbeats=beats)
-        self._end_us, self._last_step = np.zeros(0, dtype=np.int64), np.full(0, -1, dtype=np.int64)
+        self._start_us, self._last_step = np.zeros(0, dtype=np.int64), np.full(0, -1, dtype=np.int64)
         self._next_window = np.zeros(0, dtype=np.int64)
         self._trimmed_us = since
         self._mark(steps, fns)
@@ -164,11 +164,9 @@ class RecentJob:
     def _mark(self, steps: pd.DataFrame, fns: pd.DataFrame) -> None:
         if not steps.empty:
             rank = steps["rank"].to_numpy(dtype=np.int64)
-            # A block's steps are read back with integer starts and float durations: the last
-            # one ends up to 1 us before the stored row does. Rounded up, the mark is the row's end,
-            # and the next update does not read that row again.
-            end = (steps["start_us"] + steps["dur_us"]).to_numpy(dtype=np.float64)
-            self._end_us = _grow(self._end_us, rank, np.ceil(end).astype(np.int64), 0)
+            # The start of the last step held: at or after its row's start, before the next row's.
+            start = steps["start_us"].to_numpy(dtype=np.int64)
+            self._start_us = _grow(self._start_us, rank, start, 0)
             self._last_step = _grow(self._last_step, rank, steps["step"].to_numpy(dtype=np.int64), -1)
         if not fns.empty:
             rank = fns["rank"].to_numpy(dtype=np.int64)
