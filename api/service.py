@@ -283,7 +283,12 @@ class Service:
         cycle for a job someone is watching (``asked`` for in the last ``watch_s``)."""
         if asked:
             self._asked[job] = time.monotonic()
-        data = self.job_data(job)
+        return self._drawn(job, self.job_data(job), name)
+
+    def _drawn(self, job: str, data: JobData, name: str) -> Any:
+        """``VIEWS[name]`` of ``data``, drawn once; views that build on another draw it from the
+        same ``data`` (not from a second :meth:`job_data`, which reads the store again for a job
+        not diagnosed yet)."""
         held = self._views.get(job)
         if held is None or held[0] is not data:
             held = self._views[job] = (data, {})
@@ -352,11 +357,13 @@ class Service:
 
 VIEWS: dict[str, Callable[[Service, str, JobData], Any]] = {
     "per_step": lambda svc, job, data: per_step(data),
-    "heatmap": lambda svc, job, data: heatmap_data(data, svc.view(job, "per_step")),
+    "heatmap": lambda svc, job, data: heatmap_data(data, svc._drawn(job, data, "per_step")),
     "steps": lambda svc, job, data: step_series(
         data, MAX_POINTS, culprits=culprit_ranks(svc.diagnosis_or_empty(job))
     ),
-    "pictures": lambda svc, job, data: pictures(svc.diagnosis_or_empty(job), data, svc.view(job, "per_step")),
+    "pictures": lambda svc, job, data: pictures(
+        svc.diagnosis_or_empty(job), data, svc._drawn(job, data, "per_step")
+    ),
     "efficiency": lambda svc, job, data: svc._efficiency(job, data),
 }
 """What the API and the job page show of a job's data, drawn once per diagnosis (:meth:`Service.view`):

@@ -347,6 +347,22 @@ def test_the_pictures_are_drawn_once_a_diagnosis_by_the_cycle_while_someone_watc
     assert svc.stats.last_views_s > 0
 
 
+def test_a_restarted_service_draws_a_view_from_one_read(
+    served: tuple[Service, TestClient], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before its first diagnosis of a job (here: resumed after a restart) the service reads the
+    job's data for a view once, and the views that build on another draw from that same read."""
+    svc, _ = served
+    _running(svc)
+    again = Service(svc.store, ServeSettings(ended_after_s=3600.0))
+    assert again.jobs["compute-r2"].recent is None  # resumed: not diagnosed by this service yet
+    reads: list[int] = []
+    real = svc.store.steps
+    monkeypatch.setattr(svc.store, "steps", lambda *a, **k: (reads.append(1), real(*a, **k))[1])
+    heat = again.view("compute-r2", "heatmap")
+    assert heat["ranks"] == [0, 1, 2, 3] and len(reads) == 1
+
+
 def test_the_data_behind_the_pictures(served: tuple[Service, TestClient]) -> None:
     svc, client = served
     _running(svc)
