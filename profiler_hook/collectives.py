@@ -5,16 +5,17 @@ its process group; ranks of a healthy job enter the same sequence numbers in the
 the first number a rank never entered names the rank a hang waits for. Unlike Flight Recorder
 this state is always shipped (on heartbeats), not dumped only at the watchdog timeout.
 
-Tracking wraps the public ``torch.distributed`` collective functions, which is where plain calls,
-FSDP2 (``fully_shard``) and DDP's gradient all-reduces pass once :mod:`profiler_hook.ddp` routes
-DDP's buckets through a Python communication hook. A blocking call is timed by its wrapper; an
-asynchronous one (``async_op=True``) by its work's future, which on gloo completes when the
+Tracking wraps the public ``torch.distributed`` collective functions, which is where plain calls
+and FSDP2 (``fully_shard``) pass; DDP's gradient all-reduces, launched from C++, are counted and
+timed once per backward pass by :mod:`profiler_hook.ddp`. A blocking call is timed by its wrapper;
+an asynchronous one (``async_op=True``) by its work's future, which on gloo completes when the
 collective has finished. Flight Recorder itself is not read always-on: on gloo it has no
-completion times, and one dump of its 2,000-entry ring costs ~50 ms.
+completion times, and one dump of its 2,000-entry ring holds the GIL for ~30 ms.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import threading
@@ -97,6 +98,14 @@ class CollectiveTracker:
     inflight: dict[tuple[str, int], CollectiveCall] = field(default_factory=dict)
     """Asynchronous calls launched and not yet complete, oldest first."""
     last_exit_ns: int = 0
+    active: bool = False
+    """Patched: measuring (False while the hook is paused or closed)."""
+    on_patch: list[Any] = field(default_factory=list)
+    """Called whenever measuring (re)starts, e.g. to skip what happened while paused."""
+    counted: dict[str, int] = field(default_factory=dict)
+    """Per group, the calls the wrapped functions have seen (never reset)."""
+    steps: int = 0
+    """Steps taken (``take_step`` calls)."""
     # Per-step accumulators, reset by take_step().
     step_comm_ns: int = 0
     step_count: int = 0
@@ -122,6 +131,21 @@ class CollectiveTracker:
         if self.step_first_enter_ns < 0:
             self.step_first_enter_ns = now
         self.step_count += 1
+        self.counted[group] = self.counted.get(group, 0) + 1
+        return call
+
+    def sync(self, group: str, seq: int, launched: int, nbytes: int, now: int) -> CollectiveCall:
+        """The training thread starts waiting for collectives launched from C++ (DDP's buckets), the
+        last numbered ``seq``; ``launched`` of them were not counted by the wrappers. It waits as in a
+        blocking call, and this wait supersedes the last asynchronous call's (a user's DDP hook's)."""
+        call = CollectiveCall(group, "all_reduce", seq, nbytes, now)
+        self.last_seq[group] = max(self.last_seq.get(group, 0), seq)
+        self.step_count += launched
+        if self.step_first_enter_ns < 0:
+            self.step_first_enter_ns = now
+        if self.step_last_async is not None and self.step_last_async.group == group:
+            self.step_last_async = None
+        self.current = call
         return call
 
     def exit(self, call: CollectiveCall) -> None:
@@ -155,10 +179,11 @@ class CollectiveTracker:
         """(comm_ns, count, first_enter_ns) since the last call, then reset.
 
         ``comm_ns`` is the time the rank waited in collectives: inside blocking calls, plus, for
-        asynchronous ones, the last one's time from launch to completion — DDP launches each
-        bucket's all-reduce as soon as its gradients are ready and waits for all of them at the end
-        of the backward pass, so the last bucket's time is what the step waited (for the slowest
-        rank, and for the transfer); the earlier buckets overlap the backward pass.
+        asynchronous ones, the last one's time from launch to completion — a DDP communication hook
+        launches each bucket's all-reduce as soon as its gradients are ready, and DDP waits for all
+        of them at the end of the backward pass, so the last bucket's time is what the step waited
+        (for the slowest rank, and for the transfer); the earlier buckets overlap the backward pass.
+        DDP's own wait, timed by :meth:`sync`, replaces it where measured.
         """
         comm = self.step_comm_ns
         last = self.step_last_async
@@ -167,6 +192,7 @@ class CollectiveTracker:
         out = (comm, self.step_count, self.step_first_enter_ns)
         self.step_comm_ns, self.step_count, self.step_first_enter_ns = 0, 0, -1
         self.step_last_async = None
+        self.steps += 1
         return out
 
     def patch(self) -> None:
@@ -183,11 +209,16 @@ class CollectiveTracker:
             setattr(c10d, op, wrapped)
             if getattr(dist, op, None) is original:
                 setattr(dist, op, wrapped)
+        self.active = True
+        for resync in self.on_patch:
+            with contextlib.suppress(Exception):
+                resync()
 
     def unpatch(self) -> None:
         import torch.distributed as dist
         import torch.distributed.distributed_c10d as c10d
 
+        self.active = False
         for op, original in self._originals.items():
             setattr(c10d, op, original)
             setattr(dist, op, original)

@@ -59,8 +59,8 @@ class Config:
     max_functions: int = 300
     """At most this many function patterns per window (the largest by total time are kept)."""
     patch_collectives: bool = True
-    """Wrap torch.distributed collectives, and route DDP's gradient all-reduces through them, to
-    count, sequence and time every collective always-on."""
+    """Wrap torch.distributed collectives, and time DDP's gradient synchronization once per
+    backward pass, to count, sequence and time every collective always-on."""
     kafka_bootstrap: str = ""
     """``host:port[,host:port]`` of the Kafka brokers (``sink="kafka"``); default: $RANKSCOPE_KAFKA."""
     kafka_topic: str = "rankscope"

@@ -1,30 +1,38 @@
-"""DDP's gradient all-reduces, made visible to the always-on collective tracking.
+"""DDP's gradient all-reduces, made visible to the always-on collective tracking — with no Python
+per bucket and DDP's own C++ all-reduce (or the user's communication hook) left in place.
 
-DDP's reducer launches its bucket all-reduces from C++, past every Python wrapper. A DDP
-communication hook is the one public place each bucket passes through on every backend, so the
-hook gives every ``DistributedDataParallel`` built after :func:`patch` a communication hook of its
-own: the average of PyTorch's reference ``allreduce_hook`` (PyTorch documents that DDP's results
-are the same with it), issued straight to the process group — past ``dist.all_reduce``'s Python
-checks, which cost more than the rest — and timed by
-:class:`~profiler_hook.collectives.CollectiveTracker` from launch to completion.
+DDP's reducer launches each bucket's all-reduce from C++ as the backward pass makes its gradients
+ready, queues ``finalize_backward`` on the autograd engine once the last bucket is launched, and
+there waits for all of them. So, per backward pass, two engine callbacks around that wait time it:
 
-A user's own hook keeps working: ``register_comm_hook`` and ``_register_builtin_comm_hook`` on a
-patched model put the user's hook in ours' place (DDP accepts only one registration), so that
-fp16 compression, PowerSGD and the like run as they would without rankscope. Their collectives
-are tracked whenever they go through ``torch.distributed``'s Python functions, as PyTorch's do.
+- a hook on the gradient of two of the model's parameters (the first and the last: one of them is
+  computed in any step that uses the model) queues the first callback; queued before DDP's
+  finalizer, it runs when the backward pass's own work has ended (all buckets launched: the rank's
+  arrival at the synchronization) and reads the process group's sequence number, which c10d
+  advances in C++ for every collective it launches — DDP's buckets included;
+- that callback queues a second one, which runs after DDP's finalizer: the buckets are complete.
+
+The time between the two is what the backward pass waited (for the last rank, and the transfer).
+The sequence number gives the number of collectives DDP launched (those the wrapped Python calls
+did not count) and numbers them as Flight Recorder does. Per step that is three Python calls, where
+a communication hook makes one per bucket and adds a division and a copy of every bucket, which
+DDP's C++ path fuses away (measured: a Python hook costs +2–4% at 12 ms steps; `benchmarks`).
+
+A user's own communication hook (fp16 compression, PowerSGD) is untouched; its ``torch.distributed``
+calls are tracked by the wrapped functions, and the wait is measured here as for DDP's own.
+On NCCL, ``finalize_backward`` makes the compute stream wait rather than the CPU, so the wait it
+measures is the CPU's only; counts and sequence numbers are exact on every backend.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import logging
+import time
 from typing import Any
 
-from .collectives import CollectiveTracker, group_name
+from .collectives import CollectiveCall, CollectiveTracker, group_name
 
 log = logging.getLogger(__name__)
-_SLOT = "_rankscope_comm_hook"
 
 
 def patch(tracker: CollectiveTracker) -> bool:
@@ -35,90 +43,93 @@ def patch(tracker: CollectiveTracker) -> bool:
         return False
     if getattr(DDP.__init__, "__rankscope_original__", None) is not None:
         return True
-    init, register, builtin = DDP.__init__, DDP.register_comm_hook, DDP._register_builtin_comm_hook
+    init = DDP.__init__
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
         try:
-            _install(self, register, tracker)
+            Sync(self, tracker)
         except Exception as exc:  # the model trains as it would without us
             log.warning("rankscope: DDP's all-reduces are not tracked (%s: %s)", type(exc).__name__, exc)
 
-    def register_comm_hook(self: Any, state: object, hook: Any) -> None:
-        slot = getattr(self, _SLOT, None)
-        if slot is None or slot["user"]:
-            return register(self, state, hook)  # DDP's own checks and errors, unchanged
-        self._check_comm_hook(hook)
-        slot.update(state=state, hook=hook, user=True)
-        self.logger._set_comm_hook_name(hook.__qualname__)
-        self._comm_hooks[-1] = (hook, state)
-
-    def _register_builtin_comm_hook(self: Any, comm_hook_type: Any) -> None:
-        slot = getattr(self, _SLOT, None)
-        hook = _builtin(comm_hook_type)
-        if slot is None or slot["user"] or hook is None:
-            return builtin(self, comm_hook_type)
-        slot.update(state=self.process_group, hook=hook, user=True)
-
-    replacements: tuple[tuple[str, Any, Any], ...] = (
-        ("__init__", __init__, init),
-        ("register_comm_hook", register_comm_hook, register),
-        ("_register_builtin_comm_hook", _register_builtin_comm_hook, builtin),
-    )
-    for name, fn, original in replacements:
-        fn.__rankscope_original__ = original
-        fn.__doc__, fn.__wrapped__ = original.__doc__, original
-        setattr(DDP, name, fn)
+    __init__.__rankscope_original__ = init  # type: ignore[attr-defined]
+    __init__.__doc__, __init__.__wrapped__ = init.__doc__, init  # type: ignore[attr-defined]
+    DDP.__init__ = __init__  # type: ignore[method-assign]
     return True
 
 
 def unpatch() -> None:
+    """Models built before stay hooked, inert while the tracker is unpatched."""
     try:
         from torch.nn.parallel import DistributedDataParallel as DDP
     except Exception:
         return
-    for name in ("__init__", "register_comm_hook", "_register_builtin_comm_hook"):
-        original = getattr(getattr(DDP, name), "__rankscope_original__", None)
-        if original is not None:
-            setattr(DDP, name, original)
+    original = getattr(DDP.__init__, "__rankscope_original__", None)
+    if original is not None:
+        DDP.__init__ = original  # type: ignore[method-assign]
 
 
-def _install(model: Any, register: Any, tracker: CollectiveTracker) -> None:
-    pg = model.process_group
-    timed = functools.partial(_allreduce, tracker, group_name(pg))  # the name once, not per bucket
-    slot: dict[str, Any] = {"state": pg, "hook": timed, "user": False}
+class Sync:
+    """One DDP model's gradient synchronization, timed once per backward pass."""
 
-    # No annotations: DDP checks them against its own types, and this module's are strings.
-    def rankscope_comm_hook(state, bucket):  # type: ignore[no-untyped-def]
-        return slot["hook"](slot["state"], bucket)
+    def __init__(self, model: Any, tracker: CollectiveTracker) -> None:
+        import torch
 
-    register(model, None, rankscope_comm_hook)
-    setattr(model, _SLOT, slot)
+        params = [p for p in model.module.parameters() if p.requires_grad]
+        if not params:
+            return
+        self.tracker, self.pg = tracker, model.process_group
+        self.group = group_name(self.pg)
+        self.nbytes = sum(p.numel() * p.element_size() for p in params)
+        self.engine = torch.autograd.Variable._execution_engine
+        self.armed = -1
+        """The tracker's step count when a callback was queued for this backward pass (-1: none);
+        a pass that raised never runs its callbacks, so the next step arms again."""
+        self.call: CollectiveCall | None = None
+        # DDP's construction broadcast the model from C++: numbering starts where c10d's is.
+        self.resync()
+        tracker.on_patch.append(self.resync)
+        for p in {id(p): p for p in (params[0], params[-1])}.values():
+            p.register_hook(self._grad_ready)
 
+    def _seq(self) -> int:
+        try:
+            return int(self.pg._get_sequence_number_for_group())
+        except Exception:  # a backend without one: count each synchronization as one collective
+            return self.last + 1
 
-def _allreduce(tracker: CollectiveTracker, group: str, pg: Any, bucket: Any) -> Any:
-    """``allreduce_hook``'s average, timed: divide, then sum over the ranks."""
-    tensor = bucket.buffer()
-    tensor.div_(pg.size())
-    call = tracker.enter(group, "all_reduce", tensor.element_size() * tensor.numel(), blocking=False)
-    # One Python callback, not two: it completes the call and unwraps the result (half the GIL
-    # hand-offs on the thread that completes the work).
-    return pg.allreduce([tensor]).get_future().then(functools.partial(_completed, tracker, call))
+    def resync(self) -> None:
+        """Collectives while the tracker was unpatched belong to no step: start counting from now."""
+        self.last = 0
+        self.last = self._seq()
+        self.counted = self.tracker.counted.get(self.group, 0)
+        self.tracker.last_seq[self.group] = max(self.tracker.last_seq.get(self.group, 0), self.last)
 
+    def _grad_ready(self, grad: Any) -> None:
+        if self.armed == self.tracker.steps or not self.tracker.active:
+            return
+        try:
+            self.armed = self.tracker.steps
+            self.engine.queue_callback(self._backward_done)
+        except Exception:  # outside an engine run (a hook called by hand): nothing to time
+            self.armed = -1
 
-def _completed(tracker: CollectiveTracker, call: Any, fut: Any) -> Any:
-    result = fut.value()[0]  # raises the collective's error into DDP, as allreduce_hook does
-    with contextlib.suppress(Exception):  # tracking must never fail the gradient sync
-        tracker.exit(call)
-    return result
+    def _backward_done(self) -> None:
+        """Before DDP's finalizer: every bucket launched."""
+        self.armed = -1  # the pass's hooks have all run: the next pass arms again
+        try:
+            now = time.perf_counter_ns()
+            seq, counted = self._seq(), self.tracker.counted.get(self.group, 0)
+            # Collectives on this group since the last pass, less those the wrappers counted.
+            launched = max(0, (seq - self.last) - (counted - self.counted))
+            self.last, self.counted = seq, counted
+            self.call = self.tracker.sync(self.group, seq, launched, self.nbytes, now)
+            self.engine.queue_callback(self._synchronized)
+        except Exception:  # tracking must never fail the backward pass
+            self.call = None
 
-
-def _builtin(comm_hook_type: Any) -> Any:
-    """The Python equivalent of a built-in (C++) communication hook, or None."""
-    import torch.distributed as dist
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-    return {
-        dist.BuiltinCommHookType.ALLREDUCE: default_hooks.allreduce_hook,
-        dist.BuiltinCommHookType.FP16_COMPRESS: default_hooks.fp16_compress_hook,
-    }.get(comm_hook_type)
+    def _synchronized(self) -> None:
+        """After DDP's finalizer: every bucket complete."""
+        call, self.call = self.call, None
+        if call is not None:
+            self.tracker.exit(call)

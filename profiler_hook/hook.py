@@ -236,7 +236,7 @@ class Hook:
 
     def pause(self) -> None:
         """Stop measuring until :meth:`resume`: no step accounting, no windows (their clock stops
-        too), collectives unwrapped. A DDP model keeps the communication hook it was built with."""
+        too), collectives unwrapped and DDP's synchronizations untimed."""
         if not self.enabled or self.paused:
             return
         self.paused = True

@@ -70,6 +70,7 @@ def _user_hook_job(rank: int, port: int, spool: str, out: str) -> None:
     hook = profiler_hook.attach(job="userhook", spool_dir=spool, rank=rank, world_size=2, window_s=0)
     torch.manual_seed(0)
     model = DDP(torch.nn.Linear(64, 8))
+    built_seq = dist.distributed_c10d._get_default_group()._get_sequence_number_for_group()
     calls = []
 
     # Unannotated: DDP checks annotations against its types, and this module's are strings.
@@ -79,13 +80,17 @@ def _user_hook_job(rank: int, port: int, spool: str, out: str) -> None:
 
     model.register_comm_hook(None, compress)
     x = torch.full((4, 64), float(rank + 1))
-    for _ in range(5):
+    for i in range(10):
+        if i in (5, 8):  # steps 5-7 paused: their collectives belong to no step
+            hook.resume() if hook.paused else hook.pause()
         with hook.step():
             model.zero_grad()
             model(x).sum().backward()
     grad = model.module.weight.grad
+    c10d_seq = dist.distributed_c10d._get_default_group()._get_sequence_number_for_group()
+    seq = hook.tracker.last_seq.get("world", 0)
     with open(f"{out}/rank{rank}", "w") as f:
-        f.write(f"{len(calls)} {hook.tracker.last_seq.get('world', 0)} {float(grad[0, 0]):.4f}")
+        f.write(f"{len(calls)} {seq - c10d_seq} {float(grad[0, 0]):.4f} {c10d_seq - built_seq}")
     hook.close()
     dist.destroy_process_group()
 
@@ -96,6 +101,16 @@ def test_a_users_own_ddp_comm_hook_still_runs_and_its_collectives_are_tracked(tm
         _user_hook_job, args=(free_port(), str(tmp_path), str(tmp_path)), nprocs=2, start_method="spawn"
     )
     got = [(tmp_path / f"rank{r}").read_text().split() for r in (0, 1)]
-    # Every step ran the user's fp16 hook once; each ran one tracked all-reduce; the gradient is the
-    # average over ranks of x = 1 and x = 2 summed over 4 rows: 6.0, the same on both ranks.
-    assert got[0] == got[1] == ["5", "5", "6.0000"]
+    # Every step ran the user's fp16 hook once; the tracked numbering is c10d's (what Flight Recorder
+    # shows); the gradient is the average over ranks of x = 1 and x = 2 summed over 4 rows: 6.0.
+    assert got[0][:3] == got[1][:3] == ["10", "0", "6.0000"]
+    # Each collective counted once: the hook's all-reduces by their wrapper, not again as DDP's, and
+    # the broadcasts DDP issues from C++ when it rebuilds its buckets after the first step; the three
+    # paused steps' all-reduces not at all.
+    launched = int(got[0][3])
+    assert launched == 10 + 2, got  # DDP's rebuild broadcasts the bucket sizes and indices
+    for rank, recs in _records(tmp_path, "userhook").items():
+        rows = [row for x in recs if isinstance(x, StepBatch) for row in x.rows]
+        assert sum(row.n_steps for row in rows) == 7, (rank, rows)
+        assert sum(row.n_coll for row in rows) == launched - 3, (rank, rows)
+        assert all(row.comm_us > 0 for row in rows), (rank, rows)
