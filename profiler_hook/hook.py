@@ -242,6 +242,10 @@ class Hook:
         self.paused = True
         self._blocks.close()
         self.schedule.pause()
+        if self._prof is not None:  # a window cut short is no window: its steps would not end it
+            with contextlib.suppress(Exception):
+                self._prof.stop()
+            self._prof, self._window, self.tracker.recording = None, None, None
         with contextlib.suppress(Exception):
             self.tracker.unpatch()
 

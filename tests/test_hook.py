@@ -436,6 +436,25 @@ def test_a_paused_hook_is_not_a_stalled_rank() -> None:
     assert beat.progress_age_s < 0.05 and beat.stack == ""
 
 
+def test_pausing_inside_a_window_ends_the_window() -> None:
+    """A window open when the hook pauses is dropped, not left profiling (with stacks) until resume."""
+    sink = _ListSink()
+    hook = Hook(Config(heartbeat_s=60), Identity(rank=0, local_rank=0, world_size=1, host="h"), sink)
+    hook.schedule.planned = 1
+    for _ in range(2):
+        with hook.step():
+            pass
+    assert hook._prof is not None, "the planned window is open"
+    hook.pause()
+    assert hook._prof is None and hook._window is None and hook.tracker.recording is None
+    hook.resume()
+    for _ in range(10):
+        with hook.step():
+            pass
+    hook.close(timeout=30)
+    assert not [r for r in map(decode, sink.got) if isinstance(r, WindowSummary)]
+
+
 def _records(spool: Path, job: str) -> dict[int, list]:
     out: dict[int, list] = defaultdict(list)
     for f in sorted((spool / job).glob("*.jsonl")):
