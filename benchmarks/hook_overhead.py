@@ -1,15 +1,15 @@
 """Hook overhead at the defaults a user gets: an in-run A/B inside a real multi-rank DDP job.
 
-    python -m benchmarks.hook_overhead [--pairs 6] [--block-s 10] [--json PATH]
+    python -m benchmarks.hook_overhead [--pairs 6] [--block-s 10] [--json PATH] [--hook KEY=VALUE ...]
 
 Each loop shape runs as one 2-rank gloo job on this machine's cores. The job alternates blocks of
 ``--block-s`` seconds (the same step counts on every rank) with the hook working and paused; the
 order within a pair alternates so that drift hits both alike.
 
 - ``ddp``: ``DistributedDataParallel``. Working blocks train a DDP model built after
-  ``profiler_hook.attach`` (its all-reduces go through rankscope's communication hook and are
-  timed); paused blocks train an identical DDP model built before it (DDP's built-in C++ path), so
-  the A/B includes the cost of seeing DDP's collectives.
+  ``profiler_hook.attach`` (its synchronization is counted and timed); paused blocks train an
+  identical DDP model built before it, which the hook never touches, so the A/B includes the cost
+  of seeing DDP's collectives.
 - ``manual``: the hand-written all-reduce loop, for comparison with earlier measurements.
 
 What is counted is the whole training time per step as the loop measures it, windows, the
@@ -18,6 +18,9 @@ step working vs. paused, over all pairs (windows come every ``window_s`` of work
 would); ``median_pair_pct`` is the median over pairs of each pair's ratio, which leaves out the
 windows of the pairs that had none. ``step_us`` (the always-on work per step) and ``window_ms``
 (one window) are measured alone in one process; the volume figures come from what the job shipped.
+
+``--hook KEY=VALUE`` (repeatable) sets a hook option away from its default, to find where the cost
+is (``--hook window_s=0``: no windows); the figures to report are those at the defaults.
 """
 
 from __future__ import annotations
@@ -52,7 +55,9 @@ def _model() -> Any:
     )  # fmt: skip
 
 
-def _worker(rank: int, loop: str, port: int, pairs: int, block_s: float, spool: str, out: str) -> None:
+def _worker(
+    rank: int, loop: str, port: int, pairs: int, block_s: float, spool: str, out: str, options: dict
+) -> None:
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -64,7 +69,9 @@ def _worker(rank: int, loop: str, port: int, pairs: int, block_s: float, spool: 
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     base = _model()
     models = {"off": DDP(copy.deepcopy(base)) if loop == "ddp" else base}
-    hook = profiler_hook.attach(job=f"overhead-{loop}", spool_dir=spool, rank=rank, world_size=WORLD)
+    hook = profiler_hook.attach(
+        job=f"overhead-{loop}", spool_dir=spool, rank=rank, world_size=WORLD, **options
+    )
     models["on"] = DDP(copy.deepcopy(base)) if loop == "ddp" else base
     opts = {k: torch.optim.SGD(m.parameters(), lr=0.01) for k, m in models.items()}
     g = torch.Generator().manual_seed(rank)
@@ -112,7 +119,7 @@ def _worker(rank: int, loop: str, port: int, pairs: int, block_s: float, spool: 
     Path(out, f"rank{rank}.json").write_text(json.dumps({"rows": rows, "dropped": hook.shipper.dropped}))
 
 
-def in_run(loop: str, pairs: int, block_s: float) -> dict[str, Any]:
+def in_run(loop: str, pairs: int, block_s: float, options: dict | None = None) -> dict[str, Any]:
     """One job of ``loop`` with alternating blocks; the ratios and the volume it shipped."""
     import torch.multiprocessing as mp
 
@@ -120,7 +127,10 @@ def in_run(loop: str, pairs: int, block_s: float) -> dict[str, Any]:
         spool, out = f"{tmp}/spool", f"{tmp}/out"
         os.makedirs(out)
         mp.start_processes(
-            _worker, args=(loop, free_port(), pairs, block_s, spool, out), nprocs=WORLD, start_method="spawn"
+            _worker,
+            args=(loop, free_port(), pairs, block_s, spool, out, options or {}),
+            nprocs=WORLD,
+            start_method="spawn",
         )
         ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(WORLD)]
         rows0 = ranks[0]["rows"]
@@ -226,15 +236,19 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--block-s", type=float, default=10.0, help="seconds per block (default 10)")
     p.add_argument("--loops", default="ddp,manual", help="loop shapes, comma-separated")
     p.add_argument("--json", help="write the results here")
+    p.add_argument(
+        "--hook", action="append", default=[], metavar="KEY=VALUE", help="a hook option off its default"
+    )
     a = p.parse_args(argv)
+    options = dict(_option(o) for o in a.hook)
     t0 = time.perf_counter()
-    rows = [in_run(loop, a.pairs, a.block_s) for loop in a.loops.split(",")]
+    rows = [in_run(loop, a.pairs, a.block_s, options) for loop in a.loops.split(",")]
     parts = components()
-    cfg = Config()
+    cfg = Config(**options)
     result = {
         "benchmark": "hook_overhead",
         "ranks": WORLD,
-        "settings": "defaults",
+        "settings": options or "defaults",
         "window_s": cfg.window_s,
         "overhead_pct": rows[0]["overhead_pct"],
         **parts,
@@ -247,11 +261,26 @@ def main(argv: list[str] | None = None) -> dict:
     print("|" + "---|" * len(cols))
     for r in rows:
         print("| " + " | ".join(str(r[c]) for c in cols) + " |")
+    share = (
+        f"every {cfg.window_s:.0f} s: {parts['window_ms'] / 10 / cfg.window_s:.3f}%"
+        if cfg.window_s
+        else "none"
+    )
     print(f"\nalways-on work per step: {parts['step_us']} us; one window: {parts['window_ms']} ms "
-          f"(every {cfg.window_s:.0f} s: {parts['window_ms'] / 10 / cfg.window_s:.3f}% of a rank's time)")  # fmt: skip
+          f"({share} of a rank's time)")  # fmt: skip
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=2))
     return result
+
+
+def _option(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or key not in Config.__dataclass_fields__:
+        raise SystemExit(f"--hook {text!r}: expected KEY=VALUE with KEY a profiler_hook.Config field")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
 
 
 if __name__ == "__main__":

@@ -9,11 +9,17 @@ pick the same length (a rank changes it only when its blocks last under half or 
 when the step numbers jump, when it has lasted twice ``block_s`` (the steps slowed down: their rows
 must not wait), and when the hook pauses or closes. Steps longer than ``block_s`` get a row each.
 The store reads each row back as its steps, each with the block's mean values.
+
+A block's CPU time and context switches are the differences of the thread's and process's
+counters from one block's end to the next — the sum of its steps' — read once per block, not per
+step (~2.5 µs saved a step). Where the step numbers jump, the step after the jump is counted in
+the block before it.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from wire.records import StepRow
 
@@ -24,13 +30,17 @@ MAX_STEPS = 1 << 16
 class StepBlocks:
     """Sums finished steps into :class:`StepRow` blocks; the closed ones wait in ``rows``."""
 
-    def __init__(self, block_s: float) -> None:
+    def __init__(self, block_s: float, usage: Callable[[], tuple[int, int] | None] = lambda: (0, 0)) -> None:
         self.block_s = block_s
+        self._usage = usage
+        """Cumulative CPU µs and involuntary context switches, read when a block ends (None: not
+        readable now; the block gets none)."""
+        self._base = usage() or (0, 0)
         self.length = 1
         """Steps per block now: a power of two."""
         self.rows: list[StepRow] = []
         self._open: list[int] | None = None
-        """step, start_us, dur, data, comm, n_coll, first-collective sum and count, cpu, nivcsw, n."""
+        """step, start_us, dur, data, comm, n_coll, first-collective sum and count, n."""
 
     def add(
         self,
@@ -41,16 +51,14 @@ class StepBlocks:
         comm_us: int,
         n_coll: int,
         first_coll_us: int,
-        cpu_us: int,
-        nivcsw: int,
     ) -> bool:
         """Add one finished step; True if that closed a block."""
         b = self._open
-        if b is not None and step != b[0] + b[10]:
+        if b is not None and step != b[0] + b[8]:
             self.close()
             b = None
         if b is None:
-            b = self._open = [step, start_us, 0, 0, 0, 0, 0, 0, 0, 0, 0]
+            b = self._open = [step, start_us, 0, 0, 0, 0, 0, 0, 0]
         b[2] += dur_us
         b[3] += data_us
         b[4] += comm_us
@@ -58,9 +66,7 @@ class StepBlocks:
         if first_coll_us >= 0:
             b[6] += first_coll_us
             b[7] += 1
-        b[8] += cpu_us
-        b[9] += nivcsw
-        b[10] += 1
+        b[8] += 1
         if (step + 1) % self.length == 0 or b[2] >= 2e6 * self.block_s:
             self.close()
             return True
@@ -71,15 +77,23 @@ class StepBlocks:
         b, self._open = self._open, None
         if b is None:
             return
-        step, start, dur, data, comm, n_coll, first_sum, first_n, cpu, nivcsw, n = b
+        step, start, dur, data, comm, n_coll, first_sum, first_n, n = b
         first = first_sum // first_n if first_n else -1
-        self.rows.append(StepRow(step, start, dur, data, comm, n_coll, first, cpu, nivcsw, n))
+        base = self._base
+        cpu, nivcsw = self._base = self._usage() or base
+        self.rows.append(
+            StepRow(step, start, dur, data, comm, n_coll, first, cpu - base[0], nivcsw - base[1], n)
+        )
         step_s = dur / n / 1e6
         if self.block_s <= 0:
             self.length = 1
         elif not self.block_s / 2 <= self.length * step_s <= 2 * self.block_s:
             fit = math.log2(self.block_s / max(step_s, 1e-9))
             self.length = 1 << min(max(round(fit), 0), MAX_STEPS.bit_length() - 1)
+
+    def restart(self) -> None:
+        """Count CPU and context switches from now (after a pause: not the paused time's)."""
+        self._base = self._usage() or self._base
 
     def take(self) -> list[StepRow]:
         """The closed rows, handed over (the open block stays open)."""

@@ -91,7 +91,7 @@ def test_step_rows_are_blocks_that_every_rank_cuts_alike() -> None:
     for step_us in (10_000, 10_200, 10_400):  # ranks of one job: ~10 ms a step, give or take
         blocks = StepBlocks(2.0)
         for step in range(2000):
-            blocks.add(step, step * step_us, step_us + step % 7 * 100, 0, step_us // 2, 3, 100, step_us, 1)
+            blocks.add(step, step * step_us, step_us + step % 7 * 100, 0, step_us // 2, 3, 100)
         rows = blocks.take()
         end = rows[-1].step + rows[-1].n_steps
         assert [s for r in rows for s in range(r.step, r.step + r.n_steps)] == list(range(end))
@@ -103,13 +103,42 @@ def test_step_rows_are_blocks_that_every_rank_cuts_alike() -> None:
     assert cuts[0][3] - cuts[0][2] == 256  # 2.6 s: the power of two nearest to 2 s
     blocks = StepBlocks(2.0)
     for step in list(range(300)) + list(range(1000, 1010)):  # a jump: the open block ends before it
-        blocks.add(step, 0, 10_000, 0, 0, 0, -1, 0, 0)
-    blocks.add(1010, 0, 5_000_000, 0, 0, 0, -1, 0, 0)  # a 5 s step: its block ends with it
+        blocks.add(step, 0, 10_000, 0, 0, 0, -1)
+    blocks.add(1010, 0, 5_000_000, 0, 0, 0, -1)  # a 5 s step: its block ends with it
     rows = blocks.take()
     assert rows[-1].step + rows[-1].n_steps == 1011 and all(r.first_coll_us == -1 for r in rows)
     assert any(r.step + r.n_steps == 300 for r in rows)
-    blocks.add(1011, 0, 5_000_000, 0, 0, 0, -1, 0, 0)
+    blocks.add(1011, 0, 5_000_000, 0, 0, 0, -1)
     assert [r.n_steps for r in blocks.take()] == [1] and blocks.length == 1  # slow steps: a row each
+
+
+def test_a_blocks_cpu_time_is_its_steps_own_read_once_per_block() -> None:
+    """The training thread's CPU time lands in the block of the steps that spent it; a pause's does not."""
+    sink = _ListSink()
+    hook = Hook(
+        Config(window_s=0, heartbeat_s=60, step_block_s=0),
+        Identity(rank=0, local_rank=0, world_size=1, host="h"),
+        sink,
+    )
+
+    def spin(s: float) -> None:
+        end = time.thread_time() + s
+        while time.thread_time() < end:
+            pass
+
+    for busy in (0.0, 0.05, 0.0):
+        with hook.step():
+            spin(busy)
+    hook.pause()
+    spin(0.1)  # paused: counted nowhere
+    hook.resume()
+    with hook.step():
+        time.sleep(0.05)  # waiting is not CPU time
+    hook.close(timeout=30)
+    rows = [row for r in map(decode, sink.got) if isinstance(r, StepBatch) for row in r.rows]
+    cpu = [row.cpu_us for row in sorted(rows, key=lambda r: r.step)]
+    assert len(cpu) == 4 and 45_000 <= cpu[1] <= 60_000, cpu
+    assert max(cpu[0], cpu[2], cpu[3]) < 10_000, cpu
 
 
 def test_config_rejects_bad_settings_naming_the_field() -> None:
