@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import resource
 import threading
 import time
@@ -305,6 +306,10 @@ class Hook:
         rank's is done. Not on a thread of ours: importing ``torch._inductor`` there while the
         script imports ``torch._dynamo`` (``torch.optim`` does) failed the script with "cannot
         import name 'IndentedBuffer'" from the partly imported module."""
+        # torch 2.13's kineto prints two lines to stderr at every profiler start and stop, at any
+        # log level short of "none": a line per rank every few seconds in the job's logs. Quiet it
+        # unless the user chose a level (this also hides kineto's own errors in this process).
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
         try:
             import torch._inductor.config  # noqa: F401
         except Exception as exc:  # the profiler will import it, or fail, on its own

@@ -465,6 +465,30 @@ def test_a_paused_hook_is_not_a_stalled_rank() -> None:
     assert beat.progress_age_s < 0.05 and beat.stack == ""
 
 
+def test_a_window_writes_nothing_to_the_training_scripts_stderr(tmp_path: Path) -> None:
+    """torch's kineto prints a line at every profiler start and stop; a window must not (a fresh
+    process: the quieting applies before kineto's first use)."""
+    script = f"""
+from profiler_hook.config import Config, Identity
+from profiler_hook.hook import Hook
+from profiler_hook.sinks import SpoolSink
+ident = Identity(rank=0, local_rank=0, world_size=1, host="h")
+cfg = Config(job="quiet", spool_dir={str(tmp_path)!r}, heartbeat_s=60)
+hook = Hook(cfg, ident, SpoolSink(cfg.spool_dir, cfg.job, ident))
+hook.schedule.planned = 1
+for _ in range(10):
+    with hook.step():
+        sum(range(1000))
+hook.close(timeout=30)
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stderr == "", out.stderr
+    wins = [r for rs in _records(tmp_path, "quiet").values() for r in rs if isinstance(r, WindowSummary)]
+    assert len(wins) == 1
+
+
 def test_pausing_inside_a_window_ends_the_window() -> None:
     """A window open when the hook pauses is dropped, not left profiling (with stacks) until resume."""
     sink = _ListSink()
