@@ -24,7 +24,7 @@ from .errors import RankscopeError
 
 log = logging.getLogger(__name__)
 
-STORE_VERSION = 3
+STORE_VERSION = 4
 DEFAULT_DATABASE = "rankscope"
 _COMMENT = f"rankscope schema {STORE_VERSION}"
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -83,6 +83,7 @@ RANKS = Table(
         ("spine", "LowCardinality(String)"),  # schema 3
         ("backend", "LowCardinality(String)"),
         ("device", "LowCardinality(String)"),
+        ("coverage", "String"),  # schema 4
         _TIME,
     ),
     order_by=("job", "rank"),
@@ -447,9 +448,24 @@ _TO_3 = {
         "ADD COLUMN IF NOT EXISTS `gpu_mem_mb` Float64 DEFAULT -1",
     ],
 }
+_TO_4 = {"ranks": ["ADD COLUMN IF NOT EXISTS `coverage` String DEFAULT '' AFTER `device`"]}
+
+
+def _then(*steps: dict[str, list[str]]) -> dict[str, list[str]]:
+    """Migration steps applied one after another, per table."""
+    out: dict[str, list[str]] = {}
+    for step in steps:
+        for table, alters in step.items():
+            out[table] = out.get(table, []) + alters
+    return out
+
+
 MIGRATIONS: dict[str, dict[str, list[str]]] = {
-    "rankscope schema 1": {"steps": ["ADD COLUMN IF NOT EXISTS `n_steps` Int64 DEFAULT 1"], **_TO_3},
-    "rankscope schema 2": _TO_3,
+    "rankscope schema 1": _then(
+        {"steps": ["ADD COLUMN IF NOT EXISTS `n_steps` Int64 DEFAULT 1"]}, _TO_3, _TO_4
+    ),
+    "rankscope schema 2": _then(_TO_3, _TO_4),
+    "rankscope schema 3": _TO_4,
 }
 """For each older schema's comment, the ALTERs that bring its tables (by name) to this version."""
 

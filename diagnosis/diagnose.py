@@ -185,6 +185,17 @@ def _strength(st: stragglers.Straggler) -> float:
     return effect(st.growth) * st.chunks_flagged / max(st.chunks, 1)
 
 
+GAP_WORDS = ("not tracked", "untested", "off (")
+"""Words of a rank record's ``coverage`` that say some collectives are not seen as documented."""
+
+
+def coverage_gaps(ranks: pd.DataFrame) -> list[str]:
+    """The distinct coverage statements of ranks whose hooks do not see every collective."""
+    if "coverage" not in ranks:
+        return []
+    return sorted({str(c) for c in ranks["coverage"] if any(w in str(c) for w in GAP_WORDS)})
+
+
 def diagnose(data: JobData, settings: Settings | None = None) -> Diagnosis:
     """Analyze one job's records; findings ranked by confidence (empty for a healthy job)."""
     s = settings or Settings()
@@ -222,4 +233,6 @@ def diagnose(data: JobData, settings: Settings | None = None) -> Diagnosis:
         "windows": int(data.functions["window"].nunique()) if not data.functions.empty else 0,
         "seconds": round(time.perf_counter() - t0, 3),
     }
+    if gaps := coverage_gaps(data.ranks):
+        analyzed["coverage_gaps"] = gaps
     return Diagnosis(job=data.job, findings=found, analyzed=analyzed)

@@ -94,9 +94,7 @@ class Hook:
         self.shipper = Shipper(sink or make_sink(cfg, ident), cfg.queue_size)
         if cfg.window_s:
             self._warm_up()
-        if cfg.patch_collectives:
-            self.tracker.patch()
-            ddp.patch(self.tracker)
+        coverage = self._cover() if cfg.patch_collectives else "off (patch_collectives=False)"
         self.shipper.submit(
             RankInfo(
                 # Stamped with the instant the first step's clock starts: steps start at or after it.
@@ -110,6 +108,7 @@ class Hook:
                 backend=_backend(),
                 device="cuda" if _cuda() else "cpu",
                 attempt=ident.attempt,
+                coverage=coverage,
             )
         )
         gpu = GpuSampler(_cuda_device()) if _cuda() else None
@@ -290,6 +289,24 @@ class Hook:
     def _fail(self, where: str, exc: BaseException) -> None:
         self.failures += 1
         log.warning("rankscope: %s failed (%s: %s); training continues", where, type(exc).__name__, exc)
+
+    def _cover(self) -> str:
+        """Install the collective tracking; what it covers, for the rank record (a gap is logged)."""
+        parts = []
+        try:
+            self.tracker.patch()
+            parts.append("torch.distributed calls")
+        except Exception as exc:  # a torch built without distributed, say: training goes on
+            parts.append(f"torch.distributed calls: not tracked ({type(exc).__name__}: {exc})")
+        parts.append("DDP per backward pass" if ddp.patch(self.tracker) else "DDP: not tracked (unavailable)")
+        backend = _backend()
+        if backend == "nccl":
+            parts.append("nccl: waits as the CPU sees them")
+        elif backend and backend != "gloo":
+            parts.append(f"backend {backend}: untested (counts and waits as the CPU sees them)")
+        if any("not tracked" in p or "untested" in p for p in parts):
+            log.warning("rankscope: collective tracking: %s", "; ".join(parts))
+        return "; ".join(parts)
 
     def _step_usage(self) -> tuple[int, int] | None:
         """The training thread's counters; None on another thread (a close at SIGTERM)."""

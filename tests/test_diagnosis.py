@@ -586,3 +586,15 @@ def test_recorded_runs(recorded: dict[str, JobData], job: str) -> None:
     assert (top.cause, top.ranks) == RECORDED[job]
     assert top.hosts == ["node1" if top.ranks[0] >= 2 else "node0"]
     assert len(d.findings) == 1
+
+
+def test_ranks_whose_hooks_miss_collectives_are_said_in_the_diagnosis() -> None:
+    from renderers.text import format_diagnosis
+
+    full = "torch.distributed calls; DDP per backward pass"
+    gap = full + "; backend mpi: untested (counts and waits as the CPU sees them)"
+    ranks = pd.DataFrame({"rank": [0, 1, 2], "host": ["h"] * 3, "coverage": [full, gap, gap]})
+    d = diagnose(JobData(job="j", ranks=ranks))
+    assert d.analyzed["coverage_gaps"] == [gap] and d.findings == []
+    assert f"collective tracking on some ranks: {gap}" in format_diagnosis(d)
+    assert "coverage_gaps" not in diagnose(JobData(job="j", ranks=ranks.assign(coverage=full))).analyzed

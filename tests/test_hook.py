@@ -489,6 +489,41 @@ hook.close(timeout=30)
     assert len(wins) == 1
 
 
+def test_the_rank_record_says_what_collective_tracking_covers() -> None:
+    ident = Identity(rank=0, local_rank=0, world_size=1, host="h")
+    got = {}
+    for patch in (True, False):
+        sink = _ListSink()
+        Hook(Config(window_s=0, heartbeat_s=60, patch_collectives=patch), ident, sink).close(timeout=30)
+        got[patch] = [r.coverage for r in map(decode, sink.got) if isinstance(r, RankInfo)]
+    assert got == {
+        True: ["torch.distributed calls; DDP per backward pass"],
+        False: ["off (patch_collectives=False)"],
+    }
+
+
+def test_an_untested_backend_is_said_once_in_the_log_and_in_the_rank_record() -> None:
+    script = """
+import logging, torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from profiler_hook.config import Config, Identity
+from profiler_hook.hook import Hook
+from tests.test_hook import _ListSink
+from wire.records import RankInfo, decode
+logging.basicConfig(level=logging.WARNING, format="%(message)s")
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+sink = _ListSink()
+Hook(Config(window_s=0, heartbeat_s=60), Identity(rank=0, local_rank=0, world_size=2, host="h"), sink).close()
+print([r.coverage for r in map(decode, sink.got) if isinstance(r, RankInfo)])
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
+    )
+    said = "torch.distributed calls; DDP per backward pass; backend fake: untested (counts and waits as the CPU sees them)"
+    assert out.stdout.strip() == repr([said]), out
+    assert out.stderr.count("rankscope: collective tracking: " + said) == 1, out.stderr
+
+
 def test_pausing_inside_a_window_ends_the_window() -> None:
     """A window open when the hook pauses is dropped, not left profiling (with stacks) until resume."""
     sink = _ListSink()

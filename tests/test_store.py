@@ -216,13 +216,17 @@ def test_a_store_of_schema_1_is_migrated_and_its_rows_read_as_before(store: Stor
     # What schema 1 had: steps without n_steps, ranks without spine, every table's comment saying so.
     store.client.command(f"ALTER TABLE {store.database}.steps DROP COLUMN n_steps")
     store.client.command(f"ALTER TABLE {store.database}.ranks DROP COLUMN spine")
+    store.client.command(f"ALTER TABLE {store.database}.ranks DROP COLUMN coverage")
     for column in ("gpu_util", "gpu_mem_mb"):
         store.client.command(f"ALTER TABLE {store.database}.heartbeats DROP COLUMN {column}")
     for name in TABLES:
         store.client.command(f"ALTER TABLE {store.database}.{name} MODIFY COMMENT 'rankscope schema 1'")
     ensure_schema(store.client, store.database)
     pd.testing.assert_frame_equal(store.steps(JOB), before)
-    assert store.ranks(JOB).assign(spine="spine0").to_dict("records") == ranks.to_dict("records")
+    assert store.ranks(JOB).assign(spine="spine0", coverage=ranks["coverage"]).to_dict(
+        "records"
+    ) == ranks.to_dict("records")
+    assert (store.ranks(JOB)["coverage"] == "").all(), "ranks stored before the migration say no coverage"
     assert (store.ranks(JOB)["spine"] == "").all(), "ranks stored before the migration name no spine"
     comments = store.client.query(
         "SELECT DISTINCT comment FROM system.tables WHERE database = {db:String} AND name IN {t:Array(String)}",

@@ -19,7 +19,7 @@ Record types:
 ``window``     one per profiling window: per-function execution patterns and busy fractions.
 ``checkpoint`` one per checkpoint saved or loaded inside ``Hook.checkpoint()``: when, how long it blocked.
 
-Readers ignore fields they do not know, so ``RankInfo.attempt``, ``.spine``, the heartbeats' GPU
+Readers ignore fields they do not know, so ``RankInfo.attempt``, ``.spine``, ``.coverage``, the heartbeats' GPU
 samples and the ``checkpoint`` type came
 within version 2: an older aggregator stores the rest and dead-letters a checkpoint with its reason.
 """
@@ -127,6 +127,9 @@ class RankInfo(_Base):
     device: str = "cpu"
     attempt: int = 0
     """torchrun's restart count (``$TORCHELASTIC_RESTART_COUNT``): 0 for the job's first attempt."""
+    coverage: str = ""
+    """Which collectives the hook tracks, and any gap (an untested backend, tracking off), as of
+    ``attach``."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
