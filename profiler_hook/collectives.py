@@ -101,7 +101,8 @@ class CollectiveTracker:
     active: bool = False
     """Patched: measuring (False while the hook is paused or closed)."""
     on_patch: list[Any] = field(default_factory=list)
-    """Called whenever measuring (re)starts, e.g. to skip what happened while paused."""
+    """Weak references to what is called whenever measuring (re)starts, e.g. to skip what happened
+    while paused (weak: a model that is gone needs no call)."""
     counted: dict[str, int] = field(default_factory=dict)
     """Per group, the calls the wrapped functions have seen (never reset)."""
     steps: int = 0
@@ -210,7 +211,10 @@ class CollectiveTracker:
             if getattr(dist, op, None) is original:
                 setattr(dist, op, wrapped)
         self.active = True
-        for resync in self.on_patch:
+        for ref in list(self.on_patch):
+            if (resync := ref()) is None:  # its model is gone
+                self.on_patch.remove(ref)
+                continue
             with contextlib.suppress(Exception):
                 resync()
 

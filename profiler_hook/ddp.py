@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from typing import Any
 
 from .collectives import CollectiveCall, CollectiveTracker, group_name
@@ -88,7 +89,7 @@ class Sync:
         self.call: CollectiveCall | None = None
         # DDP's construction broadcast the model from C++: numbering starts where c10d's is.
         self.resync()
-        tracker.on_patch.append(self.resync)
+        tracker.on_patch.append(weakref.WeakMethod(self.resync))  # the hooks below keep self alive
         for p in {id(p): p for p in (params[0], params[-1])}.values():
             p.register_hook(self._grad_ready)
 

@@ -3,6 +3,7 @@ calls, in spawned multi-rank gloo jobs, with the wait on the rank that waits."""
 
 from __future__ import annotations
 
+import gc
 import os
 import statistics
 from pathlib import Path
@@ -89,8 +90,15 @@ def _user_hook_job(rank: int, port: int, spool: str, out: str) -> None:
     grad = model.module.weight.grad
     c10d_seq = dist.distributed_c10d._get_default_group()._get_sequence_number_for_group()
     seq = hook.tracker.last_seq.get("world", 0)
+    throwaway = DDP(torch.nn.Linear(4, 4))
+    watched = len(hook.tracker.on_patch)
+    del throwaway
+    gc.collect()
+    hook.pause()
+    hook.resume()  # forgets the model that is gone
     with open(f"{out}/rank{rank}", "w") as f:
         f.write(f"{len(calls)} {seq - c10d_seq} {float(grad[0, 0]):.4f} {c10d_seq - built_seq}")
+        f.write(f" {watched} {len(hook.tracker.on_patch)}")
     hook.close()
     dist.destroy_process_group()
 
@@ -107,6 +115,7 @@ def test_a_users_own_ddp_comm_hook_still_runs_and_its_collectives_are_tracked(tm
     # Each collective counted once: the hook's all-reduces by their wrapper, not again as DDP's, and
     # the broadcasts DDP issues from C++ when it rebuilds its buckets after the first step; the three
     # paused steps' all-reduces not at all.
+    assert got[0][4:] == got[1][4:] == ["2", "1"], got  # a DDP model that is gone is not kept
     launched = int(got[0][3])
     assert launched == 10 + 2, got  # DDP's rebuild broadcasts the bucket sizes and indices
     for rank, recs in _records(tmp_path, "userhook").items():
