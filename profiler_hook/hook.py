@@ -126,6 +126,7 @@ class Hook:
             tick=lambda: self.schedule.poll(self.step_num),
         )
         exits.closing_at_exit(self)
+        self._blocks.restart()  # the first step's CPU time is not attach's own (imports, patching)
 
     def _origin(self) -> dict[str, Any]:
         return {"job": self.cfg.job, "rank": self.ident.rank, "host": self.ident.host, "time_us": _now_us()}
