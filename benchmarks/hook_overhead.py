@@ -151,6 +151,7 @@ def in_run(loop: str, pairs: int, block_s: float, options: dict | None = None) -
         "median_pair_pct": round(
             (statistics.median(a / b for a, b in zip(on, off, strict=True)) - 1) * 100, 3
         ),
+        "pair_pct": [round((a / b - 1) * 100, 2) for a, b in zip(on, off, strict=True)],
         "dropped": sum(r["dropped"] for r in ranks),
         **volume,
     }
@@ -171,7 +172,7 @@ def _volume(spool: Path, on_s: float, wall_s: float) -> dict[str, float]:
                 (steps if rec.TYPE == "steps" else beats)[rec.rank] += len(line) + 1
     per_min = {r: steps[r] / (on_s / 60) + beats[r] / (wall_s / 60) for r in steps.keys() | beats.keys()}
     return {
-        "always_on_kb_per_min": round(max(per_min.values()) / 1e3, 1),
+        "always_on_kb_per_min": round(max(per_min.values(), default=0) / 1e3, 1),
         "window_kb": round(max(windows) / 1e3, 1) if windows else 0.0,
         "windows": len(windows) // WORLD,
     }
@@ -212,6 +213,7 @@ def components(reps: int = 5) -> dict[str, float]:
         loss.backward()
         opt.step()
 
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # as attach sets it: no lines per window
     steps, cfg = Config().window_steps, Config()
     costs = []
     for _ in range(reps + 1):
