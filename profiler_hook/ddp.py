@@ -93,16 +93,16 @@ class Sync:
         for p in {id(p): p for p in (params[0], params[-1])}.values():
             p.register_hook(self._grad_ready)
 
-    def _seq(self) -> int:
+    def _seq(self) -> int | None:
+        """c10d's sequence number of the group: its collectives so far (None: a backend without one)."""
         try:
             return int(self.pg._get_sequence_number_for_group())
-        except Exception:  # a backend without one: count each synchronization as one collective
-            return self.last + 1
+        except Exception:
+            return None
 
     def resync(self) -> None:
         """Collectives while the tracker was unpatched belong to no step: start counting from now."""
-        self.last = 0
-        self.last = self._seq()
+        self.last = self._seq() or 0
         self.counted = self.tracker.counted.get(self.group, 0)
         self.tracker.last_seq[self.group] = max(self.tracker.last_seq.get(self.group, 0), self.last)
 
@@ -121,6 +121,8 @@ class Sync:
         try:
             now = time.perf_counter_ns()
             seq, counted = self._seq(), self.tracker.counted.get(self.group, 0)
+            if seq is None:  # count each synchronization as one collective
+                seq = self.last + 1
             # Collectives on this group since the last pass, less those the wrappers counted.
             launched = max(0, (seq - self.last) - (counted - self.counted))
             self.last, self.counted = seq, counted

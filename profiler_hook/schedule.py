@@ -43,6 +43,11 @@ TRIGGER_HISTORY = 10
 TRIGGER_RECENT = 2
 """Each of the last this many buckets must be slow: a stall of one second (a checkpoint, a busy
 neighbour for a moment) does not trigger."""
+TRIGGER_OWN_RATIO = 1.3
+"""A rank's own time per step (outside collectives) that jumps this much also triggers. A rank that
+gets slower raises the job's step time only by its extra work, often less than ``trigger_ratio``
+(a garbage collection every few steps, a busy neighbour), but its own time by all of it. In a
+healthy 2-rank DDP job on 2 shared cores the largest own-time jump between 1 s buckets was 1.12x."""
 LEAD_STEPS = 20
 """The lead is counted at the median of this many last steps (robust to a slow first step)."""
 TRIGGER_COOLDOWN_S = 10.0
@@ -98,7 +103,9 @@ class Schedule:
         self._ready_sent = self._all_ready = False
         self._means: deque[float] = deque(maxlen=TRIGGER_HISTORY)
         """Mean step time (ns) of each of the last buckets of ``TRIGGER_BUCKET_S``."""
-        self._bucket_ns, self._bucket_n = 0, 0
+        self._own_means: deque[float] = deque(maxlen=TRIGGER_HISTORY)
+        """The same for this rank's own time per step (outside collectives)."""
+        self._bucket_ns = self._bucket_own_ns = self._bucket_n = 0
         self._recent: deque[int] = deque(maxlen=LEAD_STEPS)
         self._want = False
         """This rank's trigger fired and the request is not sent yet."""
@@ -126,21 +133,23 @@ class Schedule:
 
     # --- the training thread -------------------------------------------------------------------
 
-    def note_step(self, step: int, dur_ns: int) -> None:
-        """Record a finished step; at the end of each bucket, ask for a window if the step time
-        jumped (each of the last ``TRIGGER_RECENT`` buckets ``trigger_ratio`` times the median of
-        the ones before)."""
+    def note_step(self, step: int, dur_ns: int, own_ns: int | None = None) -> None:
+        """Record a finished step (``own_ns``: its time outside collectives); at the end of each
+        bucket, ask for a window if the step time jumped (each of the last ``TRIGGER_RECENT``
+        buckets ``trigger_ratio`` times the median of the ones before) or this rank's own time did
+        (``TRIGGER_OWN_RATIO``)."""
         self._recent.append(dur_ns)
         self._bucket_ns += dur_ns
+        self._bucket_own_ns += dur_ns if own_ns is None else own_ns
         self._bucket_n += 1
         if self._bucket_ns < TRIGGER_BUCKET_S * 1e9:
             return
         self._means.append(self._bucket_ns / self._bucket_n)
-        self._bucket_ns = self._bucket_n = 0
-        if not self.trigger_ratio or len(self._means) < TRIGGER_HISTORY:
-            return
-        m = list(self._means)
-        if min(m[-TRIGGER_RECENT:]) >= self.trigger_ratio * statistics.median(m[:-TRIGGER_RECENT]):
+        self._own_means.append(self._bucket_own_ns / self._bucket_n)
+        self._bucket_ns = self._bucket_own_ns = self._bucket_n = 0
+        if self.trigger_ratio and (
+            _jumped(self._means, self.trigger_ratio) or _jumped(self._own_means, TRIGGER_OWN_RATIO)
+        ):
             self._want = True
 
     # --- the background thread -----------------------------------------------------------------
@@ -219,3 +228,12 @@ class Schedule:
         self.planned = first
         self.plans += 1
         return True
+
+
+def _jumped(means: deque[float], ratio: float) -> bool:
+    """Each of the last ``TRIGGER_RECENT`` buckets at least ``ratio`` times the median of the ones
+    before (once ``TRIGGER_HISTORY`` buckets are known)."""
+    if len(means) < TRIGGER_HISTORY:
+        return False
+    m = list(means)
+    return min(m[-TRIGGER_RECENT:]) >= ratio * statistics.median(m[:-TRIGGER_RECENT])
