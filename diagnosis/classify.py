@@ -37,9 +37,9 @@ def classify(
         return "dataloader", code.name, data_excess / total, {**ev, **code_evidence(code), "loader": loader}
     extra = functions.top_extra(excess)
     # A code path the culprit alone runs: it holds a third of the excess, or, where the windows
-    # caught fewer of its (rare) calls than the steps paid for, it still outweighs every operator
-    # that got slower by 2x (a garbage collection every 5 steps: 24% of the excess in 4 windows,
-    # with no operator slower).
+    # caught fewer of its (rare) calls than the steps paid for, a tenth and at least twice the
+    # excess of all the operators that got slower (a garbage collection every 5 steps: 24% of the
+    # excess in 4 windows, with no operator slower).
     if extra is not None and (
         extra.excess_us >= 0.3 * total
         or (extra.excess_us >= 0.1 * total and extra.excess_us >= 2 * functions.work_excess(excess))

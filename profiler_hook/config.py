@@ -52,8 +52,9 @@ class Config:
     """Steps profiled in each window."""
     trigger_ratio: float = 1.5
     """A window also starts when the mean step time of each of the last 2 seconds reaches this
-    multiple of the 8 seconds' before on any rank (a slowdown began: profile it now, and twice more
-    10 s apart, not at the next scheduled window); 0: never."""
+    multiple of the median of the 8 seconds before on any rank, or that rank's own time outside
+    collectives jumps 1.3x (a slowdown began: profile it now, and twice more 10 s apart, not at the
+    next scheduled window); 0: never."""
     with_stack: bool = True
     """Record Python functions (by call stack) in profiling windows."""
     max_functions: int = 300
