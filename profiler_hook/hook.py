@@ -174,7 +174,7 @@ class Hook:
                 (first_ns - self._mark_ns) // 1000 if first_ns >= 0 else -1,
             )
             self._finished = self.step_num
-            self.schedule.note_step(self.step_num, now - self._mark_ns, now - self._mark_ns - comm_ns)
+            self.schedule.note_step(now - self._mark_ns, now - self._mark_ns - comm_ns)
             self._mark_ns, self._data_ns = now, 0
             self._maybe_stop_window()
             if closed and time.perf_counter() - self._last_flush >= self.cfg.flush_s:

@@ -133,7 +133,7 @@ class Schedule:
 
     # --- the training thread -------------------------------------------------------------------
 
-    def note_step(self, step: int, dur_ns: int, own_ns: int | None = None) -> None:
+    def note_step(self, dur_ns: int, own_ns: int | None = None) -> None:
         """Record a finished step (``own_ns``: its time outside collectives); at the end of each
         bucket, ask for a window if the step time jumped (each of the last ``TRIGGER_RECENT``
         buckets ``trigger_ratio`` times the median of the ones before) or this rank's own time did

@@ -329,9 +329,9 @@ def test_ranks_agree_on_window_steps_through_the_store_at_any_step_time() -> Non
     clock = [0.0]
     planner, follower = _two_ranks(30, clock)
     for now, step_ms in ((100, 2), (5000, 120)):  # a fast job, then a slow one: the lead covers LEAD_S
-        for step in range(now - 100, now):
+        for _ in range(now - 100, now):
             for s in (planner, follower):
-                s.note_step(step, step_ms * 1_000_000)
+                s.note_step(step_ms * 1_000_000)
         clock[0] += 31  # the interval passed
         planner.poll(now)
         follower.poll(now)
@@ -344,9 +344,9 @@ def test_ranks_agree_on_window_steps_through_the_store_at_any_step_time() -> Non
 def test_a_rank_that_read_a_plan_too_late_makes_the_next_ones_lead_longer() -> None:
     clock = [0.0]
     planner, follower = _two_ranks(30, clock)
-    for step in range(100):
+    for _ in range(100):
         for s in (planner, follower):
-            s.note_step(step, 10_000_000)  # 10 ms steps: a lead of 2 s is 200 steps
+            s.note_step(10_000_000)  # 10 ms steps: a lead of 2 s is 200 steps
     clock[0] += 31
     planner.poll(100)
     assert planner.planned == 300
@@ -368,8 +368,8 @@ def test_a_slowdown_on_any_rank_triggers_a_window_for_all_ranks_at_once() -> Non
     # slow steps (two buckets) later, it asks for a window.
     for step in range(12_000 + 668):
         assert not follower._want  # until the second slow second is over
-        planner.note_step(step, 1_000_000)
-        follower.note_step(step, 3_000_000 if step >= 12_000 else 1_000_000)
+        planner.note_step(1_000_000)
+        follower.note_step(3_000_000 if step >= 12_000 else 1_000_000)
     assert follower._want
     for s in (follower, planner, follower):  # the request goes out, rank 0 plans, rank 1 reads it
         s.poll(step)
@@ -388,22 +388,20 @@ def test_a_slowdown_on_any_rank_triggers_a_window_for_all_ranks_at_once() -> Non
 
 
 def test_a_healthy_busy_job_does_not_trigger_but_a_lasting_slowdown_does() -> None:
-    """Replays a healthy 2-rank DDP job's steps recorded on 2 shared cores: runs of 20-50 steps at
-    2-3x come and go, on which a trigger on the last 20 steps' median fired 119 times in 40 s."""
+    """Replays a healthy 2-rank DDP job's steps recorded on 2 shared cores (the first 5,000, ~20 s):
+    runs of 20-50 steps at 2-3x come and go, on which a trigger on the last 20 steps' median fired
+    119 times in the whole 40 s recording."""
     with gzip.open(Path(__file__).parent / "fixtures" / "healthy_ddp_steps.json.gz", "rt") as f:
         trace = json.load(f)
     s = Schedule(window_s=30, window_steps=5, trigger_ratio=1.5, rank=0, world_size=1, job="j")
-    step = 0
     for dur, own in zip(trace["dur_us"], trace["own_us"], strict=True):
-        s.note_step(step, dur * 1000, own * 1000)
-        step += 1
+        s.note_step(dur * 1000, own * 1000)
         assert not s._want
     # Then this rank computes 1.5x as long (its own time), and the step grows by that extra only:
     # not 1.5x the step time, but 1.5x its own time, within ~3 s (two whole seconds).
     dur, own = statistics.median(trace["dur_us"]) * 1000, statistics.median(trace["own_us"]) * 1000
     for _ in range(round(3.2e9 / (dur + 0.5 * own))):
-        s.note_step(step, int(dur + 0.5 * own), int(1.5 * own))
-        step += 1
+        s.note_step(int(dur + 0.5 * own), int(1.5 * own))
     assert s._want
 
 
@@ -415,8 +413,8 @@ def test_a_request_made_while_a_window_is_planned_is_served_after_it() -> None:
     first = planner.planned
     assert first > 0
     for step in range(8_700):  # rank 1's steps triple after 8 s, while that window is still ahead
-        planner.note_step(step, 1_000_000)
-        follower.note_step(step, 3_000_000 if step >= 8_000 else 1_000_000)
+        planner.note_step(1_000_000)
+        follower.note_step(3_000_000 if step >= 8_000 else 1_000_000)
     assert follower._want
     follower.poll(first - 1)  # the request goes out
     planner.poll(first - 1)  # planned ahead already: the request must wait, not be lost
