@@ -88,6 +88,9 @@ class KafkaSettings:
             "max_partition_fetch_bytes": 8 << 20,
             # One attempt to reach a broker when the API version is probed (see Aggregator._connect).
             "bootstrap_timeout_ms": 10_000,
+            # Back within a second of a broker's return (the Java client's default; kafka-python's
+            # 30 s backoff can leave it away for tens of seconds after a long outage).
+            "reconnect_backoff_max_ms": 1_000,
             **self.options,
         }
         kw.update(api_version_kwargs(self.api_version))
@@ -276,7 +279,7 @@ class Aggregator:
         not idle). Without an API version the client asks a broker for it while it is made, for up
         to ``bootstrap_timeout_ms`` (10 s), and raises if none answers: it is made again after
         ``retry_s``. With an API version it is made at once and reaches a broker in the background,
-        reconnecting with backoff (up to ``reconnect_backoff_max_ms``, 30 s), as it does mid-run;
+        reconnecting with backoff (up to ``reconnect_backoff_max_ms``, 1 s), as it does mid-run;
         until then the idle check's metadata request would block, so this waits for it here.
         """
         from kafka import KafkaConsumer

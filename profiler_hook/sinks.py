@@ -114,6 +114,10 @@ class KafkaSink:
             "acks": 1,
             "linger_ms": 50,
             "max_block_ms": 1000,
+            # Deliver what it held within a second of the broker's return: with kafka-python's 30 s
+            # backoff a producer can stay away for tens of seconds after a long outage, and a
+            # consumer that waits for the topic to go quiet may take that for the end of the job.
+            "reconnect_backoff_max_ms": 1000,
             **cfg.kafka_options,
         }
         self._kwargs.update(api_version_kwargs(cfg.kafka_api_version))
