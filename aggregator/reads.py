@@ -251,11 +251,11 @@ class Reads:
         sql = f"""
             SELECT rank, s + i AS step, t + intDiv(d * i, n) AS start_us, d / n AS dur_us,
                    da / n AS data_us, c / n AS comm_us, nc / n AS n_coll, fc AS first_coll_us,
-                   cpu / n AS cpu_us, cs / n AS nivcsw
+                   cpu / n AS cpu_us, cs / n AS nivcsw, w / n AS wait_us
             FROM (
                 SELECT rank, step AS s, start_us AS t, dur_us AS d, data_us AS da,
                        comm_us AS c, n_coll AS nc, first_coll_us AS fc, cpu_us AS cpu, nivcsw AS cs,
-                       n_steps AS n
+                       n_steps AS n, wait_us AS w
                 FROM {self._t(STEPS)} FINAL WHERE job = {{job:String}} {where}
             )
             ARRAY JOIN range(toUInt64(n)) AS i

@@ -24,7 +24,7 @@ from .errors import RankscopeError
 
 log = logging.getLogger(__name__)
 
-STORE_VERSION = 4
+STORE_VERSION = 5
 DEFAULT_DATABASE = "rankscope"
 _COMMENT = f"rankscope schema {STORE_VERSION}"
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -116,6 +116,7 @@ STEPS = Table(
         # The row holds the totals of steps ``step .. step + n_steps - 1`` (Store.steps() reads them
         # back one row per step); schema 1 had one row per step.
         ("n_steps", "Int64"),
+        ("wait_us", "Int64"),  # schema 5
     ),
     order_by=("job", "rank", "step"),
     # A rank restarted from a checkpoint runs some steps again; the later run is the one that counts.
@@ -449,6 +450,7 @@ _TO_3 = {
     ],
 }
 _TO_4 = {"ranks": ["ADD COLUMN IF NOT EXISTS `coverage` String DEFAULT '' AFTER `device`"]}
+_TO_5 = {"steps": ["ADD COLUMN IF NOT EXISTS `wait_us` Int64 DEFAULT 0"]}
 
 
 def _then(*steps: dict[str, list[str]]) -> dict[str, list[str]]:
@@ -462,10 +464,11 @@ def _then(*steps: dict[str, list[str]]) -> dict[str, list[str]]:
 
 MIGRATIONS: dict[str, dict[str, list[str]]] = {
     "rankscope schema 1": _then(
-        {"steps": ["ADD COLUMN IF NOT EXISTS `n_steps` Int64 DEFAULT 1"]}, _TO_3, _TO_4
+        {"steps": ["ADD COLUMN IF NOT EXISTS `n_steps` Int64 DEFAULT 1"]}, _TO_3, _TO_4, _TO_5
     ),
-    "rankscope schema 2": _then(_TO_3, _TO_4),
-    "rankscope schema 3": _TO_4,
+    "rankscope schema 2": _then(_TO_3, _TO_4, _TO_5),
+    "rankscope schema 3": _then(_TO_4, _TO_5),
+    "rankscope schema 4": _TO_5,
 }
 """For each older schema's comment, the ALTERs that bring its tables (by name) to this version."""
 

@@ -237,6 +237,7 @@ def _steps(
         "first_coll_us": own,
         "cpu_us": compute * 0.97 * rng.lognormal(0.0, 0.01, (n, s)),
         "nivcsw": rng.poisson(3.0, (n, s)),
+        "wait_us": np.zeros((n, s)),  # a training thread on its own cores never queues
         "compute": compute,
         "cpu_wait": cpu_wait,
     }

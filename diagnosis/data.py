@@ -12,7 +12,18 @@ from typing import Protocol
 import numpy as np
 import pandas as pd
 
-STEP_FIELDS = ["rank", "step", "dur_us", "data_us", "comm_us", "n_coll", "first_coll_us", "cpu_us", "nivcsw"]
+STEP_FIELDS = [
+    "rank",
+    "step",
+    "dur_us",
+    "data_us",
+    "comm_us",
+    "n_coll",
+    "first_coll_us",
+    "cpu_us",
+    "nivcsw",
+    "wait_us",
+]
 FUNCTION_FIELDS = [
     "rank",
     "window",

@@ -161,9 +161,18 @@ class Grid:
     """The step of the first column."""
 
 
+OWN_PARTS = ("dur_us", "comm_us", "wait_us")
+"""A rank's own time per step is its step time less its time in collectives (waiting for peers)
+and its main thread's run-queue wait (waiting for a CPU: on shared cores the order in which the
+ranks leave a collective decides who queues, and by it alone healthy ranks of a 4-rank gloo job
+on 2 cores differed by 1.25x in own time at the same CPU time; less the wait, by 1.01x). A rank
+starved of CPU is the contention finding's, from all its threads' wait. Rows without a wait
+(older hooks, other kernels) count none."""
+
+
 def grid(steps: pd.DataFrame, s: StragglerSettings, columns: list[str]) -> Grid | None:
-    """The analyzed steps of ``columns`` (``own_us`` derived): the most recent ``last_steps``
-    after ``warmup_steps``, split into ``chunks`` consecutive chunks."""
+    """The analyzed steps of ``columns`` (``own_us`` derived, see ``OWN_PARTS``): the most recent
+    ``last_steps`` after ``warmup_steps``, split into ``chunks`` consecutive chunks."""
     if steps.empty:
         return None
     step = steps["step"].to_numpy(dtype=np.int64)
@@ -180,7 +189,8 @@ def grid(steps: pd.DataFrame, s: StragglerSettings, columns: list[str]) -> Grid 
     # The store returns rows ordered by rank and step: then the grid is the column, reshaped.
     dense = len(cell) == len(ranks) * span and bool(np.all(cell == np.arange(len(cell))))
     values = {}
-    need = set(columns) - {"own_us"} | ({"dur_us", "comm_us"} if "own_us" in columns else set())
+    own_parts = [c for c in OWN_PARTS if c in steps.columns]
+    need = set(columns) - {"own_us"} | (set(own_parts) if "own_us" in columns else set())
     for c in sorted(need):
         x = steps[c].to_numpy(dtype=np.float64)[sel]
         if dense:
@@ -190,7 +200,8 @@ def grid(steps: pd.DataFrame, s: StragglerSettings, columns: list[str]) -> Grid 
         g[cell] = x
         values[c] = g.reshape(len(ranks), span)
     if "own_us" in columns:
-        values["own_us"] = np.clip(values["dur_us"] - values["comm_us"], 0, None)
+        wait = values["wait_us"] if "wait_us" in own_parts else 0.0
+        values["own_us"] = np.clip(values["dur_us"] - values["comm_us"] - wait, 0, None)
     chunk = np.minimum(np.arange(span) * s.chunks // max(span, 1), s.chunks - 1)
     return Grid(ranks=ranks, chunk=chunk, values=values, first_step=lo)
 

@@ -20,6 +20,7 @@ import functools
 import inspect
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +54,11 @@ class CollectiveCall:
     """Until it completed on this rank (-1 while in flight): the wait for the last rank + transfer."""
     blocking: bool = True
     """The calling thread waited inside the call (False: ``async_op=True``, waited on later)."""
+    enter_wait_ns: int = 0
+    """The training thread's run-queue wait so far when it was issued..."""
+    wait_ns: int = 0
+    """...and how much it grew until the call completed: the part of ``dur_ns`` the training
+    thread spent waiting for a CPU (counted in the step's collective time, not in its own)."""
 
 
 def _nbytes(obj: Any) -> int:
@@ -112,6 +118,9 @@ class CollectiveTracker:
     step_count: int = 0
     step_first_enter_ns: int = -1
     step_last_async: CollectiveCall | None = None
+    step_comm_wait_ns: int = 0
+    thread_wait: Callable[[], int] = lambda: 0
+    """The training thread's run-queue wait so far, ns (``schedstat.ThreadWait``)."""
     # Calls recorded while a profiling window is open.
     recording: list[CollectiveCall] | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -123,7 +132,9 @@ class CollectiveTracker:
         with self._lock:
             seq = self.last_seq.get(group, 0) + 1
             self.last_seq[group] = seq
-        call = CollectiveCall(group, op, seq, nbytes, now, blocking=blocking)
+        call = CollectiveCall(
+            group, op, seq, nbytes, now, blocking=blocking, enter_wait_ns=self.thread_wait()
+        )
         if blocking:
             self.current = call
         else:
@@ -139,7 +150,7 @@ class CollectiveTracker:
         """The training thread starts waiting for collectives launched from C++ (DDP's buckets), the
         last numbered ``seq``; ``launched`` of them were not counted by the wrappers. It waits as in a
         blocking call, and this wait supersedes the last asynchronous call's (a user's DDP hook's)."""
-        call = CollectiveCall(group, "all_reduce", seq, nbytes, now)
+        call = CollectiveCall(group, "all_reduce", seq, nbytes, now, enter_wait_ns=self.thread_wait())
         self.last_seq[group] = max(self.last_seq.get(group, 0), seq)
         self.step_count += launched
         if self.step_first_enter_ns < 0:
@@ -153,10 +164,12 @@ class CollectiveTracker:
         """A call completed: a blocking one returned, or an asynchronous one's future finished."""
         now = time.perf_counter_ns()
         call.dur_ns = now - call.enter_ns
+        call.wait_ns = max(0, self.thread_wait() - call.enter_wait_ns)
         self.last_exit_ns = now
         if call.blocking:
             self.current = None
             self.step_comm_ns += call.dur_ns
+            self.step_comm_wait_ns += call.wait_ns
         else:
             self.inflight.pop((call.group, call.seq), None)
         recording = self.recording  # read once: the training thread may end the window meanwhile
@@ -176,22 +189,25 @@ class CollectiveTracker:
         except RuntimeError:  # changed size while iterating: another thread completed one
             return None
 
-    def take_step(self) -> tuple[int, int, int]:
-        """(comm_ns, count, first_enter_ns) since the last call, then reset.
+    def take_step(self) -> tuple[int, int, int, int]:
+        """(comm_ns, count, first_enter_ns, comm_wait_ns) since the last call, then reset.
 
         ``comm_ns`` is the time the rank waited in collectives: inside blocking calls, plus, for
         asynchronous ones, the last one's time from launch to completion — a DDP communication hook
         launches each bucket's all-reduce as soon as its gradients are ready, and DDP waits for all
         of them at the end of the backward pass, so the last bucket's time is what the step waited
         (for the slowest rank, and for the transfer); the earlier buckets overlap the backward pass.
-        DDP's own wait, timed by :meth:`sync`, replaces it where measured.
+        DDP's own wait, timed by :meth:`sync`, replaces it where measured. ``comm_wait_ns`` is the
+        part of ``comm_ns`` the training thread spent waiting for a CPU.
         """
-        comm = self.step_comm_ns
+        comm, comm_wait = self.step_comm_ns, self.step_comm_wait_ns
         last = self.step_last_async
         if last is not None and last.dur_ns >= 0:
             comm += last.dur_ns
-        out = (comm, self.step_count, self.step_first_enter_ns)
+            comm_wait += last.wait_ns
+        out = (comm, self.step_count, self.step_first_enter_ns, comm_wait)
         self.step_comm_ns, self.step_count, self.step_first_enter_ns = 0, 0, -1
+        self.step_comm_wait_ns = 0
         self.step_last_async = None
         self.steps += 1
         return out

@@ -30,7 +30,7 @@ from .collectives import CollectiveTracker
 from .config import Config, Identity
 from .gpu import GpuSampler
 from .netstat import Counters, send_patterns, tcp_counters
-from .schedstat import Waits, run_queue_wait, wait_pattern
+from .schedstat import ThreadWait, Waits, run_queue_wait, wait_pattern
 from .schedule import Schedule
 from .shipper import Shipper
 from .sinks import NullSink, Sink, make_sink
@@ -44,11 +44,13 @@ def _now_us() -> int:
     return time.time_ns() // 1000
 
 
-def _usage() -> tuple[int, int]:
-    """CPU µs of the calling (training) thread, and involuntary context switches of the whole
-    process: CPU contention shows in any of its threads (the collectives' and data workers' too)."""
+def _usage(wait: ThreadWait) -> tuple[int, int, int]:
+    """CPU µs of the calling (training) thread, involuntary context switches of the whole process
+    (CPU contention shows in any of its threads: the collectives' and data workers' too), and
+    the training thread's run-queue wait in µs (0 without schedstat)."""
     ru = resource.getrusage(resource.RUSAGE_THREAD)
-    return int((ru.ru_utime + ru.ru_stime) * 1e6), resource.getrusage(resource.RUSAGE_SELF).ru_nivcsw
+    cpu = int((ru.ru_utime + ru.ru_stime) * 1e6)
+    return cpu, resource.getrusage(resource.RUSAGE_SELF).ru_nivcsw, wait() // 1000
 
 
 class Hook:
@@ -65,6 +67,8 @@ class Hook:
         self._finished = -1
         """The last step that ended (``step_num`` is the one begun): what heartbeats report."""
         self._training_thread = threading.get_ident()
+        self._wait = ThreadWait()
+        """The training thread's run-queue wait (see ``StepRow.wait_us``)."""
         self._blocks = StepBlocks(cfg.step_block_s, self._step_usage)
         self._last_flush = time.perf_counter()
         self._mark_ns = time.perf_counter_ns()
@@ -86,10 +90,11 @@ class Hook:
             job=cfg.job,
             ready=self._warm,
         )
-        self.tracker = CollectiveTracker()
+        self.tracker = CollectiveTracker(thread_wait=self._wait)
         if not self.enabled:
             self.shipper = Shipper(NullSink(), 1)
             self.shipper.close()  # nothing will ever be shipped: end its thread now
+            self._wait.close()
             return
         self.shipper = Shipper(sink or make_sink(cfg, ident), cfg.queue_size)
         if cfg.window_s:
@@ -163,7 +168,7 @@ class Hook:
             return
         try:
             now = time.perf_counter_ns()
-            comm_ns, n_coll, first_ns = self.tracker.take_step()
+            comm_ns, n_coll, first_ns, comm_wait_ns = self.tracker.take_step()
             closed = self._blocks.add(
                 self.step_num,
                 (self._mark_ns + self._epoch_offset_ns) // 1000,
@@ -172,6 +177,7 @@ class Hook:
                 comm_ns // 1000,
                 n_coll,
                 (first_ns - self._mark_ns) // 1000 if first_ns >= 0 else -1,
+                comm_wait_ns // 1000,
             )
             self._finished = self.step_num
             self.schedule.note_step(now - self._mark_ns, now - self._mark_ns - comm_ns)
@@ -270,6 +276,7 @@ class Hook:
             for t in self._summarizers:
                 t.join(max(0.0, deadline - time.monotonic()))
             self._blocks.close()
+            self._wait.close()
             self._flush_steps()
             self.watchdog.close()
             self.shipper.submit(self.watchdog.beat())
@@ -309,9 +316,9 @@ class Hook:
             log.warning("rankscope: collective tracking: %s", "; ".join(parts))
         return "; ".join(parts)
 
-    def _step_usage(self) -> tuple[int, int] | None:
+    def _step_usage(self) -> tuple[int, int, int] | None:
         """The training thread's counters; None on another thread (a close at SIGTERM)."""
-        return _usage() if threading.get_ident() == self._training_thread else None
+        return _usage(self._wait) if threading.get_ident() == self._training_thread else None
 
     def _flush_steps(self) -> None:
         if rows := self._blocks.take():

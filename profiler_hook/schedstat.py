@@ -20,6 +20,7 @@ Example::
 from __future__ import annotations
 
 import os
+import threading
 
 from wire.records import FunctionPattern
 
@@ -45,6 +46,34 @@ def run_queue_wait() -> Waits:
         except (OSError, ValueError, IndexError):
             continue  # the thread ended meanwhile, or no schedstat
     return out
+
+
+class ThreadWait:
+    """The run-queue wait of one thread (ns so far; 0 where the kernel has no schedstat), readable
+    from any thread: its file stays open and each read is one ``pread`` (~1 µs).
+
+    The hook reads the training thread's where it enters and leaves a collective, and once per
+    block of steps: the wait outside collectives is host contention, not the rank's own work."""
+
+    def __init__(self, tid: int | None = None) -> None:
+        tid = threading.get_native_id() if tid is None else tid
+        try:
+            self._fd = os.open(f"/proc/self/task/{tid}/schedstat", os.O_RDONLY)
+        except OSError:
+            self._fd = -1
+
+    def __call__(self) -> int:
+        if self._fd < 0:
+            return 0
+        try:
+            return int(os.pread(self._fd, 64, 0).split(maxsplit=2)[1])
+        except (OSError, ValueError, IndexError):  # closed, or the thread has ended
+            return 0
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
 
 
 def wait_pattern(before: Waits, after: Waits) -> FunctionPattern | None:

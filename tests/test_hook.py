@@ -25,13 +25,16 @@ from torch.profiler import ProfilerActivity, profile
 
 import profiler_hook
 from profiler_hook.blocks import StepBlocks
+from profiler_hook.collectives import CollectiveTracker
 from profiler_hook.config import Config, Identity
 from profiler_hook.hook import Hook
+from profiler_hook.schedstat import ThreadWait
 from profiler_hook.schedule import LEAD_S, Schedule
 from profiler_hook.shipper import Shipper
 from profiler_hook.summarize import library_frame, summarize
 from rankscope.workload import Fault, JobSpec, free_port, launch
 from wire.records import (
+    STEP_COLUMNS,
     Heartbeat,
     RankInfo,
     RecordError,
@@ -63,7 +66,7 @@ def test_importing_the_hook_loads_nothing_heavy() -> None:
 
 
 def test_records_round_trip_and_bad_values_say_why() -> None:
-    batch = StepBatch(job="j", rank=3, host="h", time_us=1, rows=(StepRow(1, 2, 3, 4, 5, 6, 7, 8, 9, 1),))
+    batch = StepBatch(job="j", rank=3, host="h", time_us=1, rows=(StepRow(1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 11),))
     key, value = encode(batch)
     assert key == b"j/3"
     assert decode(value) == batch
@@ -81,9 +84,15 @@ def test_records_round_trip_and_bad_values_say_why() -> None:
         with pytest.raises(RecordError, match=reason):
             decode(raw)
     assert len(encode(hb)[1]) < 130  # fields at their defaults are left out, and read back as such
-    # A version-1 value (one step per row, nine columns) is still read: as rows of one step.
+    # Older values are still read: version 1 (one step per row, nine columns) as rows of one step,
+    # versions 1 and 2 (ten columns) with no run-queue wait known.
+    unknown_wait = dataclasses.replace(batch, rows=(batch.rows[0]._replace(wait_us=0),))
     v1 = b'{"v":1,"type":"steps","job":"j","rank":3,"host":"h","time_us":1,"rows":[[1,2,3,4,5,6,7,8,9]]}'
-    assert decode(v1) == batch
+    assert decode(v1) == unknown_wait
+    v2 = b'{"v":2,"type":"steps","job":"j","rank":3,"host":"h","time_us":1,"rows":[[1,2,3,4,5,6,7,8,9,1]]}'
+    assert decode(v2) == unknown_wait
+    with pytest.raises(RecordError, match=r"rows\[0\] must be a list of 11 values"):
+        decode(v2.replace(b'"v":2', b'"v":3'))
 
 
 def test_step_rows_are_blocks_that_every_rank_cuts_alike() -> None:
@@ -141,6 +150,60 @@ def test_a_blocks_cpu_time_is_its_steps_own_read_once_per_block() -> None:
     cpu = [row.cpu_us for row in sorted(rows, key=lambda r: r.step)]
     assert len(cpu) == 4 and 45_000 <= cpu[1] <= 60_000, cpu
     assert max(cpu[0], cpu[2], cpu[3]) < 10_000, cpu
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/thread-self/schedstat"), reason="no schedstat")
+def test_a_threads_run_queue_wait_is_read_from_another_thread_and_grows_only_while_it_queues() -> None:
+    """CPU hogs in other processes (more than there are cores) make a spinning thread queue for a
+    CPU; a sleeping one does not queue. Read through ``ThreadWait`` from another thread."""
+    hogs = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range((os.cpu_count() or 1) + 1)
+    ]
+    try:
+        main, reads = ThreadWait(), {}
+
+        def read(key: str) -> None:
+            reads[key] = main()
+
+        def on_the_side(key: str) -> None:  # another thread reads the main thread's wait
+            t = threading.Thread(target=read, args=(key,))
+            t.start()
+            t.join()
+
+        on_the_side("before")
+        time.sleep(0.3)
+        on_the_side("slept")
+        end = time.thread_time() + 0.3
+        while time.thread_time() < end:  # 0.3 s of CPU among the hogs: longer in the run queue
+            pass
+        on_the_side("spun")
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+    main.close()
+    assert main() == 0  # closed: reads nothing
+    assert reads["slept"] - reads["before"] < 0.05e9, reads
+    assert reads["spun"] - reads["slept"] > 0.05e9, reads
+
+
+def test_a_steps_run_queue_wait_inside_collectives_is_not_counted_as_its_own() -> None:
+    """``StepRow.wait_us`` is the training thread's wait outside collectives: the block's growth of
+    the counter less what grew inside the collectives the step waited in (a counter stands in for
+    the kernel's, so that the amounts are exact)."""
+    counter = iter(range(0, 10**9, 1_000_000))  # +1 ms of wait at every read
+    tracker = CollectiveTracker(thread_wait=lambda: next(counter))
+    call = tracker.enter("world", "all_reduce", 8)  # read 1
+    tracker.exit(call)  # read 2: 1 ms inside the call
+    launched = tracker.enter("world", "all_reduce", 8, blocking=False)  # read 3
+    tracker.exit(launched)  # read 4: the step's last asynchronous call counts too
+    comm_ns, n, _, comm_wait_ns = tracker.take_step()
+    assert n == 2 and comm_wait_ns == 2_000_000
+    usage = iter([(0, 0, 0), (0, 0, 10_000)])  # CPU µs, switches, wait µs: at the start, at the end
+    blocks = StepBlocks(0.0, lambda: next(usage))
+    blocks.add(0, 0, 20_000, 0, comm_ns // 1000, n, 0, comm_wait_ns // 1000)
+    (row,) = blocks.take()
+    assert row.wait_us == 10_000 - 2_000
 
 
 def test_config_rejects_bad_settings_naming_the_field() -> None:
@@ -899,7 +962,7 @@ def test_a_hook_never_closed_ships_its_last_steps_when_the_process_ends(tmp_path
         if (r := json.loads(line))["type"] == "steps"
         for row in r["rows"]
     ]
-    assert sum(row[-1] for row in rows) == 30, rows  # n_steps, the last column
+    assert sum(row[STEP_COLUMNS.index("n_steps")] for row in rows) == 30, rows
 
 
 def test_topology_comes_from_kubernetes_node_labels_through_a_configured_mapping(

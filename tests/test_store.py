@@ -95,7 +95,9 @@ def rank_info(rank: int, time_us: int = T0) -> RankInfo:
 
 def step_row(step: int, rank: int) -> StepRow:
     start = T0 + step * 100_000
-    return StepRow(step, start, 90_000 + rank * 5_000, 1_000, 20_000, 3, 40_000 + rank, 85_000, rank, 1)
+    return StepRow(
+        step, start, 90_000 + rank * 5_000, 1_000, 20_000, 3, 40_000 + rank, 85_000, rank, 1, 300 + rank
+    )
 
 
 def steps(rank: int, lo: int, hi: int) -> StepBatch:
@@ -213,8 +215,10 @@ def test_a_store_of_schema_1_is_migrated_and_its_rows_read_as_before(store: Stor
     store.write(all_records())
     before = store.steps(JOB)
     ranks = store.ranks(JOB)
-    # What schema 1 had: steps without n_steps, ranks without spine, every table's comment saying so.
+    # What schema 1 had: steps without n_steps or wait_us, ranks without spine, every table's
+    # comment saying so.
     store.client.command(f"ALTER TABLE {store.database}.steps DROP COLUMN n_steps")
+    store.client.command(f"ALTER TABLE {store.database}.steps DROP COLUMN wait_us")
     store.client.command(f"ALTER TABLE {store.database}.ranks DROP COLUMN spine")
     store.client.command(f"ALTER TABLE {store.database}.ranks DROP COLUMN coverage")
     for column in ("gpu_util", "gpu_mem_mb"):
@@ -222,7 +226,7 @@ def test_a_store_of_schema_1_is_migrated_and_its_rows_read_as_before(store: Stor
     for name in TABLES:
         store.client.command(f"ALTER TABLE {store.database}.{name} MODIFY COMMENT 'rankscope schema 1'")
     ensure_schema(store.client, store.database)
-    pd.testing.assert_frame_equal(store.steps(JOB), before)
+    pd.testing.assert_frame_equal(store.steps(JOB), before.assign(wait_us=0.0))  # none was known
     assert store.ranks(JOB).assign(spine="spine0", coverage=ranks["coverage"]).to_dict(
         "records"
     ) == ranks.to_dict("records")
@@ -299,14 +303,14 @@ def test_a_recent_job_reads_only_what_the_store_gained_and_holds_what_a_fresh_re
 
 
 def test_a_row_of_a_block_of_steps_reads_back_as_its_steps(store: Store) -> None:
-    row = StepRow(100, T0, 40_000, 4_000, 8_000, 12, 1_500, 30_000, 3, 4)  # steps 100..103, totals
+    row = StepRow(100, T0, 40_000, 4_000, 8_000, 12, 1_500, 30_000, 3, 4, 2_000)  # steps 100..103, totals
     store.write([StepBatch(job=JOB, rank=0, host="h", time_us=T0, rows=(row,))])
     df = store.steps(JOB)
     assert df["step"].tolist() == [100, 101, 102, 103]
     assert df["start_us"].tolist() == [T0, T0 + 10_000, T0 + 20_000, T0 + 30_000]
     assert df[
-        ["dur_us", "data_us", "comm_us", "n_coll", "cpu_us", "nivcsw"]
-    ].drop_duplicates().values.tolist() == [[10_000, 1_000, 2_000, 3, 7_500, 0.75]]
+        ["dur_us", "data_us", "comm_us", "n_coll", "cpu_us", "nivcsw", "wait_us"]
+    ].drop_duplicates().values.tolist() == [[10_000, 1_000, 2_000, 3, 7_500, 0.75, 500]]
     assert (df["first_coll_us"] == 1_500).all()
     assert store.steps(JOB, since_step=102)["step"].tolist() == [102, 103]
     assert read_job(store, JOB, since_us=T0 + 35_000).steps["step"].tolist() == [100, 101, 102, 103]
@@ -348,7 +352,8 @@ def test_every_record_type_round_trips_through_the_spool(store: Store, tmp_path:
     ]
 
     df = store.steps(JOB)
-    expected = [(r, *step_row(s, r)[:-1]) for r in (0, 1) for s in range(8)]
+    expected = [(r, *step_row(s, r)._replace(n_steps=None)) for r in (0, 1) for s in range(8)]
+    expected = [tuple(v for v in row if v is not None) for row in expected]  # one row per step
     assert [tuple(row) for row in df.itertuples(index=False)] == expected
     assert store.steps(JOB, since_step=6)["step"].tolist() == [6, 7, 6, 7]
 
@@ -542,7 +547,7 @@ def test_bad_lines_become_dead_letters_and_good_lines_around_them_are_stored(
     bad_kind = json.loads(encode(checkpoint(0))[1]) | {"kind": "snapshot"}
     cases = [
         (b"{not json", "not JSON"),
-        (_value(v=3), "unknown schema version 3"),
+        (_value(v=4), "unknown schema version 4"),
         (_value(type=["rank"]), "unknown record type"),
         (_value(rank="0"), "field 'rank' must be int"),
         (json.dumps(bad_step).encode(), "rows[0].step must be int, got 'zero'"),

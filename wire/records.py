@@ -33,9 +33,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar, NamedTuple
 
-WIRE_VERSION = 2
-"""Version 2 added ``StepRow.n_steps``; version 1 values are still read (their step rows as ``n_steps=1``)."""
-READ_VERSIONS = (1, WIRE_VERSION)
+WIRE_VERSION = 3
+"""Version 2 added ``StepRow.n_steps``, version 3 ``StepRow.wait_us``; older values are still read
+(their step rows as ``n_steps=1`` and ``wait_us=0``: no wait known)."""
+READ_VERSIONS = (1, 2, WIRE_VERSION)
 MAX_VALUE_BYTES = 1 << 20
 """A value larger than this is refused by decode() (and dead-lettered by the aggregator)."""
 
@@ -65,6 +66,10 @@ class StepRow(NamedTuple):
     nivcsw: int
     """Involuntary context switches of the rank's process (all threads) during the steps: CPU contention."""
     n_steps: int
+    wait_us: int = 0
+    """Time the rank's main thread was runnable but had no CPU during the steps, outside collectives
+    (Linux schedstat's run-queue wait; 0 where unknown): part of the step time less ``comm_us``
+    that is not the rank's work but its host's contention."""
 
 
 STEP_COLUMNS = StepRow._fields
@@ -233,7 +238,7 @@ INT_RANGES: dict[str, tuple[int, int]] = {
     "local_rank": (0, 1 << 31),
     "world_size": (1, 1 << 31),
     # A step's durations and counts, and a window's length, cannot be negative.
-    **dict.fromkeys(("dur_us", "data_us", "comm_us", "n_coll", "cpu_us", "nivcsw"), (0, INT64[1])),
+    **dict.fromkeys(("dur_us", "data_us", "comm_us", "n_coll", "cpu_us", "nivcsw", "wait_us"), (0, INT64[1])),
     "n_steps": (1, 1 << 31),
     "attempt": (0, 1 << 31),
     "first_coll_us": (-1, INT64[1]),  # -1: the step entered no collective
@@ -429,8 +434,13 @@ def decode(value: bytes) -> Record:
     if type(version) is not int or version not in READ_VERSIONS:
         raise RecordError(f"unknown schema version {version!r:.80} (this reader knows {READ_VERSIONS})")
     rtype = d.get("type")
-    if version == 1 and rtype == "steps" and type(d.get("rows")) is list:  # v1 rows: one step each
-        d["rows"] = [[*r, 1] if type(r) is list and len(r) == len(STEP_COLUMNS) - 1 else r for r in d["rows"]]
+    if version < 3 and rtype == "steps" and type(d.get("rows")) is list:
+        # v1 rows lack n_steps (one step each), v1 and v2 rows wait_us (unknown: 0)
+        tail = [1, 0] if version == 1 else [0]
+        d["rows"] = [
+            [*r, *tail] if type(r) is list and len(r) + len(tail) == len(STEP_COLUMNS) else r
+            for r in d["rows"]
+        ]
     cls = _TYPES.get(rtype) if isinstance(rtype, str) else None  # an unhashable type would raise TypeError
     if cls is None:
         raise RecordError(f"unknown record type {rtype!r:.80}")
