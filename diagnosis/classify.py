@@ -14,7 +14,9 @@ def classify(
     """(cause, function, share of the excess it explains, evidence) for one straggler."""
     total = max(st.excess_us, 1.0)
     # Starved: the rank got a smaller share of the CPU for its own time than its peers. (A rank with
-    # more work queues longer on a busy host too, behind its own threads, at the same share.)
+    # more work queues longer on a busy host too, behind its own threads, at the same share.) Own
+    # time is less the main thread's run-queue wait already where the hook measured it (wire v3);
+    # this is for the rest: its other threads' wait that it waited on, and older hooks' data.
     own_eff = st.cpu_us / max(st.own_us, 1.0)
     peer_eff = st.peer_cpu_us / max(st.peer_own_us, 1.0)
     starved = own_eff <= 0.8 * peer_eff

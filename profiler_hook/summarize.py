@@ -165,6 +165,11 @@ def _union_ns(intervals: list[tuple[int, int]]) -> int:
     return total
 
 
+_EDGE_NS = 100_000
+"""The profiler records the frames open at its start as starting then, and those open at its stop
+as ending then; a frame within this of the window's edges was open there."""
+
+
 def summarize(
     events: Iterable[Any],
     calls: Iterable[CollectiveCall],
@@ -217,9 +222,14 @@ def summarize(
     # Busy fractions and Python functions come from the thread that ran the most operators (the
     # training loop's); other threads' Python (the hook's own, the user's) is not the step's work.
     main_tid = threads.most_common(1)[0][0] if threads else None
+    mine = [(start, start + dur) for _, tid, start, dur in pending_python if tid == main_tid]
+    first = min((b for b, _ in mine), default=0) + _EDGE_NS
+    last = max((e for _, e in mine), default=0) - _EDGE_NS
     for pid, tid, start, dur in pending_python:
-        # Frames open for most of the window (the training loop, its callers) are not executions.
-        if tid != main_tid or dur >= window_ns // 2:
+        # Frames open when the window started or still open when it ended, for most of it (the
+        # training loop, its callers), are not executions; a long call within it (a 180 ms garbage
+        # collection in a 280 ms window) is.
+        if tid != main_tid or (dur >= window_ns // 2 and (start <= first or start + dur >= last)):
             continue
         name, parent = python[pid]
         chain: list[str] = []

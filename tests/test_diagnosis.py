@@ -366,6 +366,19 @@ def test_a_rank_whose_threads_queue_for_the_cpu_is_named_though_it_works_no_long
     assert (f.cause, f.ranks) == ("compute", [5])
 
 
+def test_both_ranks_of_a_contended_host_of_two_are_named_though_they_lift_the_median() -> None:
+    """Two of four ranks contended (one host of two): the median of all four sits between them and
+    the others, so one of them stands out by less than ``min_ratio``; measured against the ranks
+    not found, both do, and they make up the host."""
+    data = synthetic(ranks=4, hosts_of=2)
+    waits = sched_windows({0: 3.2, 1: 3.4}, base_ms=1.4, ranks=4)
+    f = only(diagnose(replace(data, functions=waits)).findings)
+    assert (f.cause, f.ranks, f.hosts) == ("host_contention", [0, 1], ["node0"])
+    # One contended rank of four: the others are not measured against each other and named.
+    f = only(diagnose(replace(data, functions=sched_windows({1: 3.4}, base_ms=1.4, ranks=4))).findings)
+    assert (f.cause, f.ranks) == ("host_contention", [1])
+
+
 def ring_links(hosts: int, slow_ms_per_mb: dict[tuple[int, int], float], windows: int = 3) -> pd.DataFrame:
     """``net_send@tcp`` rows of a ring over ``hosts`` hosts (one rank each, address 10.0.0.<rank>):
     each rank sends 8 MB per window to the next, 1 ms per MB, or ``slow_ms_per_mb[(src, dst)]``."""

@@ -255,6 +255,30 @@ def test_summary_of_real_profiler_output() -> None:
     assert 0 < busy["compute"] <= 1 and 0 <= busy["idle"] < 1
 
 
+def pause_for_garbage_collection() -> None:
+    time.sleep(0.15)
+
+
+def test_a_call_that_holds_most_of_a_window_is_an_execution_but_the_loop_around_it_is_not() -> None:
+    """The frames open when the window starts and ends (the loop, its callers) are left out; a long
+    call inside it — a garbage-collection pause taking most of a 5-step window — is kept."""
+    model = torch.nn.Linear(32, 4)
+    t0 = time.time_ns()
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+        for step in range(5):
+            model(torch.randn(8, 32)).sum().backward()
+            if step == 2:
+                pause_for_garbage_collection()
+    window_ns = time.time_ns() - t0
+    functions, _, _ = summarize(prof.profiler.kineto_results.events(), [], window_ns, max_functions=300)
+    names = {f.name.rsplit(": ", 1)[-1]: f for f in functions if f.kind == "python"}
+    pause = names["pause_for_garbage_collection"]
+    assert pause.count == 1 and pause.total_us >= 0.5 * window_ns / 1e3
+    assert (
+        "test_a_call_that_holds_most_of_a_window_is_an_execution_but_the_loop_around_it_is_not" not in names
+    )
+
+
 def test_library_frames_are_told_from_the_jobs_own_code() -> None:
     for name in (
         "torch/nn/modules/module.py(1751): _call_impl",  # an installed package
