@@ -66,7 +66,7 @@ def _straggler_findings(
     if not fs.empty:  # one pass over the functions of every rank, not one per culprit
         fs = fs[fs["rank"].isin([*culprits, *peers])]
     return [
-        _straggler_finding(st, fs, [p for p in peers if p != st.rank], hosts, waits.get(st.rank))
+        _straggler_finding(st, fs, data.steps, [p for p in peers if p != st.rank], hosts, waits.get(st.rank))
         for st in sts
     ]
 
@@ -74,10 +74,17 @@ def _straggler_findings(
 def _straggler_finding(
     st: stragglers.Straggler,
     fs: pd.DataFrame,
+    steps: pd.DataFrame,
     peers: list[int],
     hosts: dict[int, str],
     waits: contention.Contended | None,
 ) -> Finding:
+    if not fs.empty:
+        # The windows that caught it slow say where its extra time goes; those before the fault
+        # began (or between its bursts) would dilute a code path it has taken since.
+        slow = stragglers.slow_windows(steps, fs[fs["rank"] == st.rank], st, peers)
+        if slow:
+            fs = fs[fs["window"].isin(slow)]
     excess = functions.compare(fs, st.rank, peers)
     cause, fn, explained, ev = classify(st, excess, waits)
     windows = int(fs.loc[fs["rank"] == st.rank, "window"].nunique()) if not fs.empty else 0
@@ -85,7 +92,7 @@ def _straggler_finding(
     confidence = round(effect(st.growth) * persistence * min(1.0, max(0.5, explained)), 3)
     host = hosts.get(st.rank, "")
     evidence = {
-        "metric": "own time per step = step time - time waiting in collectives",
+        "metric": "own time per step = step time - time waiting in collectives and for a CPU",
         "rank_value_ms": ms(st.own_us),
         "peer_median_ms": ms(st.peer_own_us),
         "ratio": round(st.ratio, 3),

@@ -66,11 +66,13 @@ class StragglerSettings:
     """The change-point rule (:func:`shifted`) looks back this many steps..."""
     shift_chunks: int = 20
     """...split into this many chunks (of ``min_chunk_steps`` * 4 steps at least)."""
-    shift_min_t: float = 6.0
-    """A rank's rise must be this many standard errors (its own chunk-to-chunk noise). On 14
-    healthy fault-suite runs (2 cores, 4-8 ranks) the largest was 5.5 (an 8-rank run: one rank
-    1.02x -> 1.08x for its last 40%); a 1.15x slower device reached 5.4 in one run and 2.0 in
-    another. So on shared cores the rule catches clear shifts, not every mild one."""
+    shift_min_t: float = 5.0
+    """A rank's rise must be this many standard errors (its own chunk-to-chunk noise). With own
+    time less the run-queue wait, on 13 runs without a straggler (healthy, hogs, job-wide, links;
+    2 shared cores, 4-8 ranks) the largest t was 5.6 with a rise of 0.040, 5.2 with 0.047; a
+    1.15x slower device reached 5.4-6.0 with rises of 0.052-0.067 in 3 runs. (With the wait in own
+    time a healthy 8-rank run had reached 5.5 with a rise of 0.06.) A thin margin: on shared cores
+    the rule catches clear shifts, and a mild one only as long as the rise gate holds."""
     shift_min_rise: float = 0.05
     """...and raise its own time, relative to its peers', by this much (healthy ranks: <= 0.09
     with a t of 3.5 at most)..."""
@@ -337,6 +339,29 @@ def _straggler(rank: int, own: dict[str, float], peer: dict[str, float], **how: 
         peer_nivcsw=peer["nivcsw"],
         **how,
     )
+
+
+def slow_windows(steps: pd.DataFrame, windows: pd.DataFrame, st: Straggler, peers: list[int]) -> list[int]:
+    """The profiling windows (``windows``: rows with ``window``, ``step_lo``, ``step_hi``) over
+    whose steps the straggler's own time exceeded its peers' median by half its excess at least."""
+    spans = windows[["window", "step_lo", "step_hi"]].drop_duplicates("window")
+    if spans.empty or steps.empty:
+        return []
+    parts = [c for c in OWN_PARTS if c in steps.columns]
+    cut = steps[steps["rank"].isin([st.rank, *peers])]
+    own = cut[parts[0]] - cut[parts[1:]].sum(axis=1)
+    cut = pd.DataFrame(
+        {"rank": cut["rank"].to_numpy(), "step": cut["step"].to_numpy(), "own": own.to_numpy()}
+    )
+    bar = 1 + (st.ratio - 1) / 2
+    out = []
+    for w, lo, hi in spans.itertuples(index=False):
+        x = cut[(cut["step"] >= lo) & (cut["step"] < hi)].groupby("rank")["own"].mean()
+        if st.rank in x.index and len(x) > 1:
+            peer = float(x.drop(st.rank).median())
+            if peer > 0 and x[st.rank] >= bar * peer:
+                out.append(int(w))
+    return out
 
 
 def shifted(

@@ -226,10 +226,11 @@ def summarize(
     first = min((b for b, _ in mine), default=0) + _EDGE_NS
     last = max((e for _, e in mine), default=0) - _EDGE_NS
     for pid, tid, start, dur in pending_python:
-        # Frames open when the window started or still open when it ended, for most of it (the
-        # training loop, its callers), are not executions; a long call within it (a 180 ms garbage
-        # collection in a 280 ms window) is.
-        if tid != main_tid or (dur >= window_ns // 2 and (start <= first or start + dur >= last)):
+        # Frames open when the window started and when it ended (the training loop, its callers),
+        # or at one edge for most of it, are not executions; a long call within it (a 180 ms
+        # garbage collection in a 280 ms window) is.
+        opened, closed = start <= first, start + dur >= last
+        if tid != main_tid or (opened and closed) or (dur >= window_ns // 2 and (opened or closed)):
             continue
         name, parent = python[pid]
         chain: list[str] = []
