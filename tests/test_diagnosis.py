@@ -229,6 +229,34 @@ def test_a_function_only_the_culprit_calls_every_few_steps_is_its_code_path() ->
     assert f.evidence["calls_per_step"] == 0.2 and f.evidence["peer_calls_per_step"] == 0.0
 
 
+def test_a_code_path_taken_since_mid_run_is_judged_on_the_windows_that_caught_the_rank_slow() -> None:
+    """Rank 6 audits its gradients from step 150 on: in the window before (steps 100-105) it ran
+    what its peers ran; in the two after, the audit too. The function comparison is over the two
+    (the first would halve the audit's calls per step, and one window of three is no code path);
+    and one slow call in one window of them is no code path either."""
+    data = synthetic(slow={6: {"compute_us": 1500, "from": 150}})
+    common = [("op", "aten::addmm", 15, 10_000.0), ("python", "train.py(10): forward", 5, 20_000.0)]
+    audit = [*common, ("python", "train.py(50): audit_gradients", 5, 7_500.0)]
+    windows = []
+    for w, lo in ((0, 100), (1, 200), (2, 250)):
+        frame = functions_frame({r: audit if r == 6 and w > 0 else common for r in range(8)})
+        windows.append(frame.assign(window=w, step_lo=lo, step_hi=lo + 5))
+    f = only(diagnose(replace(data, functions=pd.concat(windows))).findings)
+    assert (f.cause, f.ranks, f.function) == ("code_path", [6], "train.py(50): audit_gradients")
+    assert f.evidence["calls_per_step"] == 1.0
+    # A function only the culprit ran, but in one window of two: a preempted call, not a path.
+    once = functions_frame(
+        {r: [*common, ("pylib", "hasattr", 1, 7_000.0)] if r == 6 else common for r in range(8)}
+    )
+    again = functions_frame({r: common for r in range(8)}).assign(window=1, step_lo=200, step_hi=205)
+    f = only(
+        diagnose(
+            replace(synthetic(slow={6: {"compute_us": 1500}}), functions=pd.concat([once, again]))
+        ).findings
+    )
+    assert f.cause == "compute"
+
+
 def test_code_path_names_the_innermost_function_of_the_jobs_own_code_and_the_operator_under_it() -> None:
     data = synthetic(slow={6: {"compute_us": 1500}})
     common = [("op", "aten::addmm", 15, 10_000.0), ("python", "train.py(80): train_step", 5, 20_000.0)]
