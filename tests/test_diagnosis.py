@@ -443,6 +443,11 @@ def test_a_slow_nic_is_the_endpoint_its_slow_links_share_not_the_rank_sending_in
     assert f.evidence["windows_flagged"] == "3/3" and f.evidence["ratio"] > 4
     # Healthy links: nothing.
     assert diagnose(replace(data, functions=ring_links(4, {}))).findings == []
+    # A milder one, and the link before it backed up: the healthy baseline is still a healthy
+    # link's rate (a quartile interpolated towards the backed-up link left the slow ones short).
+    links = ring_links(4, {(2, 3): 4.0, (3, 0): 4.5, (1, 2): 1.8})
+    f = only(diagnose(replace(data, functions=links)).findings)
+    assert (f.cause, f.ranks) == ("communication", [3])
 
 
 def test_a_slow_switch_uplink_is_the_switch_whose_links_to_the_rest_are_slow() -> None:
