@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from rankscope.workload import free_port
+from wire.records import STEP_COLUMNS
 
 JOBS = Path(__file__).parent / "jobs"
 
@@ -41,7 +42,7 @@ def _check(recs: list[dict], steps: int) -> None:
     """Both ranks shipped every step with DDP's all-reduce timed, and rank 0's checkpoints."""
     for rank in (0, 1):
         rows = [row for r in recs if r["type"] == "steps" and r["rank"] == rank for row in r["rows"]]
-        assert sum(row[-1] for row in rows) == steps, (rank, rows)  # n_steps: the last column
+        assert sum(row[STEP_COLUMNS.index("n_steps")] for row in rows) == steps, (rank, rows)
         assert {row[0] for row in rows} >= {0}, "steps numbered by the framework's global step from 0"
         assert sum(row[4] for row in rows) > 0 and sum(row[5] for row in rows) >= steps, "comm_us, n_coll"
         assert sum(row[3] for row in rows) > 0, "data_us: the time between steps the loop fetched batches"

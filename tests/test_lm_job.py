@@ -15,6 +15,7 @@ import pytest
 from benchmarks.scenarios import SCENARIO_DIR, ScenarioError, load, load_all
 from benchmarks.torchrun_job import SCRIPTS, commands
 from rankscope.workload import JobSpec, free_port
+from wire.records import STEP_COLUMNS
 
 
 def _records(spool: Path) -> list[dict]:
@@ -62,8 +63,13 @@ def test_lm_script_trains_under_torchrun_with_the_hook_at_its_defaults(tmp_path:
     recs = _records(spool / "lm-test")  # the job id is torchrun's run id
     steps = {r["rank"]: r for r in recs if r["type"] == "steps"}
     assert set(steps) == {0, 1}
-    stepped = {  # a row holds n_steps steps (its last column): blocks of ~2 s
-        rank: sum(row[-1] for r in recs if r["type"] == "steps" and r["rank"] == rank for row in r["rows"])
+    stepped = {  # a row holds n_steps steps: blocks of ~2 s
+        rank: sum(
+            row[STEP_COLUMNS.index("n_steps")]
+            for r in recs
+            if r["type"] == "steps" and r["rank"] == rank
+            for row in r["rows"]
+        )
         for rank in (0, 1)
     }
     assert min(stepped.values()) >= 50, stepped
