@@ -261,6 +261,13 @@ def totals(scores: Sequence[Score], timings: Sequence[Delays] | None = None) -> 
         out["median_detect_s"] = _median(t.detect_s for t in ts)
         out["median_localize_s"] = _median(t.localize_s for t in ts)
         out["p90_localize_s"] = _quantile([t.localize_s for t in ts], 0.9)
+        # The two targets apart: a slowdown's root cause, and a hang (declared after
+        # ``HangSettings.stall_s`` without progress, 30 s: not earlier than that).
+        pairs = [(s, t) for s, t in zip(scores, timings, strict=True) if not s.healthy]
+        slow = [t.localize_s for s, t in pairs if not s.kind.startswith("hang")]
+        hung = [t.localize_s for s, t in pairs if s.kind.startswith("hang")]
+        out["p90_localize_slowdowns_s"] = _quantile(slow, 0.9)
+        out["max_localize_hangs_s"] = _quantile(hung, 1.0)
     return out
 
 

@@ -47,6 +47,15 @@ def test_job_wide_and_healthy_truths() -> None:
     totals = scoring.totals([s, h])
     assert totals["top1_accuracy"] == 1.0 and totals["healthy_false_findings"] == 1
     assert totals["precision"] == 0.5 and totals["recall"] == 1.0
+    # Latencies: overall, and the slowdowns' and the hangs' apart (a hang takes 30 s by definition).
+    hang = scoring.score(
+        scoring.GroundTruth(kind="hang-python", cause="hang", ranks=(2,)),
+        Diagnosis(job="j", findings=[_finding("hang", [2])]),
+    )
+    delays = [scoring.Delays(localize_s=8.0), scoring.Delays(), scoring.Delays(localize_s=34.0)]
+    totals = scoring.totals([s, h, hang], delays)
+    assert totals["p90_localize_s"] == 34.0
+    assert (totals["p90_localize_slowdowns_s"], totals["max_localize_hangs_s"]) == (8.0, 34.0)
 
 
 def test_findings_on_a_healthy_run_are_explained_only_if_the_machine_slowed() -> None:
