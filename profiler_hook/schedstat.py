@@ -57,21 +57,24 @@ class ThreadWait:
 
     def __init__(self, tid: int | None = None) -> None:
         tid = threading.get_native_id() if tid is None else tid
+        self._lock = threading.Lock()  # no read of a closed (or reused) descriptor
         try:
             self._fd = os.open(f"/proc/self/task/{tid}/schedstat", os.O_RDONLY)
         except OSError:
             self._fd = -1
 
     def __call__(self) -> int:
-        if self._fd < 0:
-            return 0
-        try:
-            return int(os.pread(self._fd, 64, 0).split(maxsplit=2)[1])
-        except (OSError, ValueError, IndexError):  # closed, or the thread has ended
-            return 0
+        with self._lock:
+            if self._fd < 0:
+                return 0
+            try:
+                return int(os.pread(self._fd, 64, 0).split(maxsplit=2)[1])
+            except (OSError, ValueError, IndexError):  # the thread has ended
+                return 0
 
     def close(self) -> None:
-        fd, self._fd = self._fd, -1
+        with self._lock:
+            fd, self._fd = self._fd, -1
         if fd >= 0:
             os.close(fd)
 
