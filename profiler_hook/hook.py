@@ -39,6 +39,9 @@ from .watchdog import Watchdog
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+SUMMARIZE_WAIT_S = 1.0
+"""How long a window's first step waits for the last window's summarizer; past it, no window."""
+
 
 def _now_us() -> int:
     return time.time_ns() // 1000
@@ -345,6 +348,14 @@ class Hook:
     def _maybe_start_window(self) -> None:
         s = self.step_num
         if s != self.schedule.planned or self._prof is not None:
+            return
+        # The last window's summarizer must be done: torch's Python tracer hooks every thread at
+        # start and unhooks each at stop, and reading one result while the next session starts
+        # shares kineto's state. It takes tens of milliseconds, and windows are seconds apart.
+        for t in self._summarizers:
+            t.join(SUMMARIZE_WAIT_S)
+        if any(t.is_alive() for t in self._summarizers):
+            log.warning("rankscope: the last window is still being summarized: window %d skipped", s)
             return
         cfg = self.cfg
         from torch.profiler import ProfilerActivity, profile

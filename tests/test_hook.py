@@ -655,6 +655,38 @@ def test_pausing_inside_a_window_ends_the_window() -> None:
     assert not [r for r in map(decode, sink.got) if isinstance(r, WindowSummary)]
 
 
+def test_a_window_starts_only_once_the_last_one_is_summarized(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's Python tracer hooks every thread at start: the summarizer of the last window must not
+    run (or end) inside the next one. It waits for it, and skips the window if it takes too long."""
+    sink = _ListSink()
+    hook = Hook(
+        Config(heartbeat_s=60, with_stack=False, window_steps=2),
+        Identity(rank=0, local_rank=0, world_size=1, host="h"),
+        sink,
+    )
+    summarized: list[int] = []
+    real = hook._summarize
+
+    def slow(*args: object) -> None:
+        time.sleep(0.3)
+        real(*args)
+        summarized.append(time.time_ns())
+
+    monkeypatch.setattr(hook, "_summarize", slow)
+    started = []
+    for planned, wait_s in ((1, 5.0), (4, 5.0), (7, 0.05)):
+        monkeypatch.setattr("profiler_hook.hook.SUMMARIZE_WAIT_S", wait_s)
+        hook.schedule.planned = planned
+        while hook.step_num < planned + 2:
+            with hook.step():
+                if hook._window is not None and hook._window[1] == hook.step_num:
+                    started.append(hook._window[3])
+    hook.close(timeout=30)
+    assert len(started) == 2, "the third window is skipped: the second's summarizer was still running"
+    assert started[1] >= summarized[0]
+    assert len([r for r in map(decode, sink.got) if isinstance(r, WindowSummary)]) == 2
+
+
 def _records(spool: Path, job: str) -> dict[int, list]:
     out: dict[int, list] = defaultdict(list)
     for f in sorted((spool / job).glob("*.jsonl")):
