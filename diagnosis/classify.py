@@ -83,8 +83,10 @@ def classify(
         }
     compute_excess = (st.own_us - st.data_us) - (st.peer_own_us - st.peer_data_us)
     name = slower.name if slower else "compute (no profiling window covered it)"
-    # Forward runs in the job's code, backward mostly in the autograd engine: a third will do.
-    code = functions.innermost_code(excess, 0.3 * compute_excess) if slower else None
+    # Forward runs in the job's code, backward mostly in the autograd engine: with forward about a
+    # third of the FLOPs, its share of a uniformly slower device's excess is about a third, so a
+    # quarter: the forward of a device 2x slower in bursts held 26% of the excess while it was slow.
+    code = functions.innermost_code(excess, 0.25 * compute_excess) if slower else None
     if code is not None:  # the job's own function whose operators got slower, and the operator
         ev = {**ev, **code_evidence(code), "operator": name}
         name = code.name

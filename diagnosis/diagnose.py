@@ -88,8 +88,7 @@ def _straggler_finding(
     excess = functions.compare(fs, st.rank, peers)
     cause, fn, explained, ev = classify(st, excess, waits)
     windows = int(fs.loc[fs["rank"] == st.rank, "window"].nunique()) if not fs.empty else 0
-    persistence = st.chunks_flagged / max(st.chunks, 1)
-    confidence = round(effect(st.growth) * persistence * min(1.0, max(0.5, explained)), 3)
+    confidence = round(effect(st.growth) * st.persistence * min(1.0, max(0.5, explained)), 3)
     host = hosts.get(st.rank, "")
     evidence = {
         "metric": "own time per step = step time - time waiting in collectives and for a CPU",
@@ -113,6 +112,11 @@ def _straggler_finding(
         f"most of the extra time in {fn}; peers wait {ms(st.peer_comm_us - st.comm_us)} ms "
         f"longer in collectives for it"
         + (f" (it was {st.before_ratio:.2f}x until step {st.since_step})" if st.before_ratio else "")
+        + (
+            f", in bursts: slow in {st.chunks_flagged} of the last {st.chunks} spans of steps"
+            if st.bursts
+            else ""
+        )
     )
     return Finding(
         cause=cause,
@@ -189,7 +193,7 @@ def _stragglers(steps: pd.DataFrame, s: stragglers.StragglerSettings) -> list[st
 
 
 def _strength(st: stragglers.Straggler) -> float:
-    return effect(st.growth) * st.chunks_flagged / max(st.chunks, 1)
+    return effect(st.growth) * st.persistence
 
 
 GAP_WORDS = ("not tracked", "untested", "off (")

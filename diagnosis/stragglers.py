@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from .findings import effect
 from .robust import dense_index, needed
 
 
@@ -58,6 +59,21 @@ class StragglerSettings:
     run-queue waits that spread own time are not in it), and whose own time is above its
     peers' by ``shift_min_level``, is a straggler. A device 2x slower in bursts of 150 steps is
     1.14-1.45x in CPU time per chunk, 0.92-1.24x in own time."""
+    burst_chunks: int = 24
+    """Bursts: the analyzed steps are split this finer too (of ``burst_min_chunk_steps`` steps at
+    least), for a rank slow in bursts too short or too rare to be slow in half of the chunks: a
+    device 1.5x slower for 100 steps in 300, at 8 ranks on 2 shared cores, was 1.06x in CPU time
+    over the job and 1.13-1.23x in the blocks of a burst."""
+    burst_min_chunk_steps: int = 20
+    burst_cpu_ratio: float = 1.10
+    """A rank is slow in a fine chunk when its CPU time per step is this many times the chunk's
+    median over the ranks..."""
+    burst_own_ratio: float = 1.05
+    """...and its own time this many times..."""
+    burst_min_chunks: int = 6
+    """...in this many fine chunks at least. On 5 kept fault-suite runs (37 scenarios each, 2 shared
+    cores), a rank that was no culprit was slow so in at most 3 of 24 (around hangs; healthy runs:
+    1 at most); the intermittent 8-rank straggler in 7-10."""
     peel_ratio: float = 1.15
     """Once stragglers are found, another rank is one too if its mean own time exceeds the median
     of the remaining ranks by this factor (stricter than ``min_ratio``: healthy ranks of a small
@@ -121,6 +137,9 @@ class Straggler:
     """Found by the change-point rule: ``ratio`` before ``since_step`` (0 for the peer rule)."""
     cpu_growth: float = 0.0
     """Found by the change-point rule on CPU time: how much that grew against the peers' (0 if not)."""
+    bursts: int = 0
+    """Found slow in bursts: the fine chunks the rule asks for (``burst_min_chunks``; 0: not so
+    found). Its values are then those of the steps of the fine chunks it was slow in."""
 
     @property
     def growth(self) -> float:
@@ -129,6 +148,14 @@ class Straggler:
         if self.cpu_growth > 0:
             return self.cpu_growth
         return self.ratio / self.before_ratio if self.before_ratio > 0 else self.ratio
+
+    @property
+    def persistence(self) -> float:
+        """How steadily it held: the share of chunks it was slow in; in bursts, of twice the fine
+        chunks the rule asks for (slow a quarter of the time is as sure as bursts get)."""
+        if self.bursts:
+            return min(1.0, self.chunks_flagged / (2 * self.bursts))
+        return self.chunks_flagged / max(self.chunks, 1)
 
     @property
     def excess_us(self) -> float:
@@ -288,6 +315,9 @@ def find(steps: pd.DataFrame, s: StragglerSettings | None = None) -> list[Stragg
         more = (by_cpu >= needed(n_chunks, s.persistence)) & (own_level >= s.shift_min_level) & ~is_culprit
         flagged, is_culprit = np.where(more, by_cpu, flagged), is_culprit | more
         slow_in[more] = slow_cpu[more]
+    burst_slow, fine = _bursts(g, s)
+    bursty = burst_slow.sum(axis=1) >= s.burst_min_chunks
+    is_culprit = is_culprit | bursty
     if not is_culprit.any():
         return []
     if (~is_culprit).sum() >= 3:
@@ -308,19 +338,53 @@ def find(steps: pd.DataFrame, s: StragglerSettings | None = None) -> list[Stragg
     names = ["rel", *cols]
     own_mean = {c: nanmean_rows(g.values[c][cul_idx]) for c in names}
     pm = {c: float(np.nanmedian(nanmean_rows(g.values[c][peer_idx]))) for c in names}
-    return [
-        _straggler(
-            int(g.ranks[i]),
-            {c: float(own_mean[c][j]) for c in cols},
-            pm,
-            chunks_flagged=int(flagged[i]),
-            chunks=n_chunks,
-            ratio=float(own_mean["rel"][j] / max(pm["rel"], 1e-9)),
-            since_step=int(chunk_start[np.argmax(slow_in[i])]),
-            held_steps=int(chunk_steps[slow_in[i]].sum()),
+    out = []
+    for j, i in enumerate(cul_idx):
+        found = []
+        if flagged[i] >= needed(n_chunks, s.persistence):
+            mine = {c: float(own_mean[c][j]) for c in names}
+            how = {
+                "chunks_flagged": int(flagged[i]),
+                "chunks": n_chunks,
+                "since_step": int(chunk_start[np.argmax(slow_in[i])]),
+                "held_steps": int(chunk_steps[slow_in[i]].sum()),
+            }
+            found.append(
+                _straggler(int(g.ranks[i]), mine, pm, ratio=mine["rel"] / max(pm["rel"], 1e-9), **how)
+            )
+        if bursty[i]:  # its values while slow, against the peers' on the same steps
+            at = burst_slow[i][fine]
+            mine = {c: float(np.nanmean(g.values[c][i, at])) for c in names}
+            peer = {c: float(np.nanmedian(nanmean_rows(g.values[c][peer_idx][:, at]))) for c in names}
+            how = {
+                "chunks_flagged": int(burst_slow[i].sum()),
+                "chunks": s.burst_chunks,
+                "since_step": g.first_step + int(np.argmax(at)),
+                "held_steps": int(at.sum()),
+                "bursts": s.burst_min_chunks,
+            }
+            found.append(
+                _straggler(int(g.ranks[i]), mine, peer, ratio=mine["rel"] / max(peer["rel"], 1e-9), **how)
+            )
+        out.append(max(found, key=lambda st: effect(st.growth) * st.persistence))  # the surer account
+    return out
+
+
+def _bursts(g: Grid, s: StragglerSettings) -> tuple[np.ndarray, np.ndarray]:
+    """rank x fine chunk: slow in CPU and own time against the chunk's median over the ranks (all
+    False where the steps are too few); and each step's fine chunk."""
+    n, k = g.chunk.size, s.burst_chunks
+    fine = np.minimum(np.arange(n) * k // max(n, 1), k - 1)
+    slow = np.zeros((len(g.ranks), k), dtype=bool)
+    if "rel_cpu" not in g.values or n < k * s.burst_min_chunk_steps:
+        return slow, fine
+    fg = Grid(ranks=g.ranks, chunk=fine, values=g.values, first_step=g.first_step)
+    cpu, own = chunk_means(fg, "rel_cpu", k), chunk_means(fg, "rel", k)
+    with np.errstate(invalid="ignore"):
+        slow = (cpu >= s.burst_cpu_ratio * nanmedian(cpu, axis=0)) & (
+            own >= s.burst_own_ratio * nanmedian(own, axis=0)
         )
-        for j, i in enumerate(cul_idx)
-    ]
+    return slow, fine
 
 
 def _straggler(rank: int, own: dict[str, float], peer: dict[str, float], **how: Any) -> Straggler:
