@@ -411,6 +411,12 @@ def test_a_rank_whose_threads_queue_for_the_cpu_is_named_though_it_works_no_long
     # With the extra time spent computing, the wait is its threads queueing behind its own work.
     f = only(diagnose(replace(synthetic(slow={5: {"compute_us": 1500}}), functions=waits)).findings)
     assert (f.cause, f.ranks) == ("compute", [5])
+    # A rank whose threads wait 4 ms a step for a CPU and that works a little longer too (1.14x: a
+    # hogged host slows its work as well) is contended: the surer of its two accounts.
+    mild = synthetic(slow={3: {"compute_us": 700}})
+    assert [st.rank for st in stragglers.find(mild.steps)] == [3]
+    f = only(diagnose(replace(mild, functions=sched_windows({3: 4.0}))).findings)
+    assert (f.cause, f.ranks) == ("host_contention", [3])
 
 
 def test_both_ranks_of_a_contended_host_of_two_are_named_though_they_lift_the_median() -> None:
