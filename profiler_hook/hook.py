@@ -361,10 +361,12 @@ class Hook:
         from torch.profiler import ProfilerActivity, profile
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if _cuda() else [])
+        # Read before the profiler starts: its window would hold our reads (a readlink per open
+        # descriptor: rank 0, which serves the job's store, has the most, and read as a code path).
+        self._net, self._waits = tcp_counters(), run_queue_wait()
         self._prof = profile(activities=activities, with_stack=cfg.with_stack, record_shapes=False)
         self._prof.start()
         self._window = (s, s, s + cfg.window_steps, time.time_ns())
-        self._net, self._waits = tcp_counters(), run_queue_wait()
         self.tracker.recording = []
 
     def _maybe_stop_window(self) -> None:

@@ -643,6 +643,23 @@ print([r.coverage for r in map(decode, sink.got) if isinstance(r, RankInfo)])
     assert out.stderr.count("rankscope: collective tracking: " + said) == 1, out.stderr
 
 
+def test_a_window_holds_none_of_the_hooks_own_reads() -> None:
+    """The send counters are read (a readlink per open descriptor) before the profiler starts: in
+    the window they read as the rank's code path, on the rank with the most descriptors."""
+    sink = _ListSink()
+    hook = Hook(Config(heartbeat_s=60), Identity(rank=0, local_rank=0, world_size=1, host="h"), sink)
+    hook.schedule.planned = 1
+    x = torch.ones(64, 64)
+    for _ in range(8):
+        with hook.step():
+            x = torch.tanh(x @ x)
+    hook.close(timeout=30)
+    (win,) = [r for r in map(decode, sink.got) if isinstance(r, WindowSummary)]
+    names = [f.name for f in win.functions]
+    assert any("aten::mm" in n for n in names), names
+    assert not [n for n in names if "readlink" in n or "listdir" in n], names
+
+
 def test_pausing_inside_a_window_ends_the_window() -> None:
     """A window open when the hook pauses is dropped, not left profiling (with stacks) until resume."""
     sink = _ListSink()
