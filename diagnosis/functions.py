@@ -117,8 +117,17 @@ def compare(functions: pd.DataFrame, rank: int, peers: list[int]) -> list[Functi
     ]
 
 
-_COLLECTIVE_FRAME = re.compile(r"distributed_c10d\.py|c10d_logger\.py|profiler_hook/collectives\.py")
-"""Python frames of collectives: torch.distributed's functions and the hook's wrappers of them."""
+_COLLECTIVES = (
+    "all_reduce|all_gather|all_gather_into_tensor|_all_gather_base|all_gather_object|reduce_scatter|"
+    "reduce_scatter_tensor|_reduce_scatter_base|all_to_all|all_to_all_single|broadcast|"
+    "broadcast_object_list|reduce|gather|gather_object|scatter|scatter_object_list|barrier|"
+    "monitored_barrier|send|recv|isend|irecv|batch_isend_irecv|send_object_list|recv_object_list"
+)
+_COLLECTIVE_FRAME = re.compile(
+    rf"distributed_c10d\.py\(\d+\): (?:{_COLLECTIVES})$|c10d_logger\.py|profiler_hook/collectives\.py"
+)
+"""Python frames of collectives: torch.distributed's collectives and the wrappers around them (not
+its other functions: a forward that asks ``get_world_size`` does not wait for the other ranks)."""
 
 
 def _parents(frames: Iterable[tuple[str, str]]) -> dict[str, set[str]]:

@@ -331,6 +331,14 @@ def test_a_frame_that_waits_in_a_collective_is_not_where_the_work_is() -> None:
     f = only(diagnose(data).findings)
     assert (f.cause, f.ranks, f.function) == ("compute", [6], fwd)
     assert f.evidence["operator"] == "aten::addmm"
+    # torch.distributed's other functions wait for nobody: a forward that asks the world size (to
+    # shard or pad its batch) is still where the work is.
+    size = ("pylib", "torch/distributed/distributed_c10d.py(2579): get_world_size", 5, 5.0, fwd)
+    data = replace(
+        data, functions=functions_frame({r: [*(slow if r == 6 else peers), size] for r in range(8)})
+    )
+    f = only(diagnose(data).findings)
+    assert (f.cause, f.ranks, f.function) == ("compute", [6], fwd)
 
 
 def test_a_slow_dataset_is_named_by_its_own_function_with_the_loader_above_it() -> None:
