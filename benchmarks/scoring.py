@@ -82,14 +82,15 @@ def correct(truth: GroundTruth, f: Finding) -> bool:
 
 
 def function_ok(truth: GroundTruth, f: Finding | None) -> bool | None:
-    """The finding is right and names the expected function (None: the scenario expects none)."""
+    """The finding is right and names the expected function (None: the scenario expects none, or
+    the fault it names is the one of two that expects none)."""
     if not truth.function and (truth.also is None or not truth.also.function):
         return None
     if f is None:
         return False
     for t in (replace(truth, also=None), truth.also):
         if t is not None and located(t, f) and f.cause == t.cause:
-            return bool(t.function) and t.function in f.function
+            return t.function in f.function if t.function else None
     return False
 
 

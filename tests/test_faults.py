@@ -130,6 +130,15 @@ def test_two_faults_and_the_function_named() -> None:
     assert one.top_correct and one.both_found is False and one.function_ok is False
     wrong = scoring.score(truth, Diagnosis(job="j", findings=[named("compute", [3], "forward")]))
     assert not wrong.top_correct and wrong.top_located  # rank 3 is faulty, but not a compute fault
+    # Where only one of the two faults expects a function, naming the other is no function to score.
+    unnamed = replace(truth, function="")
+    assert (
+        scoring.score(unnamed, Diagnosis(job="j", findings=[named("compute", [1], "op")])).function_ok is None
+    )
+    assert (
+        scoring.score(unnamed, Diagnosis(job="j", findings=[named("dataloader", [3], "q")])).function_ok
+        is False
+    )
     totals = scoring.totals([both, one])
     assert totals["function_accuracy"] == 0.5
 
