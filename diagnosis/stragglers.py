@@ -73,7 +73,8 @@ class StragglerSettings:
     burst_min_chunks: int = 6
     """...in this many fine chunks at least. On 5 kept fault-suite runs (37 scenarios each, 2 shared
     cores), a rank that was no culprit was slow so in at most 3 of 24 (around hangs; healthy runs:
-    1 at most); the intermittent 8-rank straggler in 7-10."""
+    1 at most); the intermittent 8-rank straggler in 7-10. A rank slow in half the fine chunks or
+    more, that the chunk rule finds too, is steady: the chunk rule's account describes it."""
     peel_ratio: float = 1.15
     """Once stragglers are found, another rank is one too if its mean own time exceeds the median
     of the remaining ranks by this factor (stricter than ``min_ratio``: healthy ranks of a small
@@ -352,7 +353,9 @@ def find(steps: pd.DataFrame, s: StragglerSettings | None = None) -> list[Stragg
             found.append(
                 _straggler(int(g.ranks[i]), mine, pm, ratio=mine["rel"] / max(pm["rel"], 1e-9), **how)
             )
-        if bursty[i]:  # its values while slow, against the peers' on the same steps
+        if bursty[i] and (not found or burst_slow[i].sum() < s.burst_chunks / 2):
+            # Slow in bursts (in fewer than half the fine chunks; steadier is the chunk rule's):
+            # its values while slow, against the peers' on the same steps.
             at = burst_slow[i][fine]
             mine = {c: float(np.nanmean(g.values[c][i, at])) for c in names}
             peer = {c: float(np.nanmedian(nanmean_rows(g.values[c][peer_idx][:, at]))) for c in names}
