@@ -187,13 +187,9 @@ def _stragglers(steps: pd.DataFrame, s: stragglers.StragglerSettings) -> list[st
         found[st.rank] = st
     for rank in slow:
         for st in stragglers.shifted(steps, s, exclude=slow - {rank}):
-            if st.rank == rank and _strength(st) > _strength(found[rank]):
+            if st.rank == rank and st.strength > found[rank].strength:
                 found[rank] = st
     return sorted(found.values(), key=lambda st: st.rank)
-
-
-def _strength(st: stragglers.Straggler) -> float:
-    return effect(st.growth) * st.persistence
 
 
 GAP_WORDS = ("not tracked", "untested", "off (")

@@ -159,6 +159,12 @@ class Straggler:
         return self.chunks_flagged / max(self.chunks, 1)
 
     @property
+    def strength(self) -> float:
+        """How sure the account is: its effect size times its persistence (the surer one of two
+        accounts of a rank describes it)."""
+        return effect(self.growth) * self.persistence
+
+    @property
     def excess_us(self) -> float:
         return self.own_us - self.peer_own_us
 
@@ -369,7 +375,7 @@ def find(steps: pd.DataFrame, s: StragglerSettings | None = None) -> list[Stragg
             found.append(
                 _straggler(int(g.ranks[i]), mine, peer, ratio=mine["rel"] / max(peer["rel"], 1e-9), **how)
             )
-        out.append(max(found, key=lambda st: effect(st.growth) * st.persistence))  # the surer account
+        out.append(max(found, key=lambda st: st.strength))
     return out
 
 
