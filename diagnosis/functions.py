@@ -9,7 +9,6 @@ compared rank against peers directly. Two shapes matter:
 
 from __future__ import annotations
 
-import itertools
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -97,8 +96,8 @@ def compare(functions: pd.DataFrame, rank: int, peers: list[int]) -> list[Functi
     out = out.assign(excess=out["rank_us"] - out["peer_us"]).sort_values(by="excess", ascending=False)
     seen_in = f[f["rank"] == rank].groupby(["kind", "name", "stack"])["window"].nunique()
     mine = f[(f["rank"] == rank) & f["kind"].isin(("python", "pylib"))]
-    parents = _parents(zip(mine["name"], mine["stack"], strict=True))
-    waiting = {c for nm in mine["name"] if _COLLECTIVE_FRAME.search(nm) for c in _callers(parents, nm)}
+    callers = _callers(zip(mine["name"], mine["stack"], strict=True))
+    waiting = {c for (nm, _), cs in callers.items() if _COLLECTIVE_FRAME.search(nm) for c in cs}
     return [
         FunctionExcess(
             kind=k,
@@ -109,7 +108,7 @@ def compare(functions: pd.DataFrame, rank: int, peers: list[int]) -> list[Functi
             rank_count=float(r.rank_n),
             peer_count=float(r.peer_n),
             waits=nm in waiting,
-            callers=frozenset(_callers(parents, nm)),
+            callers=frozenset(callers.get((nm, st), ())),
             windows=int(seen_in.get((k, nm, st), 0)),
             of_windows=int(n_windows[rank]),
         )
@@ -130,26 +129,37 @@ _COLLECTIVE_FRAME = re.compile(
 its other functions: a forward that asks ``get_world_size`` does not wait for the other ranks)."""
 
 
-def _parents(frames: Iterable[tuple[str, str]]) -> dict[str, set[str]]:
-    """Each Python function's callers, from (name, stack) pairs (stack: outermost first, `` > ``)."""
-    parents: dict[str, set[str]] = {}
+def _callers(frames: Iterable[tuple[str, str]]) -> dict[tuple[str, str], set[str]]:
+    """Every function that calls each Python frame, directly or through others, by (name, stack).
+
+    A frame's stack holds its nearest callers only (outermost first, `` > ``); the callers above
+    them are those of the frame its stack ends in, *on the same path*: the frame named like its
+    last caller whose own stack ends in the callers before that. Following names alone would join
+    every path through a frame called from everywhere (``module.py: _call_impl`` runs every
+    ``nn.Module``), making each model function the caller of every other.
+    """
+    frames = set(frames)
+    by_tail: dict[tuple[str, tuple[str, ...]], list[tuple[str, str]]] = {}
     for name, stack in frames:
-        if stack:
-            for parent, child in itertools.pairwise([*stack.split(" > "), name]):
-                parents.setdefault(child, set()).add(parent)
-    return parents
+        path = tuple(stack.split(" > ")) if stack else ()
+        by_tail.setdefault((name, path[-2:]), []).append((name, stack))
+    out: dict[tuple[str, str], set[str]] = {}
 
+    def callers(node: tuple[str, str], on: frozenset[tuple[str, str]]) -> set[str]:
+        if node in out:
+            return out[node]
+        path = tuple(node[1].split(" > ")) if node[1] else ()
+        found = set(path)
+        if path:
+            for parent in by_tail.get((path[-1], path[:-1][-2:]), ()):
+                if parent not in on:  # a recursive function's path leads back to itself
+                    found |= callers(parent, on | {node})
+        out[node] = found
+        return found
 
-def _callers(parents: dict[str, set[str]], name: str) -> set[str]:
-    """Every function that calls ``name``, directly or through others."""
-    seen: set[str] = set()
-    todo = [name]
-    while todo:
-        for p in parents.get(todo.pop(), ()):
-            if p not in seen:
-                seen.add(p)
-                todo.append(p)
-    return seen
+    for node in frames:
+        callers(node, frozenset())
+    return out
 
 
 def top_extra(excess: list[FunctionExcess]) -> FunctionExcess | None:

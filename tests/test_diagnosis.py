@@ -341,6 +341,49 @@ def test_a_frame_that_waits_in_a_collective_is_not_where_the_work_is() -> None:
     assert (f.cause, f.ranks, f.function) == ("compute", [6], fwd)
 
 
+def test_a_slower_model_is_named_by_its_innermost_forward_not_the_module_around_it() -> None:
+    """The frames of a transformer under DDP, as torch.profiler records them (3 callers each):
+    ``module.py: _call_impl`` runs every module, so it is a caller of each model function and
+    called by each. Callers are followed along each frame's own path, not through every path of a
+    frame of the same name, or every model function would enclose every other one and the module
+    event around the block (a few µs longer than its forward) would be named."""
+    data = synthetic(slow={6: {"compute_us": 1500}})
+    call, gpt, block = (
+        "torch/nn/modules/module.py(1782): _call_impl",
+        "gpt.py(170): forward",
+        "gpt.py(156): forward",
+    )
+
+    def frames(scale: float) -> list[tuple]:
+        return [
+            ("op", "aten::addmm", 40, 10_000.0 * scale),
+            ("python", "nn.Module: GPT_0", 5, 6_000.0 * scale, "distributed.py(1710): _run_ddp_forward"),
+            (
+                "python",
+                gpt,
+                5,
+                5_990.0 * scale,
+                f"distributed.py(1710): _run_ddp_forward > nn.Module: GPT_0 > {call}",
+            ),
+            ("python", "nn.Module: Block_0", 5, 5_000.0 * scale, f"nn.Module: GPT_0 > {call} > {gpt}"),
+            ("python", block, 5, 4_990.0 * scale, f"{gpt} > nn.Module: Block_0 > {call}"),
+            ("pylib", "nn.Module: Linear_0", 5, 2_000.0 * scale, f"nn.Module: Block_0 > {call} > {block}"),
+            ("pylib", call, 5, 1_990.0 * scale, f"{call} > {block} > nn.Module: Linear_0"),
+            (
+                "pylib",
+                "linear.py(130): forward",
+                5,
+                1_980.0 * scale,
+                f"{block} > nn.Module: Linear_0 > {call}",
+            ),
+        ]
+
+    data = replace(data, functions=functions_frame({r: frames(1.5 if r == 6 else 1.0) for r in range(8)}))
+    f = only(diagnose(data).findings)
+    assert (f.cause, f.ranks, f.function) == ("compute", [6], block)
+    assert f.evidence["stack"] == f"{gpt} > nn.Module: Block_0 > {call}"
+
+
 def test_a_slow_dataset_is_named_by_its_own_function_with_the_loader_above_it() -> None:
     data = synthetic(slow={2: {"data_us": 2000}})
     loader = ("dataloader", "enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__", 5, 1_000.0)
