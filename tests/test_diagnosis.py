@@ -177,6 +177,20 @@ def test_a_mild_slowdown_lost_in_queueing_noise_is_found_by_the_cpu_time_that_ro
     assert found >= 4, found
 
 
+def test_a_certain_rise_a_hair_short_in_own_time_is_judged_on_the_cpu_time_too() -> None:
+    """From step 700 rank 2 does 5.5% more work: its own time rises by 0.040-0.044 (relative to the
+    step's median) at a t of 17-20, short of the 0.05 the own-time series asks; its CPU time by
+    0.043-0.047. The rise is certain in both: the CPU time's test names it."""
+    for seed in range(4):
+        data = synthetic(
+            ranks=4, steps=1400, hosts_of=2, seed=seed, slow={2: {"compute_us": 290, "from": 700}}
+        )
+        assert stragglers.shifted(data.steps.assign(cpu_us=0.0)) == [], "own time alone: too small a rise"
+        (st,) = stragglers.shifted(data.steps)
+        assert st.rank == 2 and 650 <= st.since_step <= 760 and st.ratio > 1.04
+        assert stragglers.shifted(synthetic(ranks=4, steps=1400, hosts_of=2, seed=seed).steps) == []
+
+
 def test_a_straggler_in_bursts_stands_out_in_cpu_time_where_its_own_time_is_lost_in_the_spread() -> None:
     """Rank 2 works 1.25x in bursts of 150 steps (its peers lose CPU to it too, so its own time
     rises less, 1.15x): in own time it stands out in too few chunks; in CPU time in most."""
