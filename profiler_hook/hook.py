@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 from wire.records import Checkpoint, FunctionPattern, Heartbeat, RankInfo, StepBatch, WindowSummary
 
-from . import ddp, exits
+from . import ddp, exits, threadstates
 from .blocks import StepBlocks
 from .collectives import CollectiveTracker
 from .config import Config, Identity
@@ -41,6 +41,11 @@ T = TypeVar("T")
 
 SUMMARIZE_WAIT_S = 1.0
 """How long a window's first step waits for the last window's summarizer; past it, no window."""
+SETTLE_S = 0.05
+"""How long a window's start or end waits for the collectives' threads to drop what they hold of
+the backward pass (``threadstates``): past it, the window does not start, or ends a step later."""
+MAX_POSTPONED = 20
+"""Steps a window's end waits for them at most: then it ends regardless."""
 
 
 def _now_us() -> int:
@@ -102,6 +107,8 @@ class Hook:
         self.shipper = Shipper(sink or make_sink(cfg, ident), cfg.queue_size)
         if cfg.window_s:
             self._warm_up()
+            if cfg.with_stack:
+                threadstates.install()
         coverage = self._cover() if cfg.patch_collectives else "off (patch_collectives=False)"
         self.shipper.submit(
             RankInfo(
@@ -245,6 +252,7 @@ class Hook:
         self.schedule.pause()
         if self._prof is not None:  # a window cut short is no window: its steps would not end it
             with contextlib.suppress(Exception):
+                threadstates.settle(SETTLE_S)
                 self._prof.stop()
             self._prof, self._window, self.tracker.recording = None, None, None
         with contextlib.suppress(Exception):
@@ -274,6 +282,7 @@ class Hook:
         deadline = time.monotonic() + timeout
         try:
             if self._prof is not None:
+                threadstates.settle(SETTLE_S)
                 self._prof.stop()
                 self._prof = None
             for t in self._summarizers:
@@ -357,6 +366,9 @@ class Hook:
         if any(t.is_alive() for t in self._summarizers):
             log.warning("rankscope: the last window is still being summarized: window %d skipped", s)
             return
+        if self.cfg.with_stack and not threadstates.settle(SETTLE_S):
+            log.warning("rankscope: collectives of the last backward pass still held: window %d skipped", s)
+            return
         cfg = self.cfg
         from torch.profiler import ProfilerActivity, profile
 
@@ -373,6 +385,13 @@ class Hook:
         if self._prof is None or self._window is None or self.step_num + 1 < self._window[2]:
             return
         prof, (number, lo, hi, t0) = self._prof, self._window
+        if (
+            self.cfg.with_stack
+            and not threadstates.settle(SETTLE_S)
+            and self.step_num + 1 < hi + MAX_POSTPONED
+        ):
+            return  # the next step's end tries again
+        hi = self.step_num + 1
         prof.stop()
         dur_ns = time.time_ns() - t0
         extra = send_patterns(self._net, tcp_counters())

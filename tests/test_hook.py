@@ -23,6 +23,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import profiler_hook
+from profiler_hook import threadstates
 from profiler_hook.blocks import StepBlocks
 from profiler_hook.collectives import CollectiveTracker
 from profiler_hook.config import Config, Identity
@@ -589,6 +590,7 @@ def test_a_window_writes_nothing_to_the_training_scripts_stderr(tmp_path: Path) 
     process: the quieting applies before kineto's first use)."""
     script = f"""
 from profiler_hook.config import Config, Identity
+from profiler_hook import threadstates
 from profiler_hook.hook import Hook
 from profiler_hook.sinks import SpoolSink
 ident = Identity(rank=0, local_rank=0, world_size=1, host="h")
@@ -626,6 +628,7 @@ def test_an_untested_backend_is_said_once_in_the_log_and_in_the_rank_record() ->
 import logging, torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from profiler_hook.config import Config, Identity
+from profiler_hook import threadstates
 from profiler_hook.hook import Hook
 from tests.test_hook import _ListSink
 from wire.records import RankInfo, decode
@@ -709,6 +712,67 @@ def test_a_window_starts_only_once_the_last_one_is_summarized(monkeypatch: pytes
     assert len(started) == 2, "the third window is skipped: the second's summarizer was still running"
     assert started[1] >= summarized[0]
     assert len([r for r in map(decode, sink.got) if isinstance(r, WindowSummary)]) == 2
+
+
+@pytest.mark.skipif(not threadstates.NEEDED, reason="Python 3.12+ links a thread state once it is made")
+def test_a_window_starts_and_ends_only_once_no_collective_holds_the_backward_passes_context(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A collective launched in the backward pass holds the context torch stashed for it; the thread
+    that drops it last makes a Python thread state to free it, and torch's Python tracer, setting
+    every thread's profile function at a window's start and end, crashed on one half made (a SIGSEGV
+    in 1 of ~14 DDP runs). Here the script holds its all-reduce's handle over a step: the window
+    planned then does not start, and one that should end then ends a step later."""
+    import torch.distributed as dist
+
+    monkeypatch.setattr("profiler_hook.hook.SETTLE_S", 0.02)
+    dist.init_process_group("gloo", store=_store(), rank=0, world_size=1)
+    try:
+        sink = _ListSink()
+        hook = Hook(
+            Config(heartbeat_s=60, window_steps=2),
+            Identity(rank=0, local_rank=0, world_size=1, host="h"),
+            sink,
+        )
+        w = torch.ones(64, requires_grad=True)
+        works: list = []
+        w.register_hook(lambda g: works.append(dist.all_reduce(g.clone(), async_op=True)) and None)
+        profiling = {}
+        for step, (plan, hold) in enumerate(
+            ((-1, True), (1, False), (-1, False), (3, True), (-1, True), (-1, False))
+        ):
+            if plan >= 0:
+                hook.schedule.planned = plan
+            with hook.step():
+                profiling[step] = hook._prof is not None
+                (w * 2).sum().backward()
+                while works and not hold:
+                    works.pop().wait()
+        profiling["after"] = hook._prof is not None
+        hook.close(timeout=30)
+    finally:
+        dist.destroy_process_group()
+    assert not profiling[1], "step 0's all-reduce still held the context: no window at step 1"
+    assert profiling[3] and profiling[4] and profiling[5] and not profiling["after"]
+    (win,) = [r for r in map(decode, sink.got) if isinstance(r, WindowSummary)]
+    assert (win.step_lo, win.step_hi) == (3, 6), "planned for steps 3-4, it ended once step 5 let go"
+
+
+def test_ddps_all_reduces_let_go_of_the_backward_passes_context_by_the_end_of_the_step() -> None:
+    """Under DDP, nothing of the script's holds a collective: its threads drop the context of each
+    backward pass, so no window is lost waiting for them."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    assert threadstates.install() == threadstates.NEEDED
+    dist.init_process_group("gloo", store=_store(), rank=0, world_size=1)
+    try:
+        model = DDP(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)))
+        for _ in range(20):
+            model(torch.randn(32, 64)).sum().backward()
+            assert threadstates.settle(1.0)
+    finally:
+        dist.destroy_process_group()
 
 
 def _records(spool: Path, job: str) -> dict[int, list]:
@@ -886,6 +950,7 @@ class Probe:  # notes which thread imports torch._inductor
 
 sys.meta_path.insert(0, Probe())
 from profiler_hook.config import Config, Identity
+from profiler_hook import threadstates
 from profiler_hook.hook import Hook
 from wire.records import WindowSummary, decode
 

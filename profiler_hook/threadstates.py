@@ -1,0 +1,102 @@
+"""A profiling window starts and stops only while no C++ thread is making a Python thread state.
+
+With ``with_stack=True``, torch.profiler's Python tracer sets (at start) and clears (at stop) the
+profile function of every Python thread state, walking the interpreter's list of them without the
+list's lock. CPython 3.11 and older link a new thread state into that list before initializing it,
+so the tracer can reach one that is half made, and crash on it. A C++ thread makes a thread state
+each time it takes the GIL without having one, and frees it after.
+
+gloo's worker threads do that in every step of a DDP job: torch's backward pass stashes a
+``contextvars.Context`` in the thread-local state that each collective launched during it captures
+(every DDP bucket's all-reduce), and the worker that ran one often drops the last reference, so it
+takes the GIL to free the context. A 2-rank DDP job with a window every 0.5 s died of SIGSEGV in
+about 1 run in 14 (23 s each; more on busy cores): the core dump showed the training thread in
+``_PyEval_SetProfile`` under ``PythonTracer::stop`` and a gloo worker in ``PyThreadState_New``
+from ``~AsyncAllreduceWork`` (Python 3.11.7, torch 2.13). Python 3.12 links a thread state only
+once it is made, and 3.13's tracer sets all threads under the lock.
+
+So, on older Pythons, each stashed context is kept here, and a window starts or stops only once no
+C++ object holds one any more (:func:`settle`): the thread that dropped the last such reference
+made, used and freed its thread state while holding the GIL, so it is done with it.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+NEEDED = sys.version_info < (3, 12)
+MAX_HELD = 64
+"""Contexts kept at most (an application holding collectives' handles for long holds them too)."""
+
+_held: list[Any] = []
+_original: Any = None
+
+
+def _unshared() -> int:
+    """``sys.getrefcount`` of an object only ``_held`` holds, seen as :func:`_shared` sees it."""
+    probe = [object()]
+    return [sys.getrefcount(c) for c in probe][0]  # noqa: RUF015 (the very same references)
+
+
+_UNSHARED = _unshared()
+
+
+def _shared() -> list[Any]:
+    """The kept contexts that something else (a C++ object of a collective) still holds."""
+    return [c for c in _held if sys.getrefcount(c) > _UNSHARED]
+
+
+def install() -> bool:
+    """Keep every context torch's backward pass stashes (idempotent); False where not needed or
+    this torch stashes none."""
+    global _original
+    if not NEEDED:
+        return False
+    if _original is not None:
+        return True
+    try:
+        import torch
+
+        original = torch._C._stash_obj_in_tls
+    except Exception:
+        return False
+
+    def stash(key: str, arg: Any) -> None:
+        original(key, arg)
+        if key == "context":
+            if len(_held) >= MAX_HELD:
+                _held[:] = _shared()[-(MAX_HELD - 1) :]
+            _held.append(arg)
+
+    torch._C._stash_obj_in_tls = stash
+    _original = original
+    return True
+
+
+def uninstall() -> None:
+    global _original
+    if _original is None:
+        return
+    import torch
+
+    torch._C._stash_obj_in_tls = _original
+    _original = None
+    _held.clear()
+
+
+def settle(timeout_s: float) -> bool:
+    """True once no C++ object holds a stashed context (waiting up to ``timeout_s``, asleep so that
+    the thread that holds one can take the GIL and drop it); then none is kept any more."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        _held[:] = _shared()
+        if not _held:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.0005)
