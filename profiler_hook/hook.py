@@ -294,6 +294,7 @@ class Hook:
             self.shipper.submit(self.watchdog.beat())
             self.tracker.unpatch()
             ddp.unpatch()
+            threadstates.uninstall()
         except Exception as exc:
             self._fail("close", exc)
         self.shipper.close(max(0.0, deadline - time.monotonic()))

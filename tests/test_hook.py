@@ -773,6 +773,7 @@ def test_ddps_all_reduces_let_go_of_the_backward_passes_context_by_the_end_of_th
             assert threadstates.settle(1.0)
     finally:
         dist.destroy_process_group()
+        threadstates.uninstall()
 
 
 def _records(spool: Path, job: str) -> dict[int, list]:
