@@ -17,15 +17,17 @@ def classify(
     # more work queues longer on a busy host too, behind its own threads, at the same share.) Own
     # time is less the main thread's run-queue wait already where the hook measured it (wire v3);
     # this is for the rest: its other threads' wait that it waited on, and older hooks' data.
-    own_eff = st.cpu_us / max(st.own_us, 1.0)
-    peer_eff = st.peer_cpu_us / max(st.peer_own_us, 1.0)
+    # Time waiting for data is no time the thread wanted a CPU: a rank whose reads sleep 15 ms a
+    # batch used the CPU for 40% of its own time, and was called starved.
+    own_eff = st.cpu_us / max(st.own_us - st.data_us, 1.0)
+    peer_eff = st.peer_cpu_us / max(st.peer_own_us - st.peer_data_us, 1.0)
     starved = own_eff <= 0.8 * peer_eff
     ev: dict[str, Any]
     if starved and waits is not None and waits.wait_us - waits.peer_wait_us >= 0.5 * total:
         ev = {
             **wait_evidence(waits),
-            "cpu_share_of_own_time": round(own_eff, 3),
-            "peer_cpu_share_of_own_time": round(peer_eff, 3),
+            "cpu_share_of_own_time_less_data_wait": round(own_eff, 3),
+            "peer_cpu_share_of_own_time_less_data_wait": round(peer_eff, 3),
         }
         return "host_contention", CPU_WAIT, 1.0, ev
     data_excess = st.data_us - st.peer_data_us
@@ -69,8 +71,8 @@ def classify(
         ev = {
             "involuntary_switches_per_step": st.nivcsw,
             "peer_involuntary_switches_per_step": st.peer_nivcsw,
-            "cpu_share_of_own_time": round(own_eff, 3),
-            "peer_cpu_share_of_own_time": round(peer_eff, 3),
+            "cpu_share_of_own_time_less_data_wait": round(own_eff, 3),
+            "peer_cpu_share_of_own_time_less_data_wait": round(peer_eff, 3),
         }
         return "host_contention", "(whole process)", 1.0, ev
     ev = {}

@@ -506,6 +506,11 @@ def test_a_rank_whose_threads_queue_for_the_cpu_is_named_though_it_works_no_long
     assert [st.rank for st in stragglers.find(mild.steps)] == [3]
     f = only(diagnose(replace(mild, functions=sched_windows({3: 4.0}))).findings)
     assert (f.cause, f.ranks) == ("host_contention", [3])
+    # A rank whose reads sleep 10 ms a batch uses the CPU for a third of its own time, and on
+    # shared cores its threads may queue longer in some windows: it waits for data, not for a CPU.
+    reads = synthetic(slow={5: {"data_us": 10_000}})
+    f = only(diagnose(replace(reads, functions=sched_windows({5: 9.0}))).findings)
+    assert (f.cause, f.ranks) == ("dataloader", [5])
 
 
 def test_both_ranks_of_a_contended_host_of_two_are_named_though_they_lift_the_median() -> None:
