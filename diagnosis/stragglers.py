@@ -103,10 +103,11 @@ class StragglerSettings:
     cores, one rank's last 4 chunks rose 1.02x -> 1.10x."""
     shift_cpu_min_t: float = 5.0
     """The same split over the main thread's CPU time per step (relative to the peers'), for a
-    rank whose own time does not pass both tests above: free of the run-queue waits that make own time noisy on shared cores, it moves by ~1% from
-    chunk to chunk. On 12 healthy fault-suite runs its largest t was 4.0, with a rise of 0.026 at
-    most; faults that add work on the CPU (a slower device, a code path, GC, a gradient hook)
-    reach 5.3-21 with rises of 0.08-2.6. A rank found this way must still meet the own-time
+    rank whose own time does not pass both tests above: free of the run-queue waits that make
+    own time noisy on shared cores, it moves by ~1% from chunk to chunk. On 12 healthy
+    fault-suite runs its largest t was 4.0, with a rise of 0.026 at most; faults that add work on
+    the CPU (a slower device, a code path, GC, a gradient hook) reach 5.3-21 with rises of
+    0.08-2.6. A rank found this way must still meet the own-time
     level above (it must hold the job back), and half the own-time rise: a 1.15x slower device
     that was 1.04x its peers already rose by 0.04 in own time, 0.10 in CPU time; whether it still
     holds at the end is judged on the CPU time..."""
@@ -480,7 +481,7 @@ def shifted(
     by_cpu = np.zeros(len(g.ranks), dtype=bool)
     if not np.isnan(rel_cpu).any() and np.nanmax(cpu) > 0:
         # Where own time does not show the rise plainly (too noisy, or certain but a hair short:
-        # a 1.15x slower device rose by 0.049 at a t of 5.9, its CPU time by 0.050 at 9.2).
+        # a 1.15x slower device rose by 0.0498 at a t of 5.9, its CPU time by 0.049 at 9.2).
         cpu_t, cpu_k = _best_split(rel_cpu, s.shift_min_after)
         cpu_rise = _rise(rel_cpu, cpu_k)
         by_cpu = ~by_own & (cpu_t >= s.shift_cpu_min_t) & (cpu_rise >= s.shift_cpu_min_rise)
