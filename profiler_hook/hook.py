@@ -367,7 +367,7 @@ class Hook:
         if any(t.is_alive() for t in self._summarizers):
             log.warning("rankscope: the last window is still being summarized: window %d skipped", s)
             return
-        if self.cfg.with_stack and not threadstates.settle(SETTLE_S):
+        if not threadstates.settle(SETTLE_S):  # nothing is kept unless with_stack installed it
             log.warning("rankscope: collectives of the last backward pass still held: window %d skipped", s)
             return
         cfg = self.cfg
@@ -386,11 +386,7 @@ class Hook:
         if self._prof is None or self._window is None or self.step_num + 1 < self._window[2]:
             return
         prof, (number, lo, hi, t0) = self._prof, self._window
-        if (
-            self.cfg.with_stack
-            and not threadstates.settle(SETTLE_S)
-            and self.step_num + 1 < hi + MAX_POSTPONED
-        ):
+        if not threadstates.settle(SETTLE_S) and self.step_num + 1 < hi + MAX_POSTPONED:
             return  # the next step's end tries again
         hi = self.step_num + 1
         prof.stop()
