@@ -59,32 +59,32 @@ def _device() -> torch.device:
     )
 
 
-def _timed(fn: Any, seconds: float) -> tuple[int, float]:
-    """Runs of ``fn`` in about ``seconds`` (after one warm-up), and the time they took."""
-    fn()
+def _best_rate(fn: Any, work: float, seconds: float) -> float:
+    """``work`` per second of ``fn``'s fastest run in about ``seconds`` (after one warm-up), as
+    STREAM reports its best trial: a neighbour's burst on a shared machine slows some runs, not the node."""
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    fn()
     sync()
-    n, t0 = 0, time.perf_counter()
-    while (took := time.perf_counter() - t0) < seconds:
+    best, start = float("inf"), time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        t0 = time.perf_counter()
         fn()
         sync()
-        n += 1
-    return n, took
+        best = min(best, time.perf_counter() - t0)
+    return work / best
 
 
 def matmul_gflops(size: int = 1024, seconds: float = 0.5) -> float:
     a = torch.randn(size, size, device=_device())
     b = torch.randn(size, size, device=_device())
-    n, took = _timed(lambda: torch.mm(a, b), seconds)
-    return 2 * size**3 * n / took / 1e9
+    return _best_rate(lambda: torch.mm(a, b), 2 * size**3 / 1e9, seconds)
 
 
 def memory_gbps(mbytes: int = 256, seconds: float = 0.5) -> float:
     """A copy's bandwidth: every byte read once and written once."""
     src = torch.empty(mbytes << 20, dtype=torch.uint8, device=_device())
     dst = torch.empty_like(src)
-    n, took = _timed(lambda: dst.copy_(src), seconds)
-    return 2 * src.numel() * n / took / 1e9
+    return _best_rate(lambda: dst.copy_(src), 2 * src.numel() / 1e9, seconds)
 
 
 def allreduce_busbw_gbps(mbytes: int = 16, rounds: int = 5) -> float:
