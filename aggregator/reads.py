@@ -212,6 +212,17 @@ class Reads:
         )
         return self._frame(sql, {"job": job}, HEARTBEATS.column_names)
 
+    def stack_samples(self, job: str, since_us: int | None = None) -> pd.DataFrame:
+        """Per rank of ``job`` and function of its code, the stack samples its heartbeats carry
+        (from ``since_us`` on, if given): ``rank, function, samples``, by rank and function."""
+        sql = (
+            f"SELECT rank, fn, sum(n) AS total FROM (SELECT rank, any(samples) AS s FROM {self._t(HEARTBEATS)} "
+            "WHERE job = {job:String} AND time_us >= {since:Int64} GROUP BY rank, time_us) "
+            "ARRAY JOIN mapKeys(s) AS fn, mapValues(s) AS n GROUP BY rank, fn ORDER BY rank, fn"
+        )
+        df = self._frame(sql, {"job": job, "since": since_us or 0}, ("rank", "fn", "total"))
+        return df.rename(columns={"fn": "function", "total": "samples"})  # an alias may not shadow a column
+
     def gpu_usage(self, job: str, since_us: int | None = None) -> pd.DataFrame:
         """Per rank of ``job`` with NVML samples in its heartbeats (from ``since_us`` on, if given):
         ``rank, gpu_util`` (the mean) ``, gpu_mem_mb`` (the largest), ``samples``."""

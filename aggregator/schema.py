@@ -24,7 +24,7 @@ from .errors import RankscopeError
 
 log = logging.getLogger(__name__)
 
-STORE_VERSION = 5
+STORE_VERSION = 6
 DEFAULT_DATABASE = "rankscope"
 _COMMENT = f"rankscope schema {STORE_VERSION}"
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -141,6 +141,7 @@ HEARTBEATS = Table(
         ("dropped", "Int64"),
         ("gpu_util", "Float64"),  # schema 3
         ("gpu_mem_mb", "Float64"),
+        ("samples", "Map(String, Int64)"),  # schema 6
     ),
     order_by=("job", "rank", "time_us"),
 )
@@ -451,6 +452,7 @@ _TO_3 = {
 }
 _TO_4 = {"ranks": ["ADD COLUMN IF NOT EXISTS `coverage` String DEFAULT '' AFTER `device`"]}
 _TO_5 = {"steps": ["ADD COLUMN IF NOT EXISTS `wait_us` Int64 DEFAULT 0"]}
+_TO_6 = {"heartbeats": ["ADD COLUMN IF NOT EXISTS `samples` Map(String, Int64)"]}
 
 
 def _then(*steps: dict[str, list[str]]) -> dict[str, list[str]]:
@@ -464,11 +466,12 @@ def _then(*steps: dict[str, list[str]]) -> dict[str, list[str]]:
 
 MIGRATIONS: dict[str, dict[str, list[str]]] = {
     "rankscope schema 1": _then(
-        {"steps": ["ADD COLUMN IF NOT EXISTS `n_steps` Int64 DEFAULT 1"]}, _TO_3, _TO_4, _TO_5
+        {"steps": ["ADD COLUMN IF NOT EXISTS `n_steps` Int64 DEFAULT 1"]}, _TO_3, _TO_4, _TO_5, _TO_6
     ),
-    "rankscope schema 2": _then(_TO_3, _TO_4, _TO_5),
-    "rankscope schema 3": _then(_TO_4, _TO_5),
-    "rankscope schema 4": _TO_5,
+    "rankscope schema 2": _then(_TO_3, _TO_4, _TO_5, _TO_6),
+    "rankscope schema 3": _then(_TO_4, _TO_5, _TO_6),
+    "rankscope schema 4": _then(_TO_5, _TO_6),
+    "rankscope schema 5": _TO_6,
 }
 """For each older schema's comment, the ALTERs that bring its tables (by name) to this version."""
 

@@ -9,9 +9,13 @@ from .findings import Cause, ms
 
 
 def classify(
-    st: stragglers.Straggler, excess: list[functions.FunctionExcess], waits: contention.Contended | None
+    st: stragglers.Straggler,
+    excess: list[functions.FunctionExcess],
+    waits: contention.Contended | None,
+    sampled: functions.Sampled | None = None,
 ) -> tuple[Cause, str, float, dict[str, Any]]:
-    """(cause, function, share of the excess it explains, evidence) for one straggler."""
+    """(cause, function, share of the excess it explains, evidence) for one straggler; ``sampled``:
+    where its stack samples put it beyond its peers, for time no window caught."""
     total = max(st.excess_us, 1.0)
     # Starved: the rank got a smaller share of the CPU for its own time than its peers. (A rank with
     # more work queues longer on a busy host too, behind its own threads, at the same share.) Own
@@ -36,6 +40,9 @@ def classify(
         loader = fn.name if fn else "DataLoader.__next__"
         ev = {"data_wait_ms": ms(st.data_us), "peer_data_wait_ms": ms(st.peer_data_us)}
         code = functions.innermost_code(excess, 0.3 * data_excess)  # a window sees most fetches, not all
+        if code is None and sampled is not None:
+            ev = {**ev, **sampled_evidence(sampled), "loader": loader}
+            return "dataloader", sampled.name, data_excess / total, ev
         if code is None:
             return "dataloader", loader, data_excess / total, ev
         return "dataloader", code.name, data_excess / total, {**ev, **code_evidence(code), "loader": loader}
@@ -100,6 +107,14 @@ def code_evidence(code: functions.FunctionExcess) -> dict[str, Any]:
         "stack": code.stack,
         "function_ms_per_step": ms(code.rank_us),
         "function_peer_ms_per_step": ms(code.peer_us),
+    }
+
+
+def sampled_evidence(s: functions.Sampled) -> dict[str, Any]:
+    return {
+        "stack_samples_in_function": f"{s.samples}/{s.of}",
+        "share_of_stack_samples": round(s.share, 3),
+        "peer_share_of_stack_samples": round(s.peer_share, 3),
     }
 
 

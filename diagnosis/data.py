@@ -64,6 +64,8 @@ class JobData:
     """One row per rank, window and function (``FunctionPattern`` columns)."""
     heartbeats: pd.DataFrame = field(default_factory=lambda: _empty(HEARTBEAT_FIELDS))
     """The latest heartbeat of each rank."""
+    samples: pd.DataFrame = field(default_factory=lambda: _empty(["rank", "function", "samples"]))
+    """Per rank and function of the job's own code, the heartbeats' stack samples of the span read."""
 
     def hosts(self) -> dict[int, str]:
         return dict(zip(self.ranks["rank"].astype(int), self.ranks["host"].astype(str), strict=False))
@@ -90,6 +92,7 @@ class StoreReader(Protocol):
         from_window: Sequence[int] | None = None,
     ) -> pd.DataFrame: ...
     def heartbeats_latest(self, job: str) -> pd.DataFrame: ...
+    def stack_samples(self, job: str, since_us: int | None = None) -> pd.DataFrame: ...
 
 
 def read_job(store: StoreReader, job: str, since_us: int | None = None) -> JobData:
@@ -105,6 +108,7 @@ def read_job(store: StoreReader, job: str, since_us: int | None = None) -> JobDa
         steps=store.steps(job, since_us=since_us),
         functions=store.functions(job, since_us=since_us),
         heartbeats=store.heartbeats_latest(job),
+        samples=store.stack_samples(job, since_us=since_us),
     )
 
 
@@ -138,6 +142,7 @@ class RecentJob:
             self.recent_s, self.data = recent_s, None  # another span: read afresh
         since = last_us - int(self.recent_s * 1e6)
         ranks, beats = store.ranks(self.job), store.heartbeats_latest(self.job)
+        samples = store.stack_samples(self.job, since_us=since)  # a row per rank and function: read whole
         old = self.data
         if old is not None and ranks.equals(old.ranks):
             new_steps = store.steps(self.job, after_us=self._start_us.tolist())
@@ -152,11 +157,15 @@ class RecentJob:
                     if not fns.empty and not steps.empty:
                         fns = _keep(fns, fns["step_hi"].to_numpy() >= int(steps["step"].min()))
                     self._trimmed_us = since
-                self.data = JobData(job=self.job, ranks=ranks, steps=steps, functions=fns, heartbeats=beats)
+                self.data = JobData(
+                    job=self.job, ranks=ranks, steps=steps, functions=fns, heartbeats=beats, samples=samples
+                )
                 self._mark(new_steps, new_fns)
                 return self.data
         steps, fns = store.steps(self.job, since_us=since), store.functions(self.job, since_us=since)
-        self.data = JobData(job=self.job, ranks=ranks, steps=steps, functions=fns, heartbeats=beats)
+        self.data = JobData(
+            job=self.job, ranks=ranks, steps=steps, functions=fns, heartbeats=beats, samples=samples
+        )
         self._start_us, self._last_step = np.zeros(0, dtype=np.int64), np.full(0, -1, dtype=np.int64)
         self._next_window = np.zeros(0, dtype=np.int64)
         self._trimmed_us = since

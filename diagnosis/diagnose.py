@@ -66,7 +66,9 @@ def _straggler_findings(
     if not fs.empty:  # one pass over the functions of every rank, not one per culprit
         fs = fs[fs["rank"].isin([*culprits, *peers])]
     return [
-        _straggler_finding(st, fs, data.steps, [p for p in peers if p != st.rank], hosts, waits.get(st.rank))
+        _straggler_finding(
+            st, fs, data.steps, data.samples, [p for p in peers if p != st.rank], hosts, waits.get(st.rank)
+        )
         for st in sts
     ]
 
@@ -75,6 +77,7 @@ def _straggler_finding(
     st: stragglers.Straggler,
     fs: pd.DataFrame,
     steps: pd.DataFrame,
+    samples: pd.DataFrame,
     peers: list[int],
     hosts: dict[int, str],
     waits: contention.Contended | None,
@@ -86,7 +89,10 @@ def _straggler_finding(
         if slow:
             fs = fs[fs["window"].isin(slow)]
     excess = functions.compare(fs, st.rank, peers)
-    cause, fn, explained, ev = classify(st, excess, waits)
+    # A tenth of the rank's time in one function of its code beyond its peers' share: a stall
+    # that took that much of the job is no sampling noise (±3 samples in the 60 of 30 s).
+    sampled = functions.top_sampled(samples, st.rank, peers, min_share=0.1)
+    cause, fn, explained, ev = classify(st, excess, waits, sampled)
     windows = int(fs.loc[fs["rank"] == st.rank, "window"].nunique()) if not fs.empty else 0
     confidence = round(effect(st.growth) * st.persistence * min(1.0, max(0.5, explained)), 3)
     host = hosts.get(st.rank, "")

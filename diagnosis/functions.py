@@ -56,6 +56,57 @@ class FunctionExcess:
         return more and self.windows >= max(min(2, self.of_windows), self.of_windows / 2)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Sampled:
+    """A function of the job's own code the culprit's stack samples (the heartbeats') found it in
+    more often than its peers'."""
+
+    name: str
+    share: float
+    """The culprit's samples in it, of all its samples."""
+    peer_share: float
+    """The peers' median share."""
+    samples: int
+    of: int
+
+
+MIN_SAMPLES = 10
+"""Samples a culprit needs before they name anything (5 s of the watchdog's 2 a second)."""
+
+
+def top_sampled(samples: pd.DataFrame, rank: int, peers: list[int], min_share: float) -> Sampled | None:
+    """The function of the job's own code that the culprit's stack samples found it in most often
+    beyond its peers' share, if by ``min_share`` of its samples at least. Windows profile a few
+    steps now and then; samples come every 0.5 s whatever the step, so they see where a rare stall
+    (one batch in 20 read slowly) puts the culprit's time when no window caught one."""
+    if samples.empty or not peers:
+        return None
+    s = samples[samples["rank"].isin([rank, *pick_peers(sorted(peers))])]
+    totals = s.groupby("rank")["samples"].sum()
+    if totals.get(rank, 0) < MIN_SAMPLES or len(totals) < 2:
+        return None
+    share = (
+        s.assign(share=s["samples"] / s["rank"].map(totals))
+        .pivot_table(index="function", columns="rank", values="share", aggfunc="sum", fill_value=0.0)
+        .drop(index="", errors="ignore")  # samples with none of the job's code on the stack
+    )
+    if share.empty:
+        return None
+    peer = share[[p for p in share.columns if p != rank]].median(axis=1)
+    excess = share[rank] - peer
+    best = str(excess.idxmax())
+    if excess[best] < min_share:
+        return None
+    mine = s[(s["rank"] == rank) & (s["function"] == best)]["samples"].sum()
+    return Sampled(
+        name=best,
+        share=float(share.at[best, rank]),
+        peer_share=float(peer[best]),
+        samples=int(mine),
+        of=int(totals[rank]),
+    )
+
+
 def pick_peers(peers: list[int]) -> list[int]:
     """At most ``MAX_PEERS`` of ``peers``, evenly spread."""
     if len(peers) <= MAX_PEERS:

@@ -444,6 +444,29 @@ def test_a_slow_dataset_is_named_by_its_own_function_with_the_loader_above_it() 
     assert f.evidence["loader"] == loader[1]
 
 
+def test_a_stall_no_window_caught_is_named_by_the_function_the_stack_samples_found_the_rank_in() -> None:
+    """Windows profile 5 steps now and then: a read stalling one batch in 20 can fall between them
+    all. The heartbeats' stack samples (every 0.5 s) still put the rank in it."""
+    data = synthetic(slow={2: {"data_us": 2000}})
+    read, loop = "data.py(41): read_from_storage", "train.py(10): train"
+
+    def samples(stalled: float) -> pd.DataFrame:
+        rows = [(r, loop, 60) for r in range(8)] + [(r, "", 4) for r in range(8)]
+        rows += [(r, read, 2) for r in range(8) if r != 2] + [(2, read, round(60 * stalled))]
+        return pd.DataFrame(rows, columns=["rank", "function", "samples"])
+
+    f = only(diagnose(replace(data, samples=samples(0.5))).findings)
+    assert (f.cause, f.ranks, f.function) == ("dataloader", [2], read)
+    assert (
+        f.evidence["stack_samples_in_function"] == "30/94"
+        and f.evidence["peer_share_of_stack_samples"] < 0.05
+    )
+    # A few samples more than the peers' is noise: the loader is named, as without samples.
+    f = only(diagnose(replace(data, samples=samples(0.1))).findings)
+    assert (f.cause, f.ranks) == ("dataloader", [2]) and f.function != read
+    assert f.function == only(diagnose(data).findings).function
+
+
 def test_intermittent_stalls_and_bursts_are_stragglers_though_their_median_step_is_healthy() -> None:
     # A 20 ms data-loader stall on every 20th step: the median step of rank 4 is its peers'.
     f = only(diagnose(synthetic(slow={4: {"data_us": 20_000, "on": 1, "off": 19}})).findings)

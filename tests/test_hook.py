@@ -72,6 +72,8 @@ def test_records_round_trip_and_bad_values_say_why() -> None:
     assert decode(value) == batch
     hb = Heartbeat(job="j", rank=0, host="h", time_us=5, step=7, progress_age_s=0.5, last_seq={"world": 4})
     assert decode(encode(hb)[1]) == hb
+    sampled = dataclasses.replace(hb, samples={"train.py(40): load": 9, "": 1})
+    assert decode(encode(sampled)[1]) == sampled
     cases = {
         b"{": "not JSON",
         b'{"v": 99, "type": "steps"}': "unknown schema version",
@@ -566,6 +568,42 @@ def test_stalled_rank_heartbeat_carries_its_stack() -> None:
     assert hb[0].progress_age_s >= 0.05
     assert "test_stalled_rank_heartbeat_carries_its_stack" in hb[0].stack
     assert (hb[0].step, after.step) == (-1, 0), "a heartbeat names the last step finished, not the one begun"
+
+
+def read_from_storage(seconds: float) -> None:
+    time.sleep(seconds)  # a slow read: the thread waits in no Python frame of its own
+
+
+def test_heartbeats_carry_the_function_of_the_jobs_code_each_stack_sample_found_the_thread_in() -> None:
+    """The watchdog samples the innermost function of the job's own code the training thread is in,
+    named as torch's profiler names it, so that samples and windows name a function alike."""
+    hook = Hook(
+        Config(window_s=0, heartbeat_s=60),
+        Identity(rank=0, local_rank=0, world_size=1, host="h"),
+        _SlowSink(),
+    )
+    hook.watchdog.beat()  # takes the samples so far
+
+    def sample() -> None:
+        time.sleep(0.05)
+        for _ in range(5):
+            hook.watchdog.sampler.sample()
+            time.sleep(0.02)
+
+    t = threading.Thread(target=sample)
+    t.start()
+    read_from_storage(0.4)
+    t.join()
+    beat = hook.watchdog.beat()
+    hook.close(timeout=30)
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+        read_from_storage(0.001)
+    profiled = {
+        e.name() for e in prof.profiler.kineto_results.events() if e.name().endswith(": read_from_storage")
+    }
+    assert len(profiled) == 1
+    assert beat.samples.get(profiled.pop(), 0) >= 5, (beat.samples, profiled)
+    assert not [f for f in beat.samples if f.startswith(("torch/", "threading.py", "profiler_hook"))]
 
 
 def test_a_paused_hook_is_not_a_stalled_rank() -> None:

@@ -110,6 +110,7 @@ def heartbeat(rank: int, time_us: int, step: int) -> Heartbeat:
         job=JOB, rank=rank, host=f"node{rank // 2}", time_us=time_us, step=step, progress_age_s=0.25,
         coll_group="0", coll_op="allreduce", coll_seq=step * 3, coll_age_s=0.01,
         last_seq={"0": step * 3, "1": step}, stack="train.py:42 step", dropped=rank,
+        samples={"train.py(40): step": step, "": 1},
     )  # fmt: skip
 
 
@@ -221,7 +222,7 @@ def test_a_store_of_schema_1_is_migrated_and_its_rows_read_as_before(store: Stor
     store.client.command(f"ALTER TABLE {store.database}.steps DROP COLUMN wait_us")
     store.client.command(f"ALTER TABLE {store.database}.ranks DROP COLUMN spine")
     store.client.command(f"ALTER TABLE {store.database}.ranks DROP COLUMN coverage")
-    for column in ("gpu_util", "gpu_mem_mb"):
+    for column in ("gpu_util", "gpu_mem_mb", "samples"):
         store.client.command(f"ALTER TABLE {store.database}.heartbeats DROP COLUMN {column}")
     for name in TABLES:
         store.client.command(f"ALTER TABLE {store.database}.{name} MODIFY COMMENT 'rankscope schema 1'")
@@ -322,6 +323,22 @@ def test_a_row_of_a_block_of_steps_reads_back_as_its_steps(store: Store) -> None
     assert df["step"].tolist() == [100, 101, 102, 103] and df["dur_us"].tolist()[2] == 9_000
 
 
+def test_stack_samples_are_summed_per_rank_and_function_each_heartbeat_once(store: Store) -> None:
+    beats = [heartbeat(0, T0, 4), heartbeat(0, T0 + 5_000_000, 9), heartbeat(1, T0 + 5_000_000, 9)]
+    store.write([*beats, beats[1]])  # a heartbeat ingested twice (at-least-once) counts once
+    got = store.stack_samples(JOB)
+    assert got.values.tolist() == [
+        [0, "", 2],
+        [0, "train.py(40): step", 13],
+        [1, "", 1],
+        [1, "train.py(40): step", 9],
+    ]
+    assert store.stack_samples(JOB, since_us=T0 + 1)["samples"].tolist() == [1, 9, 1, 9]
+    assert read_job(store, JOB).samples.equals(got)
+    empty = store.stack_samples("nope")
+    assert empty.empty and list(empty.columns) == ["rank", "function", "samples"]
+
+
 def test_database_name_must_be_an_identifier(store: Store) -> None:
     with pytest.raises(SchemaError, match="must match"):
         Store(store.client, database="x; DROP DATABASE y")
@@ -376,6 +393,7 @@ def test_every_record_type_round_trips_through_the_spool(store: Store, tmp_path:
     assert latest["time_us"].tolist() == [T0 + 2_000_000] * 2
     assert latest["last_seq"][0] == {"0": 21, "1": 7}
     assert latest["stack"][1] == "train.py:42 step"
+    assert latest["samples"][0] == {"train.py(40): step": 7, "": 1}
 
     jobs = store.jobs()
     assert jobs.to_dict("records") == [
