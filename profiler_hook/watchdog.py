@@ -64,6 +64,8 @@ class StackSampler:
     def _name(self, code: CodeType) -> str:
         name = self._names.get(code)
         if name is None:
+            if len(self._names) >= 65536:  # code made at run time (exec, compiled graphs) keeps coming
+                self._names.clear()
             if not self._prefixes:
                 self._prefixes = _path_prefixes()
             path = os.path.abspath(code.co_filename)
