@@ -40,12 +40,21 @@ def classify(
         loader = fn.name if fn else "DataLoader.__next__"
         ev = {"data_wait_ms": ms(st.data_us), "peer_data_wait_ms": ms(st.peer_data_us)}
         code = functions.innermost_code(excess, 0.3 * data_excess)  # a window sees most fetches, not all
-        if code is None and sampled is not None:
-            ev = {**ev, **sampled_evidence(sampled), "loader": loader}
-            return "dataloader", sampled.name, data_excess / total, ev
-        if code is None:
-            return "dataloader", loader, data_excess / total, ev
-        return "dataloader", code.name, data_excess / total, {**ev, **code_evidence(code), "loader": loader}
+        if code is not None:
+            return (
+                "dataloader",
+                code.name,
+                data_excess / total,
+                {**ev, **code_evidence(code), "loader": loader},
+            )
+        if sampled is not None:
+            return (
+                "dataloader",
+                sampled.name,
+                data_excess / total,
+                {**ev, **sampled_evidence(sampled), "loader": loader},
+            )
+        return "dataloader", loader, data_excess / total, ev
     extra = functions.top_extra(excess)
     # A code path the culprit alone runs: it holds a third of the excess, or, where the windows
     # caught fewer of its (rare) calls than the steps paid for, a tenth and at least twice the
