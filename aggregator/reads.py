@@ -223,6 +223,18 @@ class Reads:
         df = self._frame(sql, {"job": job, "since": since_us or 0}, ("rank", "fn", "total"))
         return df.rename(columns={"fn": "function", "total": "samples"})  # an alias may not shadow a column
 
+    def link_sends(self, job: str, since_us: int | None = None) -> pd.DataFrame:
+        """Per heartbeat of ``job`` (from ``since_us`` on, if given) and network link of its rank, the
+        sends since the rank's previous heartbeat: ``rank, time_us, link, nbytes, send_us``."""
+        sql = (
+            "SELECT rank, time_us, link, b, u FROM (SELECT rank, time_us, any(sent_bytes) AS sb, "
+            f"any(send_us) AS su FROM {self._t(HEARTBEATS)} WHERE job = {{job:String}} "
+            "AND time_us >= {since:Int64} AND notEmpty(sent_bytes) GROUP BY rank, time_us) "
+            "ARRAY JOIN mapKeys(sb) AS link, mapValues(sb) AS b, mapValues(su) AS u ORDER BY time_us, rank, link"
+        )
+        df = self._frame(sql, {"job": job, "since": since_us or 0}, ("rank", "time_us", "link", "b", "u"))
+        return df.rename(columns={"b": "nbytes", "u": "send_us"})  # an alias may not shadow a column
+
     def gpu_usage(self, job: str, since_us: int | None = None) -> pd.DataFrame:
         """Per rank of ``job`` with NVML samples in its heartbeats (from ``since_us`` on, if given):
         ``rank, gpu_util`` (the mean) ``, gpu_mem_mb`` (the largest), ``samples``."""

@@ -24,7 +24,7 @@ from .errors import RankscopeError
 
 log = logging.getLogger(__name__)
 
-STORE_VERSION = 6
+STORE_VERSION = 7
 DEFAULT_DATABASE = "rankscope"
 _COMMENT = f"rankscope schema {STORE_VERSION}"
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -142,6 +142,8 @@ HEARTBEATS = Table(
         ("gpu_util", "Float64"),  # schema 3
         ("gpu_mem_mb", "Float64"),
         ("samples", "Map(String, Int64)"),  # schema 6
+        ("sent_bytes", "Map(String, Int64)"),  # schema 7
+        ("send_us", "Map(String, Int64)"),
     ),
     order_by=("job", "rank", "time_us"),
 )
@@ -453,6 +455,12 @@ _TO_3 = {
 _TO_4 = {"ranks": ["ADD COLUMN IF NOT EXISTS `coverage` String DEFAULT '' AFTER `device`"]}
 _TO_5 = {"steps": ["ADD COLUMN IF NOT EXISTS `wait_us` Int64 DEFAULT 0"]}
 _TO_6 = {"heartbeats": ["ADD COLUMN IF NOT EXISTS `samples` Map(String, Int64)"]}
+_TO_7 = {
+    "heartbeats": [
+        "ADD COLUMN IF NOT EXISTS `sent_bytes` Map(String, Int64)",
+        "ADD COLUMN IF NOT EXISTS `send_us` Map(String, Int64)",
+    ]
+}
 
 
 def _then(*steps: dict[str, list[str]]) -> dict[str, list[str]]:
@@ -466,12 +474,13 @@ def _then(*steps: dict[str, list[str]]) -> dict[str, list[str]]:
 
 MIGRATIONS: dict[str, dict[str, list[str]]] = {
     "rankscope schema 1": _then(
-        {"steps": ["ADD COLUMN IF NOT EXISTS `n_steps` Int64 DEFAULT 1"]}, _TO_3, _TO_4, _TO_5, _TO_6
+        {"steps": ["ADD COLUMN IF NOT EXISTS `n_steps` Int64 DEFAULT 1"]}, _TO_3, _TO_4, _TO_5, _TO_6, _TO_7
     ),
-    "rankscope schema 2": _then(_TO_3, _TO_4, _TO_5, _TO_6),
-    "rankscope schema 3": _then(_TO_4, _TO_5, _TO_6),
-    "rankscope schema 4": _then(_TO_5, _TO_6),
-    "rankscope schema 5": _TO_6,
+    "rankscope schema 2": _then(_TO_3, _TO_4, _TO_5, _TO_6, _TO_7),
+    "rankscope schema 3": _then(_TO_4, _TO_5, _TO_6, _TO_7),
+    "rankscope schema 4": _then(_TO_5, _TO_6, _TO_7),
+    "rankscope schema 5": _then(_TO_6, _TO_7),
+    "rankscope schema 6": _TO_7,
 }
 """For each older schema's comment, the ALTERs that bring its tables (by name) to this version."""
 

@@ -5,7 +5,7 @@ would have reported it. :class:`Timeline` holds everything stored about a job wi
 piece arrived, and :meth:`Timeline.at` cuts it at a moment: step rows count from the time their
 batch left the rank (the ``steps`` record's ``time_us``, read from the spool: the store keeps only
 the rows), window summaries from their record time, and each rank's latest heartbeat is its latest
-one sent by then. Aggregator latency (ingest passes, ClickHouse inserts) is not included.
+one sent by then; the stack samples and link sends are those of the heartbeats sent by then. Aggregator latency (ingest passes, ClickHouse inserts) is not included.
 """
 
 from __future__ import annotations
@@ -53,6 +53,8 @@ class Timeline:
     functions: pd.DataFrame
     heartbeats: pd.DataFrame
     """Every heartbeat, not only the latest."""
+    links: pd.DataFrame
+    """Every heartbeat's link sends (``Store.link_sends``)."""
 
     @classmethod
     def load(cls, store: Store, job: str, spool_job_dir: str | Path) -> Timeline:
@@ -70,7 +72,12 @@ class Timeline:
         if hb.columns.empty:
             hb = pd.DataFrame(columns=list(HEARTBEATS.column_names))
         return cls(
-            job=job, ranks=store.ranks(job), steps=steps, functions=store.functions(job), heartbeats=hb
+            job=job,
+            ranks=store.ranks(job),
+            steps=steps,
+            functions=store.functions(job),
+            heartbeats=hb.drop_duplicates(["rank", "time_us"]),  # at least once: some came twice
+            links=store.link_sends(job),
         )
 
     @property
@@ -99,12 +106,22 @@ class Timeline:
         if not functions.empty:
             functions = functions[functions["time_us"] <= t_us]
         hb = self.heartbeats
+        samples = JobData(job=self.job).samples
         if not hb.empty:
-            hb = hb[hb["time_us"] <= t_us].sort_values(["rank", "time_us"]).groupby("rank").tail(1)
+            hb = hb[hb["time_us"] <= t_us]
+            counts = [
+                (r, fn, n) for r, got in zip(hb["rank"], hb["samples"], strict=True) for fn, n in got.items()
+            ]
+            if counts:
+                samples = pd.DataFrame(counts, columns=list(samples.columns))
+                samples = samples.groupby(["rank", "function"], as_index=False)["samples"].sum()
+            hb = hb.sort_values(["rank", "time_us"]).groupby("rank").tail(1)
         return JobData(
             job=self.job,
             ranks=self.ranks,
             steps=steps.reset_index(drop=True),
             functions=functions.reset_index(drop=True),
             heartbeats=hb.reset_index(drop=True),
+            samples=samples,
+            links=self.links[self.links["time_us"] <= t_us].reset_index(drop=True),
         )

@@ -12,9 +12,10 @@ Per window and pattern each rank's time per byte is compared with the other rank
 MAD); a rank that is slower in most windows is a communication culprit. The diagnosis then names
 the NIC, host or switch when the culprits make up a whole one.
 
-Where the pattern names its link's endpoints (the hook's ``net_send@tcp``, one pattern per pair
-of addresses, ``stack`` = ``"<local IP>><peer IP>"``), the links are compared instead, and the
-culprit is found as in network tomography: a slow NIC slows every link through it, in both
+Where a measurement names its link's endpoints (``"<local IP>><peer IP>"``: the sends the hook's
+heartbeats carry per link, every few seconds; or, in records of older hooks, a window's
+``net_send@tcp`` pattern with the pair as its ``stack``), the links are compared instead, per span
+of ``CommunicationSettings.span_s`` seconds, and the culprit is found as in network tomography: a slow NIC slows every link through it, in both
 directions, and no other. Ranks that merely send *into* the slow NIC have one slow link among
 healthy ones. So per window the slow links are found, and the smallest group of ranks — the
 ranks behind one address, a NIC, a host, a switch — whose links to the rest of the job carry most
@@ -54,6 +55,12 @@ class CommunicationSettings:
     coverage: float = 0.75
     """...and they must carry at least this share of the window's extra send time over slow links
     (a link behind a slow one can back up and look slow too, a little)."""
+    bulk_share: float = 0.1
+    """Links with endpoints: only those that sent at least this share of the window's busiest
+    link's bytes are compared."""
+    span_s: float = 5.0
+    """The heartbeats' link sends are compared across ranks per span of this many seconds (at least
+    the ranks' heartbeat period): each span is a window of the comparison."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -67,6 +74,8 @@ class SlowLink:
     peer_gbps: float
     windows_flagged: int
     windows: int
+    span_s: float = 0.0
+    """The windows are spans of this many seconds of heartbeats (0: profiling windows)."""
 
 
 def _per_call_us(f: pd.DataFrame) -> pd.Series:
@@ -78,24 +87,53 @@ def _per_call_us(f: pd.DataFrame) -> pd.Series:
 
 
 def find(
-    functions: pd.DataFrame, s: CommunicationSettings | None = None, ranks: pd.DataFrame | None = None
+    functions: pd.DataFrame,
+    s: CommunicationSettings | None = None,
+    ranks: pd.DataFrame | None = None,
+    links: pd.DataFrame | None = None,
 ) -> list[SlowLink]:
     """Ranks whose network send time per byte persistently exceeds their peers'; ``ranks`` (rank,
-    nic, host, switch) lets links with endpoints be grouped by topology."""
+    nic, host, switch) lets links with endpoints be grouped by topology; ``links`` (rank, time_us,
+    link, nbytes, send_us: the heartbeats') are those links' sends, measured all along."""
     s = s or CommunicationSettings()
-    if functions.empty or "nbytes" not in functions:
-        return []
-    f = functions[functions["kind"] == "collective"]
-    f = f[f["name"].astype(str).str.startswith(TRANSFER_PREFIX) & (f["nbytes"] > 0) & (f["count"] > 0)]
-    if f.empty:
-        return []
-    pair = (
-        f["stack"].astype(str).str.contains(">", regex=False) if "stack" in f else pd.Series(False, f.index)
-    )
-    out = _per_rank(f[~pair], s) if not pair.all() else []
-    if pair.any():
-        out += _tomography(f[pair], s, ranks)
+    out: list[SlowLink] = []
+    spans = _spans(links, s) if links is not None and (links["nbytes"] > 0).any() else None
+    if not functions.empty and "nbytes" in functions:
+        f = functions[functions["kind"] == "collective"]
+        f = f[f["name"].astype(str).str.startswith(TRANSFER_PREFIX) & (f["nbytes"] > 0) & (f["count"] > 0)]
+        pair = (
+            f["stack"].astype(str).str.contains(">", regex=False)
+            if "stack" in f
+            else pd.Series(False, f.index)
+        )
+        if not pair.all():
+            out += _per_rank(f[~pair], s)
+        if pair.any() and spans is None:  # an older hook's windows; the heartbeats' spans, if any, say more
+            out += _tomography(f[pair], s, ranks)
+    if spans is not None:
+        out += _tomography(spans[0], s, ranks, span_s=spans[1])
     return out
+
+
+def _spans(links: pd.DataFrame, s: CommunicationSettings) -> tuple[pd.DataFrame, float]:
+    """The heartbeats' link sends as transfer patterns (``stack`` = the link), one window per span,
+    and the span's length: ``span_s``, or the ranks' heartbeat period if longer, so that a span
+    holds every rank's sends."""
+    links = links[links["nbytes"] > 0]
+    beats = links[["rank", "time_us"]].drop_duplicates()
+    period = beats.groupby("rank")["time_us"].diff().median() / 1e6
+    span_s = max(s.span_s, float(period) if period == period else 0.0)  # NaN: one beat per rank
+    frame = pd.DataFrame(
+        {
+            "rank": links["rank"].astype(np.int64),
+            "window": links["time_us"].astype(np.int64) // int(span_s * 1e6),
+            "name": f"{TRANSFER_PREFIX}tcp",
+            "stack": links["link"].astype(str),
+            "total_us": links["send_us"].astype(float),
+            "nbytes": links["nbytes"].astype(float),
+        }
+    )
+    return frame, span_s
 
 
 def _per_rank(f: pd.DataFrame, s: CommunicationSettings) -> list[SlowLink]:
@@ -152,7 +190,14 @@ def _slow_links(f: pd.DataFrame, s: CommunicationSettings) -> pd.DataFrame:
     interpolated between two): a slow NIC in a ring slows two links (in and out), up to half of a
     small job's, and the median would move with them; with 4 links the interpolated quartile
     moved with a third link that backed up behind them (1 Gbit/s NIC: 3.2 ms per MB where the
-    healthy link took 2.0), which left the slow ones short of ``min_excess_us``."""
+    healthy link took 2.0), which left the slow ones short of ``min_excess_us``.
+
+    Links that carried little (under ``bulk_share`` of the window's busiest) are left out, as the
+    hook leaves them out of its heartbeats: their time per byte is the latency of a few small
+    messages (a delayed ACK holds one 40 ms), not the link's bandwidth, and reads as 500 to 20,000
+    times the bulk links'."""
+    nbytes = f["nbytes"].astype(float)
+    f = f[nbytes >= s.bulk_share * nbytes.groupby(f["window"]).transform("max")]
     local_peer = f["stack"].astype(str).str.split(">", n=1, expand=True)
     d = pd.DataFrame(
         {
@@ -186,7 +231,9 @@ def _groups(d: pd.DataFrame, ranks: pd.DataFrame | None, suspects: set[int]) -> 
     return sorted(out, key=lambda g: (len(g), sorted(g)))
 
 
-def _tomography(f: pd.DataFrame, s: CommunicationSettings, ranks: pd.DataFrame | None) -> list[SlowLink]:
+def _tomography(
+    f: pd.DataFrame, s: CommunicationSettings, ranks: pd.DataFrame | None, span_s: float = 0.0
+) -> list[SlowLink]:
     """The smallest groups of ranks whose links to the rest carry the slow links, in most windows."""
     d = _slow_links(f, s)
     if not d["slow"].any():
@@ -243,6 +290,7 @@ def _tomography(f: pd.DataFrame, s: CommunicationSettings, ranks: pd.DataFrame |
                 peer_gbps=1e-3 / max(base, 1e-12),
                 windows_flagged=len(mine),
                 windows=len(since),
+                span_s=span_s,
             )
             for r in sorted(g)
         ]

@@ -49,6 +49,9 @@ HEARTBEAT_FIELDS = [
 ]
 
 
+LINK_FIELDS = ["rank", "time_us", "link", "nbytes", "send_us"]
+
+
 def _empty(columns: list[str]) -> pd.DataFrame:
     return pd.DataFrame({c: [] for c in columns})
 
@@ -66,6 +69,8 @@ class JobData:
     """The latest heartbeat of each rank."""
     samples: pd.DataFrame = field(default_factory=lambda: _empty(["rank", "function", "samples"]))
     """Per rank and function of the job's own code, the heartbeats' stack samples of the span read."""
+    links: pd.DataFrame = field(default_factory=lambda: _empty(LINK_FIELDS))
+    """Per heartbeat of the span read and network link of its rank, the sends since the rank's last."""
 
     def hosts(self) -> dict[int, str]:
         return dict(zip(self.ranks["rank"].astype(int), self.ranks["host"].astype(str), strict=False))
@@ -93,6 +98,7 @@ class StoreReader(Protocol):
     ) -> pd.DataFrame: ...
     def heartbeats_latest(self, job: str) -> pd.DataFrame: ...
     def stack_samples(self, job: str, since_us: int | None = None) -> pd.DataFrame: ...
+    def link_sends(self, job: str, since_us: int | None = None) -> pd.DataFrame: ...
 
 
 def read_job(store: StoreReader, job: str, since_us: int | None = None) -> JobData:
@@ -109,6 +115,7 @@ def read_job(store: StoreReader, job: str, since_us: int | None = None) -> JobDa
         functions=store.functions(job, since_us=since_us),
         heartbeats=store.heartbeats_latest(job),
         samples=store.stack_samples(job, since_us=since_us),
+        links=store.link_sends(job, since_us=since_us),
     )
 
 
@@ -142,7 +149,11 @@ class RecentJob:
             self.recent_s, self.data = recent_s, None  # another span: read afresh
         since = last_us - int(self.recent_s * 1e6)
         ranks, beats = store.ranks(self.job), store.heartbeats_latest(self.job)
-        samples = store.stack_samples(self.job, since_us=since)  # a row per rank and function: read whole
+        # A row per rank and function, and per heartbeat and link: read whole.
+        samples, links = (
+            store.stack_samples(self.job, since_us=since),
+            store.link_sends(self.job, since_us=since),
+        )
         old = self.data
         if old is not None and ranks.equals(old.ranks):
             new_steps = store.steps(self.job, after_us=self._start_us.tolist())
@@ -158,13 +169,25 @@ class RecentJob:
                         fns = _keep(fns, fns["step_hi"].to_numpy() >= int(steps["step"].min()))
                     self._trimmed_us = since
                 self.data = JobData(
-                    job=self.job, ranks=ranks, steps=steps, functions=fns, heartbeats=beats, samples=samples
+                    job=self.job,
+                    ranks=ranks,
+                    steps=steps,
+                    functions=fns,
+                    heartbeats=beats,
+                    samples=samples,
+                    links=links,
                 )
                 self._mark(new_steps, new_fns)
                 return self.data
         steps, fns = store.steps(self.job, since_us=since), store.functions(self.job, since_us=since)
         self.data = JobData(
-            job=self.job, ranks=ranks, steps=steps, functions=fns, heartbeats=beats, samples=samples
+            job=self.job,
+            ranks=ranks,
+            steps=steps,
+            functions=fns,
+            heartbeats=beats,
+            samples=samples,
+            links=links,
         )
         self._start_us, self._last_step = np.zeros(0, dtype=np.int64), np.full(0, -1, dtype=np.int64)
         self._next_window = np.zeros(0, dtype=np.int64)

@@ -137,6 +137,11 @@ def _straggler_finding(
 
 def _comm_finding(link: communication.SlowLink, hosts: dict[int, str]) -> Finding:
     host = hosts.get(link.rank, "")
+    held = (
+        {"spans_flagged": f"{link.windows_flagged}/{link.windows}", "span_s": round(link.span_s, 1)}
+        if link.span_s
+        else {"windows_flagged": f"{link.windows_flagged}/{link.windows}"}
+    )
     return Finding(
         cause="communication",
         ranks=[link.rank],
@@ -153,7 +158,7 @@ def _comm_finding(link: communication.SlowLink, hosts: dict[int, str]) -> Findin
             "rank_gbps": round(link.gbps, 3),
             "peer_median_gbps": round(link.peer_gbps, 3),
             "ratio": round(link.ratio, 3),
-            "windows_flagged": f"{link.windows_flagged}/{link.windows}",
+            **held,
         },
     )
 
@@ -216,7 +221,7 @@ def diagnose(data: JobData, settings: Settings | None = None) -> Diagnosis:
     found: list[Finding] = []
     hang = hangs.find(data.heartbeats, s.hangs)
     sts = _stragglers(data.steps, s.steps)
-    links = communication.find(data.functions, s.comm, data.ranks)
+    links = communication.find(data.functions, s.comm, data.ranks, data.links)
     waits = {c.rank: c for c in contention.find(data.functions, data.steps, s.contention)}
     # Host names of the culprits only: a dict of every rank costs 0.1 s at 100,000 ranks.
     culprits = [

@@ -29,7 +29,6 @@ from .blocks import StepBlocks
 from .collectives import CollectiveTracker
 from .config import Config, Identity
 from .gpu import GpuSampler
-from .netstat import Counters, send_patterns, tcp_counters
 from .schedstat import ThreadWait, Waits, run_queue_wait, wait_pattern
 from .schedule import Schedule
 from .shipper import Shipper
@@ -84,7 +83,6 @@ class Hook:
         self._data_ns = 0
         self._prof: Any = None
         self._window: tuple[int, int, int, int] | None = None
-        self._net: Counters = {}
         """TCP send counters at the window's start."""
         self._waits: Waits = {}
         """The threads' CPU wait at the window's start."""
@@ -374,9 +372,8 @@ class Hook:
         from torch.profiler import ProfilerActivity, profile
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if _cuda() else [])
-        # Read before the profiler starts: its window would hold our reads (a readlink per open
-        # descriptor: rank 0, which serves the job's store, has the most, and read as a code path).
-        self._net, self._waits = tcp_counters(), run_queue_wait()
+        # Read before the profiler starts: its window would hold our reads.
+        self._waits = run_queue_wait()
         self._prof = profile(activities=activities, with_stack=cfg.with_stack, record_shapes=False)
         self._prof.start()
         self._window = (s, s, s + cfg.window_steps, time.time_ns())
@@ -391,9 +388,8 @@ class Hook:
         hi = self.step_num + 1
         prof.stop()
         dur_ns = time.time_ns() - t0
-        extra = send_patterns(self._net, tcp_counters())
-        if (waits := wait_pattern(self._waits, run_queue_wait())) is not None:
-            extra.append(waits)
+        waits = wait_pattern(self._waits, run_queue_wait())
+        extra = [waits] if waits is not None else []
         calls, self.tracker.recording = self.tracker.recording or [], None
         self._prof, self._window = None, None
         origin = self._origin()

@@ -3,7 +3,10 @@
 Every ``schedule.POLL_S`` it also polls the profiling-window schedule and samples which function of
 the job's own code the training thread is in (:class:`StackSampler`): windows profile 5 steps in
 30 s, and a stall every 20th batch falls between them three times in four; the samples, shipped with
-each heartbeat, still see where the rank's time goes.
+each heartbeat, still see where the rank's time goes. Each heartbeat also carries the rank's network
+sends per link since the last (:mod:`.netstat`): a slow NIC is measured over every second of the
+job, not over a window's five steps of it, whose few megabytes the kernel's millisecond clock can
+barely time.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from types import CodeType
 from wire.records import Heartbeat
 
 from .collectives import CollectiveTracker
+from .netstat import LinkMeter
 from .schedule import POLL_S
 from .summarize import library_frame
 
@@ -106,6 +110,7 @@ class Watchdog:
         self._main = main_thread_id
         self._tick = tick
         self.sampler = StackSampler(main_thread_id)
+        self.links = LinkMeter()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rankscope-watchdog", daemon=True)
         self._thread.start()
@@ -117,6 +122,7 @@ class Watchdog:
         age = (now - last) / 1e9
         call = self._tracker.oldest_inflight()
         stalled = age >= self._stall_s
+        sends = self.links.read()
         return self._make(
             step=step,
             progress_age_s=round(age, 3),
@@ -127,6 +133,8 @@ class Watchdog:
             last_seq=dict(self._tracker.last_seq),
             stack=main_stack(self._main) if stalled else "",
             samples=self.sampler.take(),
+            sent_bytes={link: nbytes for link, (nbytes, _) in sends.items()},
+            send_us={link: us for link, (_, us) in sends.items()},
         )
 
     def _run(self) -> None:

@@ -549,47 +549,72 @@ def test_both_ranks_of_a_contended_host_of_two_are_named_though_they_lift_the_me
     assert (f.cause, f.ranks) == ("host_contention", [1])
 
 
-def ring_links(hosts: int, slow_ms_per_mb: dict[tuple[int, int], float], windows: int = 3) -> pd.DataFrame:
-    """``net_send@tcp`` rows of a ring over ``hosts`` hosts (one rank each, address 10.0.0.<rank>):
-    each rank sends 8 MB per window to the next, 1 ms per MB, or ``slow_ms_per_mb[(src, dst)]``."""
+LINK_T0 = 1_795_000_000_000_000
+"""When the ring's heartbeats start (µs since the epoch)."""
+
+
+def ring_links(hosts: int, slow_ms_per_mb: dict[tuple[int, int], float], spans: int = 6) -> pd.DataFrame:
+    """Heartbeats' link sends of a ring over ``hosts`` hosts (one rank each, address 10.0.0.<rank>):
+    every 5 s each rank has sent 40 MB to the next, 1 ms per MB, or ``slow_ms_per_mb[(src, dst)]``;
+    and, as gloo's ranks do, 0.1 MB of small messages to the one before, 3 s per MB (their latency)."""
     rows = []
-    for w in range(windows):
+    for span in range(spans):
         for r in range(hosts):
-            nxt = (r + 1) % hosts
-            ms = slow_ms_per_mb.get((r, nxt), 1.0 + 0.03 * ((r + w) % 3))
-            rows.append(
-                {
-                    "rank": r,
-                    "window": w,
-                    "step_lo": 50 + 50 * w,
-                    "step_hi": 55 + 50 * w,
-                    "kind": "collective",
-                    "name": "net_send@tcp",
-                    "stack": f"10.0.0.{r}>10.0.0.{nxt}",
-                    "count": 1,
-                    "total_us": 8 * ms * 1000,
-                    "mean_us": 8 * ms * 1000,
-                    "p50_us": 8 * ms * 1000,
-                    "nbytes": 8 << 20,
-                }
-            )
+            nxt, prev = (r + 1) % hosts, (r - 1) % hosts
+            ms = slow_ms_per_mb.get((r, nxt), 1.0 + 0.03 * ((r + span) % 3))
+            t = LINK_T0 + (span + 1) * 5_000_000 + r * 1_000
+            rows += [
+                {"rank": r, "time_us": t, "link": f"10.0.0.{r}>10.0.0.{nxt}", "nbytes": 40 << 20, "send_us": int(40 * ms * 1000)},
+                {"rank": r, "time_us": t, "link": f"10.0.0.{r}>10.0.0.{prev}", "nbytes": 100 << 10, "send_us": 300_000},
+            ]  # fmt: skip
     return pd.DataFrame(rows)
 
 
 def test_a_slow_nic_is_the_endpoint_its_slow_links_share_not_the_rank_sending_into_it() -> None:
     # Rank 3's NIC is slow both ways: its link out (3 -> 0) and the link into it (2 -> 3) are slow.
     links = ring_links(4, {(2, 3): 6.0, (3, 0): 6.0})
-    data = replace(synthetic(ranks=4, hosts_of=4), functions=links)
+    data = replace(synthetic(ranks=4, hosts_of=4), links=links)
     f = only(diagnose(data).findings)
     assert (f.cause, f.ranks, f.hosts) == ("communication", [3], ["node3"])
-    assert f.evidence["windows_flagged"] == "3/3" and f.evidence["ratio"] > 4
+    assert f.evidence["spans_flagged"] == "6/6" and f.evidence["span_s"] == 5.0 and f.evidence["ratio"] > 4
     # Healthy links: nothing.
-    assert diagnose(replace(data, functions=ring_links(4, {}))).findings == []
+    assert diagnose(replace(data, links=ring_links(4, {}))).findings == []
     # A milder one, and the link before it backed up: the healthy baseline is still a healthy
     # link's rate (a quartile interpolated towards the backed-up link left the slow ones short).
     links = ring_links(4, {(2, 3): 4.0, (3, 0): 4.5, (1, 2): 1.8})
-    f = only(diagnose(replace(data, functions=links)).findings)
+    f = only(diagnose(replace(data, links=links)).findings)
     assert (f.cause, f.ranks) == ("communication", [3])
+
+
+def test_a_slow_nic_is_named_from_when_it_slowed_and_a_burst_is_not() -> None:
+    data = synthetic(ranks=4, hosts_of=4)
+    healthy, slow = ring_links(4, {}, spans=8), ring_links(4, {(2, 3): 6.0, (3, 0): 6.0}, spans=8)
+    late = slow["time_us"] >= LINK_T0 + 25_000_000  # from the fifth span on
+    f = only(diagnose(replace(data, links=healthy.where(~late, slow))).findings)
+    assert (f.ranks, f.evidence["spans_flagged"]) == ([3], "4/4")
+    burst = slow["time_us"] // 5_000_000 == (LINK_T0 + 20_000_000) // 5_000_000  # one span of eight
+    assert diagnose(replace(data, links=healthy.where(~burst, slow))).findings == []
+
+
+def test_an_older_hooks_windows_with_their_link_sends_still_name_the_slow_nic() -> None:
+    """Hooks before the heartbeats carried link sends measured them per profiling window, as the
+    ``net_send@tcp`` pattern with the link as its stack."""
+    links = ring_links(4, {(2, 3): 6.0, (3, 0): 6.0}, spans=3)
+    windows = pd.DataFrame(
+        {
+            "rank": links["rank"],
+            "window": (links["time_us"] - LINK_T0) // 5_000_000 * 50,
+            "kind": "collective",
+            "name": "net_send@tcp",
+            "stack": links["link"],
+            "count": 1,
+            "total_us": links["send_us"].astype(float),
+            "mean_us": links["send_us"].astype(float),
+            "nbytes": links["nbytes"],
+        }
+    )
+    f = only(diagnose(replace(synthetic(ranks=4, hosts_of=4), functions=windows)).findings)
+    assert (f.cause, f.ranks, f.evidence["windows_flagged"]) == ("communication", [3], "3/3")
 
 
 def test_a_slow_switch_uplink_is_the_switch_whose_links_to_the_rest_are_slow() -> None:
@@ -597,7 +622,7 @@ def test_a_slow_switch_uplink_is_the_switch_whose_links_to_the_rest_are_slow() -
     links = ring_links(6, {(1, 2): 5.0, (3, 4): 5.0})
     data = synthetic(ranks=6, hosts_of=6)
     ranks = data.ranks.assign(switch=[f"sw{r // 2}" for r in range(6)])
-    f = only(diagnose(replace(data, ranks=ranks, functions=links)).findings)
+    f = only(diagnose(replace(data, ranks=ranks, links=links)).findings)
     assert (f.cause, f.scope, f.ranks, f.evidence["switch"]) == ("communication", "switch", [2, 3], "sw1")
 
 

@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -871,9 +872,9 @@ def test_fault_settings_are_validated() -> None:
         Fault(kind="cosmic-ray")
 
 
-def test_tcp_send_counters_see_a_real_bulk_transfer_and_not_idle_connections() -> None:
-    from profiler_hook.netstat import MIN_BYTES, SEND_PATTERN, send_patterns, tcp_counters
-
+def _bulk_sender() -> tuple[socket.socket, socket.socket, Callable[[int], None], Callable[[], None]]:
+    """An idle and a bulk loopback connection to a reading server, ``send(n)`` that waits until ``n``
+    more bytes were read, and ``close()``."""
     server = socket.create_server(("127.0.0.1", 0))
     received = 0
 
@@ -889,27 +890,73 @@ def test_tcp_send_counters_see_a_real_bulk_transfer_and_not_idle_connections() -
 
     acceptor = threading.Thread(target=accept, daemon=True)
     acceptor.start()
-    with (
-        socket.create_connection(server.getsockname()) as idle,
-        socket.create_connection(server.getsockname()) as bulk,
-    ):
-        del idle  # connected, never sends: below MIN_BYTES, left out
-        assert not tcp_counters()  # loopback connections never touch a NIC: left out by default
-        before = tcp_counters(loopback=True)
-        bulk.sendall(b"x" * (32 << 20))
+    idle = socket.create_connection(server.getsockname())
+    bulk = socket.create_connection(server.getsockname())
+
+    def send(n: int) -> None:
+        goal = received + n
+        bulk.sendall(b"x" * n)
         deadline = time.monotonic() + 10
-        while received < 32 << 20 and time.monotonic() < deadline:
+        while received < goal and time.monotonic() < deadline:
             time.sleep(0.01)
-        ps = send_patterns(before, tcp_counters(loopback=True))
-    acceptor.join(10)
-    server.close()
-    assert len(ps) == 1, ps
-    p = ps[0]
-    assert (p.name, p.kind, p.stack) == (SEND_PATTERN, "collective", "127.0.0.1>127.0.0.1")  # host > peer
-    assert p.count == 1  # the bulk connection only
-    assert 32 << 20 <= p.nbytes < (32 << 20) + MIN_BYTES
-    assert p.total_us > 0
-    assert send_patterns(before, before) == []
+
+    def close() -> None:
+        idle.close()
+        bulk.close()
+        acceptor.join(10)
+        server.close()
+
+    return idle, bulk, send, close
+
+
+def test_heartbeats_carry_each_links_sends_from_a_real_bulk_transfer_and_not_idle_connections() -> None:
+    from profiler_hook.netstat import MIN_BYTES, LinkMeter, tcp_counters
+
+    hook = Hook(
+        Config(window_s=0, heartbeat_s=60),
+        Identity(rank=0, local_rank=0, world_size=1, host="h"),
+        _SlowSink(),
+    )
+    _, _, send, close = _bulk_sender()
+    try:
+        assert not tcp_counters()  # loopback connections never touch a NIC: left out by default
+        hook.watchdog.links = LinkMeter(loopback=True)  # here they stand for a NIC's
+        assert hook.watchdog.beat().sent_bytes == {}  # nothing to compare with yet
+        send(32 << 20)
+        beat = hook.watchdog.beat()
+        quiet = hook.watchdog.beat()
+    finally:
+        close()
+        hook.close(timeout=30)
+    # One link, host > peer: the bulk connection's bytes (the idle one's few left out) and its time.
+    assert list(beat.sent_bytes) == list(beat.send_us) == ["127.0.0.1>127.0.0.1"], beat
+    assert 32 << 20 <= beat.sent_bytes["127.0.0.1>127.0.0.1"] < (32 << 20) + MIN_BYTES
+    assert beat.send_us["127.0.0.1>127.0.0.1"] > 0
+    assert quiet.sent_bytes == quiet.send_us == {}  # nothing sent since
+
+
+def test_a_process_with_many_descriptors_reads_its_bulk_connections_between_full_scans(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from profiler_hook import netstat
+
+    monkeypatch.setattr(netstat, "MAX_SCAN", 0)  # every process has "many"
+    links = netstat.LinkMeter(loopback=True)
+    idle, bulk, send, close = _bulk_sender()
+    try:
+        read: list[int] = []
+        monkeypatch.setattr(netstat.os, "dup", lambda fd, dup=os.dup: read.append(fd) or dup(fd))
+        links.read()  # the first two reads are full scans: the second finds the bulk connection
+        send(1 << 20)
+        assert links.read()
+        read.clear()
+        send(1 << 20)
+        sends = links.read()  # the bulk connection alone
+        assert read == [bulk.fileno()], (read, bulk.fileno(), idle.fileno())
+    finally:
+        close()
+    nbytes, _ = sends["127.0.0.1>127.0.0.1"]
+    assert 1 << 20 <= nbytes < (1 << 20) + netstat.MIN_BYTES
 
 
 _WAIT_PROBE = """

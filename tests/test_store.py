@@ -111,6 +111,8 @@ def heartbeat(rank: int, time_us: int, step: int) -> Heartbeat:
         coll_group="0", coll_op="allreduce", coll_seq=step * 3, coll_age_s=0.01,
         last_seq={"0": step * 3, "1": step}, stack="train.py:42 step", dropped=rank,
         samples={"train.py(40): step": step, "": 1},
+        sent_bytes={"10.0.0.1>10.0.0.2": step << 20} if step else {},
+        send_us={"10.0.0.1>10.0.0.2": step * 1_000} if step else {},
     )  # fmt: skip
 
 
@@ -222,7 +224,7 @@ def test_a_store_of_schema_1_is_migrated_and_its_rows_read_as_before(store: Stor
     store.client.command(f"ALTER TABLE {store.database}.steps DROP COLUMN wait_us")
     store.client.command(f"ALTER TABLE {store.database}.ranks DROP COLUMN spine")
     store.client.command(f"ALTER TABLE {store.database}.ranks DROP COLUMN coverage")
-    for column in ("gpu_util", "gpu_mem_mb", "samples"):
+    for column in ("gpu_util", "gpu_mem_mb", "samples", "sent_bytes", "send_us"):
         store.client.command(f"ALTER TABLE {store.database}.heartbeats DROP COLUMN {column}")
     for name in TABLES:
         store.client.command(f"ALTER TABLE {store.database}.{name} MODIFY COMMENT 'rankscope schema 1'")
@@ -337,6 +339,19 @@ def test_stack_samples_are_summed_per_rank_and_function_each_heartbeat_once(stor
     assert read_job(store, JOB).samples.equals(got)
     empty = store.stack_samples("nope")
     assert empty.empty and list(empty.columns) == ["rank", "function", "samples"]
+
+
+def test_link_sends_are_read_per_heartbeat_and_link_each_heartbeat_once(store: Store) -> None:
+    beats = [heartbeat(0, T0, 0), heartbeat(0, T0 + 5_000_000, 9), heartbeat(1, T0 + 5_000_000, 4)]
+    store.write([*beats, beats[1]])  # a heartbeat ingested twice (at-least-once) is read once
+    got = store.link_sends(JOB)
+    assert got.values.tolist() == [  # the first heartbeat sent nothing yet: no row
+        [0, T0 + 5_000_000, "10.0.0.1>10.0.0.2", 9 << 20, 9_000],
+        [1, T0 + 5_000_000, "10.0.0.1>10.0.0.2", 4 << 20, 4_000],
+    ]
+    assert store.link_sends(JOB, since_us=T0 + 5_000_001).empty
+    assert read_job(store, JOB).links.equals(got)
+    assert list(store.link_sends("nope").columns) == ["rank", "time_us", "link", "nbytes", "send_us"]
 
 
 def test_database_name_must_be_an_identifier(store: Store) -> None:

@@ -20,8 +20,8 @@ Record types:
 ``checkpoint`` one per checkpoint saved or loaded inside ``Hook.checkpoint()``: when, how long it blocked.
 
 Readers ignore fields they do not know, so ``RankInfo.attempt``, ``.spine``, ``.coverage``, the heartbeats' GPU
-samples and the ``checkpoint`` type came within version 2, and the heartbeats' stack samples within
-version 3: an older aggregator stores the rest and dead-letters a checkpoint with its reason.
+samples and the ``checkpoint`` type came within version 2, and the heartbeats' stack samples and link
+sends within version 3: an older aggregator stores the rest and dead-letters a checkpoint with its reason.
 """
 
 from __future__ import annotations
@@ -162,6 +162,11 @@ class Heartbeat(_Base):
     samples: dict[str, int] = field(default_factory=dict)
     """Since the previous heartbeat, every 0.5 s: the innermost function of the job's own code the
     training thread was in (named as the profiler names Python functions; ``""``: none) → samples."""
+    sent_bytes: dict[str, int] = field(default_factory=dict)
+    send_us: dict[str, int] = field(default_factory=dict)
+    """Since the previous heartbeat, per network link ``"<local IP>><peer IP>"`` of the rank's bulk
+    TCP connections: the bytes the peer acknowledged, and the µs the kernel spent sending them
+    (``TCP_INFO`` busy time less the time the receiver's window held it back)."""
     dropped: int = 0
     """Records this rank dropped so far because its queue or transport was full."""
     gpu_util: float = -1.0
