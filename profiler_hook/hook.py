@@ -51,13 +51,26 @@ def _now_us() -> int:
     return time.time_ns() // 1000
 
 
-def _usage(wait: ThreadWait) -> tuple[int, int, int]:
-    """CPU µs of the calling (training) thread, involuntary context switches of the whole process
-    (CPU contention shows in any of its threads: the collectives' and data workers' too), and
-    the training thread's run-queue wait in µs (0 without schedstat)."""
-    ru = resource.getrusage(resource.RUSAGE_THREAD)
-    cpu = int((ru.ru_utime + ru.ru_stime) * 1e6)
+def _usage(wait: ThreadWait, clock: int | None) -> tuple[int, int, int]:
+    """CPU µs of the training thread (from its CPU-time ``clock``, readable from any thread; the
+    calling thread's without one), involuntary context switches of the whole process (CPU
+    contention shows in any of its threads: the collectives' and data workers' too), and the
+    training thread's run-queue wait in µs (0 without schedstat)."""
+    if clock is not None:
+        cpu = time.clock_gettime_ns(clock) // 1000
+    else:
+        ru = resource.getrusage(resource.RUSAGE_THREAD)
+        cpu = int((ru.ru_utime + ru.ru_stime) * 1e6)
     return cpu, resource.getrusage(resource.RUSAGE_SELF).ru_nivcsw, wait() // 1000
+
+
+def _cpu_clock(thread: int) -> int | None:
+    """The CPU-time clock of thread ``thread`` (a ``threading.get_ident()``); None where the
+    platform has none (macOS)."""
+    try:
+        return time.pthread_getcpuclockid(thread)
+    except (AttributeError, OSError):
+        return None
 
 
 class Hook:
@@ -76,6 +89,7 @@ class Hook:
         self._training_thread = threading.get_ident()
         self._wait = ThreadWait()
         """The training thread's run-queue wait (see ``StepRow.wait_us``)."""
+        self._cpu_clock = _cpu_clock(self._training_thread)
         self._blocks = StepBlocks(cfg.step_block_s, self._step_usage)
         self._last_flush = time.perf_counter()
         self._mark_ns = time.perf_counter_ns()
@@ -328,8 +342,16 @@ class Hook:
         return "; ".join(parts)
 
     def _step_usage(self) -> tuple[int, int, int] | None:
-        """The training thread's counters; None on another thread (a close at SIGTERM)."""
-        return _usage(self._wait) if threading.get_ident() == self._training_thread else None
+        """The training thread's counters, from any thread (a close at SIGTERM, or from the harness of
+        a hung job, runs on another: its last block once got no CPU time nor run-queue wait, and
+        its own time read 1.4x its peers' for want of the wait); None on another thread where the
+        training thread's CPU clock cannot be read."""
+        if self._cpu_clock is None and threading.get_ident() != self._training_thread:
+            return None
+        try:
+            return _usage(self._wait, self._cpu_clock)
+        except OSError:  # the training thread has ended
+            return None
 
     def _flush_steps(self) -> None:
         if rows := self._blocks.take():

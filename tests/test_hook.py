@@ -155,6 +155,29 @@ def test_a_blocks_cpu_time_is_its_steps_own_read_once_per_block() -> None:
     assert max(cpu[0], cpu[2], cpu[3]) < 10_000, cpu
 
 
+def test_a_close_from_another_thread_still_counts_the_last_blocks_cpu_time() -> None:
+    """A SIGTERM handler, or the harness of a hung job, closes the hook on another thread than the
+    training thread: the last block still gets the training thread's CPU time (it once got none,
+    and no run-queue wait either, which read as more own time than its peers')."""
+    sink = _ListSink()
+    hook = Hook(
+        Config(window_s=0, heartbeat_s=60, step_block_s=60),
+        Identity(rank=0, local_rank=0, world_size=1, host="h"),
+        sink,
+    )
+    for _ in range(4):
+        with hook.step():
+            end = time.thread_time() + 0.02
+            while time.thread_time() < end:
+                pass
+    closer = threading.Thread(target=hook.close, kwargs={"timeout": 30})
+    closer.start()
+    closer.join()
+    rows = [row for r in map(decode, sink.got) if isinstance(r, StepBatch) for row in r.rows]
+    assert sum(r.n_steps for r in rows) == 4
+    assert 75_000 <= sum(r.cpu_us for r in rows) <= 120_000, rows
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/thread-self/schedstat"), reason="no schedstat")
 def test_a_threads_run_queue_wait_is_read_from_another_thread_and_grows_only_while_it_queues() -> None:
     """CPU hogs in other processes (more than there are cores) make a spinning thread queue for a
