@@ -94,6 +94,15 @@ def _map_check(value_check: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return check
 
 
+def _pair_check(item_check: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    def check(v: Any) -> Any:
+        if not isinstance(v, (tuple, list)) or len(v) != 2:
+            raise ValueError("must be a pair")
+        return item_check(v[0]), item_check(v[1])
+
+    return check
+
+
 _Int64 = _int_check(-(1 << 63), 1 << 63)
 _CHECKS: dict[str, Callable[[Any], Any]] = {
     "UInt8": _int_check(0, 1 << 8),
@@ -105,6 +114,7 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     "LowCardinality(String)": _str,
     "Map(String, Int64)": _map_check(_Int64),
     "Map(String, Float64)": _map_check(_float),
+    "Map(String, Tuple(Int64, Int64))": _map_check(_pair_check(_Int64)),
 }
 _TABLE_CHECKS = {
     t.name: tuple(zip(t.column_names, (_CHECKS[type_] for type_ in t.column_types), strict=True))

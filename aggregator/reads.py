@@ -227,10 +227,10 @@ class Reads:
         """Per heartbeat of ``job`` (from ``since_us`` on, if given) and network link of its rank, the
         sends since the rank's previous heartbeat: ``rank, time_us, link, nbytes, send_us``."""
         sql = (
-            "SELECT rank, time_us, link, b, u FROM (SELECT rank, time_us, any(sent_bytes) AS sb, "
-            f"any(send_us) AS su FROM {self._t(HEARTBEATS)} WHERE job = {{job:String}} "
-            "AND time_us >= {since:Int64} AND notEmpty(sent_bytes) GROUP BY rank, time_us) "
-            "ARRAY JOIN mapKeys(sb) AS link, mapValues(sb) AS b, mapValues(su) AS u ORDER BY time_us, rank, link"
+            "SELECT rank, time_us, link, tupleElement(v, 1) AS b, tupleElement(v, 2) AS u FROM (SELECT rank, "
+            f"time_us, any(sends) AS s FROM {self._t(HEARTBEATS)} WHERE job = {{job:String}} "
+            "AND time_us >= {since:Int64} AND notEmpty(sends) GROUP BY rank, time_us) "
+            "ARRAY JOIN mapKeys(s) AS link, mapValues(s) AS v ORDER BY time_us, rank, link"
         )
         df = self._frame(sql, {"job": job, "since": since_us or 0}, ("rank", "time_us", "link", "b", "u"))
         return df.rename(columns={"b": "nbytes", "u": "send_us"})  # an alias may not shadow a column

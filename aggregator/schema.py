@@ -142,8 +142,7 @@ HEARTBEATS = Table(
         ("gpu_util", "Float64"),  # schema 3
         ("gpu_mem_mb", "Float64"),
         ("samples", "Map(String, Int64)"),  # schema 6
-        ("sent_bytes", "Map(String, Int64)"),  # schema 7
-        ("send_us", "Map(String, Int64)"),
+        ("sends", "Map(String, Tuple(Int64, Int64))"),  # schema 7
     ),
     order_by=("job", "rank", "time_us"),
 )
@@ -455,12 +454,7 @@ _TO_3 = {
 _TO_4 = {"ranks": ["ADD COLUMN IF NOT EXISTS `coverage` String DEFAULT '' AFTER `device`"]}
 _TO_5 = {"steps": ["ADD COLUMN IF NOT EXISTS `wait_us` Int64 DEFAULT 0"]}
 _TO_6 = {"heartbeats": ["ADD COLUMN IF NOT EXISTS `samples` Map(String, Int64)"]}
-_TO_7 = {
-    "heartbeats": [
-        "ADD COLUMN IF NOT EXISTS `sent_bytes` Map(String, Int64)",
-        "ADD COLUMN IF NOT EXISTS `send_us` Map(String, Int64)",
-    ]
-}
+_TO_7 = {"heartbeats": ["ADD COLUMN IF NOT EXISTS `sends` Map(String, Tuple(Int64, Int64))"]}
 
 
 def _then(*steps: dict[str, list[str]]) -> dict[str, list[str]]:

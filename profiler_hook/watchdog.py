@@ -122,7 +122,6 @@ class Watchdog:
         age = (now - last) / 1e9
         call = self._tracker.oldest_inflight()
         stalled = age >= self._stall_s
-        sends = self.links.read()
         return self._make(
             step=step,
             progress_age_s=round(age, 3),
@@ -133,8 +132,7 @@ class Watchdog:
             last_seq=dict(self._tracker.last_seq),
             stack=main_stack(self._main) if stalled else "",
             samples=self.sampler.take(),
-            sent_bytes={link: nbytes for link, (nbytes, _) in sends.items()},
-            send_us={link: us for link, (_, us) in sends.items()},
+            sends=self.links.read(),
         )
 
     def _run(self) -> None:

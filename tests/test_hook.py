@@ -75,6 +75,11 @@ def test_records_round_trip_and_bad_values_say_why() -> None:
     assert decode(encode(hb)[1]) == hb
     sampled = dataclasses.replace(hb, samples={"train.py(40): load": 9, "": 1})
     assert decode(encode(sampled)[1]) == sampled
+    sending = dataclasses.replace(hb, sends={"10.0.0.1>10.0.0.2": (4 << 20, 9_000)})
+    assert decode(encode(sending)[1]) == sending
+    for bad in ("[1]", "[1, -2]", '"x"', "[1, 2.5]"):
+        with pytest.raises(RecordError, match=r"'sends' must be dict\[str, tuple\[int, int\]\]"):
+            decode(encode(hb)[1][:-1] + b',"sends":{"a>b":' + bad.encode() + b"}}")
     cases = {
         b"{": "not JSON",
         b'{"v": 99, "type": "steps"}': "unknown schema version",
@@ -944,7 +949,7 @@ def test_heartbeats_carry_each_links_sends_from_a_real_bulk_transfer_and_not_idl
     try:
         assert not tcp_counters()  # loopback connections never touch a NIC: left out by default
         hook.watchdog.links = LinkMeter(loopback=True)  # here they stand for a NIC's
-        assert hook.watchdog.beat().sent_bytes == {}  # nothing to compare with yet
+        assert hook.watchdog.beat().sends == {}  # nothing to compare with yet
         send(32 << 20)
         beat = hook.watchdog.beat()
         quiet = hook.watchdog.beat()
@@ -952,10 +957,10 @@ def test_heartbeats_carry_each_links_sends_from_a_real_bulk_transfer_and_not_idl
         close()
         hook.close(timeout=30)
     # One link, host > peer: the bulk connection's bytes (the idle one's few left out) and its time.
-    assert list(beat.sent_bytes) == list(beat.send_us) == ["127.0.0.1>127.0.0.1"], beat
-    assert 32 << 20 <= beat.sent_bytes["127.0.0.1>127.0.0.1"] < (32 << 20) + MIN_BYTES
-    assert beat.send_us["127.0.0.1>127.0.0.1"] > 0
-    assert quiet.sent_bytes == quiet.send_us == {}  # nothing sent since
+    assert list(beat.sends) == ["127.0.0.1>127.0.0.1"], beat
+    nbytes, us = beat.sends["127.0.0.1>127.0.0.1"]
+    assert 32 << 20 <= nbytes < (32 << 20) + MIN_BYTES and us > 0
+    assert quiet.sends == {}  # nothing sent since
 
 
 def test_a_process_with_many_descriptors_reads_its_bulk_connections_between_full_scans(

@@ -162,11 +162,10 @@ class Heartbeat(_Base):
     samples: dict[str, int] = field(default_factory=dict)
     """Since the previous heartbeat, every 0.5 s: the innermost function of the job's own code the
     training thread was in (named as the profiler names Python functions; ``""``: none) → samples."""
-    sent_bytes: dict[str, int] = field(default_factory=dict)
-    send_us: dict[str, int] = field(default_factory=dict)
+    sends: dict[str, tuple[int, int]] = field(default_factory=dict)
     """Since the previous heartbeat, per network link ``"<local IP>><peer IP>"`` of the rank's bulk
-    TCP connections: the bytes the peer acknowledged, and the µs the kernel spent sending them
-    (``TCP_INFO`` busy time less the time the receiver's window held it back)."""
+    TCP connections: (bytes the peer acknowledged, µs the kernel spent sending them: ``TCP_INFO``
+    busy time less the time the receiver's window held it back)."""
     dropped: int = 0
     """Records this rank dropped so far because its queue or transport was full."""
     gpu_util: float = -1.0
@@ -286,6 +285,12 @@ def _str(v: Any) -> str:
     return v
 
 
+def _pair(v: Any) -> tuple[int, int]:
+    if type(v) not in (list, tuple) or len(v) != 2:  # a list from JSON, a tuple from the hook
+        raise ValueError("a pair")
+    return _int(v[0], 0), _int(v[1], 0)
+
+
 def _map(check: Callable[[Any], Any], what: str) -> Callable[[Any], Any]:
     def checked(v: Any) -> Any:
         if type(v) is not dict:
@@ -304,6 +309,7 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     "str": _str,
     "dict[str, float]": _map(_float, "dict[str, float] of finite floats"),
     "dict[str, int]": _map(_int, "dict[str, int] of Int64 integers"),
+    "dict[str, tuple[int, int]]": _map(_pair, "dict[str, tuple[int, int]] of pairs of Int64 integers >= 0"),
 }
 
 
