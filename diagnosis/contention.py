@@ -43,6 +43,9 @@ class ContentionSettings:
     persistence: float = 0.5
     """A contended rank must stand out in at least this fraction of the windows since the first
     in which it did (contention starts when the intruder does), and in two at least."""
+    waited_for: float = 1.1
+    """A contended rank that is no straggler is left out when a straggler's collective wait per step
+    is under its own by this factor: the job waits for that straggler, not for it."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -56,6 +59,8 @@ class Contended:
     ratio: float
     windows_flagged: int
     windows: int
+    since_step: int = 0
+    """The first step of the first window it stood out in."""
 
     @property
     def step_share(self) -> float:
@@ -133,6 +138,7 @@ def _persistent(f: pd.DataFrame, s: ContentionSettings) -> list[Contended]:
     per = f.groupby("rank").agg(
         flagged=("slow", "sum"),
         windows=("slow", "size"),
+        since=("window", "min"),
         w=("w", "median"),
         peer=("peer", "median"),
         ratio=("ratio", "median"),
@@ -152,6 +158,7 @@ def _persistent(f: pd.DataFrame, s: ContentionSettings) -> list[Contended]:
                 ratio=float(r["ratio"]),
                 windows_flagged=int(r["flagged"]),
                 windows=windows,
+                since_step=int(r["since"]),
             )
         )
     return out

@@ -536,6 +536,17 @@ def test_a_rank_whose_threads_queue_for_the_cpu_is_named_though_it_works_no_long
     assert (f.cause, f.ranks) == ("dataloader", [5])
 
 
+def test_threads_that_queue_on_a_rank_the_job_does_not_wait_for_are_no_finding() -> None:
+    """Every rank waits for rank 1's slower device; rank 5's threads queue 4 ms a step for a CPU
+    (shared cores), but it waits in the collectives as long as the others: it holds no one back."""
+    data = synthetic(slow={1: {"compute_us": 1500}})
+    f = only(diagnose(replace(data, functions=sched_windows({5: 4.0}))).findings)
+    assert (f.cause, f.ranks) == ("compute", [1])
+    # With no straggler to wait for, the same queueing is what the job waits for.
+    f = only(diagnose(replace(synthetic(), functions=sched_windows({5: 4.0}))).findings)
+    assert (f.cause, f.ranks) == ("host_contention", [5])
+
+
 def test_both_ranks_of_a_contended_host_of_two_are_named_though_they_lift_the_median() -> None:
     """Two of four ranks contended (one host of two): the median of all four sits between them and
     the others, so one of them stands out by less than ``min_ratio``; measured against the ranks
