@@ -154,6 +154,18 @@ class RecentJob:
             store.stack_samples(self.job, since_us=since),
             store.link_sends(self.job, since_us=since),
         )
+
+        def held(steps: pd.DataFrame, fns: pd.DataFrame) -> JobData:
+            return JobData(
+                job=self.job,
+                ranks=ranks,
+                steps=steps,
+                functions=fns,
+                heartbeats=beats,
+                samples=samples,
+                links=links,
+            )
+
         old = self.data
         if old is not None and ranks.equals(old.ranks):
             new_steps = store.steps(self.job, after_us=self._start_us.tolist())
@@ -168,27 +180,11 @@ class RecentJob:
                     if not fns.empty and not steps.empty:
                         fns = _keep(fns, fns["step_hi"].to_numpy() >= int(steps["step"].min()))
                     self._trimmed_us = since
-                self.data = JobData(
-                    job=self.job,
-                    ranks=ranks,
-                    steps=steps,
-                    functions=fns,
-                    heartbeats=beats,
-                    samples=samples,
-                    links=links,
-                )
+                self.data = held(steps, fns)
                 self._mark(new_steps, new_fns)
                 return self.data
         steps, fns = store.steps(self.job, since_us=since), store.functions(self.job, since_us=since)
-        self.data = JobData(
-            job=self.job,
-            ranks=ranks,
-            steps=steps,
-            functions=fns,
-            heartbeats=beats,
-            samples=samples,
-            links=links,
-        )
+        self.data = held(steps, fns)
         self._start_us, self._last_step = np.zeros(0, dtype=np.int64), np.full(0, -1, dtype=np.int64)
         self._next_window = np.zeros(0, dtype=np.int64)
         self._trimmed_us = since
