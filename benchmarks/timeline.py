@@ -5,7 +5,8 @@ would have reported it. :class:`Timeline` holds everything stored about a job wi
 piece arrived, and :meth:`Timeline.at` cuts it at a moment: step rows count from the time their
 batch left the rank (the ``steps`` record's ``time_us``, read from the spool: the store keeps only
 the rows), window summaries from their record time, and each rank's latest heartbeat is its latest
-one sent by then; the stack samples and link sends are those of the heartbeats sent by then. Aggregator latency (ingest passes, ClickHouse inserts) is not included.
+one sent by then; the stack samples and link sends are those of the heartbeats sent by then.
+Aggregator latency (ingest passes, ClickHouse inserts) is not included.
 """
 
 from __future__ import annotations

@@ -97,7 +97,6 @@ class Hook:
         self._data_ns = 0
         self._prof: Any = None
         self._window: tuple[int, int, int, int] | None = None
-        """TCP send counters at the window's start."""
         self._waits: Waits = {}
         """The threads' CPU wait at the window's start."""
         self._summarizers: list[threading.Thread] = []

@@ -50,11 +50,13 @@ def tcp_counters(loopback: bool = False, fds: Iterable[int] | None = None) -> Co
     """
     out: Counters = {}
     tcp_info: int = getattr(socket, "TCP_INFO", -1)  # Linux only
+    if tcp_info < 0:
+        return out
     try:
         names = [str(fd) for fd in fds] if fds is not None else os.listdir("/proc/self/fd")
     except OSError:
         return out
-    for name in names if tcp_info >= 0 else []:
+    for name in names:
         try:
             if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
                 continue
@@ -108,11 +110,12 @@ class LinkMeter:
         time): which links are slow, and which endpoint they share, names the NIC. Time per byte is
         what tells a slow link, so a connection read less often (see ``MAX_SCAN``) still counts."""
         try:
-            full = len(os.listdir("/proc/self/fd")) <= MAX_SCAN or self._reads % RESCAN < 2
+            names = os.listdir("/proc/self/fd")
         except OSError:
             return {}
+        full = len(names) <= MAX_SCAN or self._reads % RESCAN < 2
         self._reads += 1
-        now = tcp_counters(self._loopback, None if full else self._bulk)
+        now = tcp_counters(self._loopback, [int(n) for n in names] if full else self._bulk)
         deltas = list(_deltas(self._last, now))
         self._bulk = [key[0] for key, nbytes, _ in deltas if nbytes >= MIN_BYTES]
         self._last = now if full else {**self._last, **now}  # full: closed connections go
