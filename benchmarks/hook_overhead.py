@@ -1,34 +1,42 @@
 """Hook overhead at the defaults a user gets: an in-run A/B inside a real multi-rank DDP job.
 
-    python -m benchmarks.hook_overhead [--pairs 6] [--block-s 10] [--json PATH] [--hook KEY=VALUE ...]
+    python -m benchmarks.hook_overhead [--pairs 60] [--block-s 2] [--width 2048] [--loops ddp,manual]
+                                       [--volume-s 60] [--json PATH] [--hook KEY=VALUE ...]
 
-Each loop shape runs as one 2-rank gloo job on this machine's cores. The job alternates blocks of
-``--block-s`` seconds (the same step counts on every rank) with the hook working and paused; the
-order within a pair alternates so that drift hits both alike.
+Each loop shape runs as one 2-rank gloo job on this machine's cores, each rank on its own core
+where there are enough (the hook's threads then share their rank's core: the worst case for the
+hook). The job alternates blocks of ``--block-s`` seconds (the same step counts on every rank) with
+the hook working and paused (``hook.pause()``); the order within a pair alternates so that drift
+hits both alike. Both arms train the same model: two copies differ in speed by their memory layout
+alone (measured: 2% between two DDP copies of one model, hook off in both), more than the hook.
 
-- ``ddp``: ``DistributedDataParallel``. Working blocks train a DDP model built after
-  ``profiler_hook.attach`` (its synchronization is counted and timed); paused blocks train an
-  identical DDP model built before it, which the hook never touches, so the A/B includes the cost
-  of seeing DDP's collectives.
+- ``ddp``: ``DistributedDataParallel`` built after ``profiler_hook.attach``, so its synchronization
+  is counted and timed in the working blocks; paused, its two gradient hooks return at once.
 - ``manual``: the hand-written all-reduce loop, for comparison with earlier measurements.
 
+The model is an MLP of ``--width`` (2048: ~36 ms steps on one core here, in the range of the small
+jobs users run; 512 gives ~4 ms steps, whose jitter on shared cores is too large to resolve 0.5%).
 What is counted is the whole training time per step as the loop measures it, windows, the
-summarizing thread and the shipper included. ``overhead_pct`` is the ratio of the total time per
-step working vs. paused, over all pairs (windows come every ``window_s`` of working time, as they
-would); ``median_pair_pct`` is the median over pairs of each pair's ratio, which leaves out the
-windows of the pairs that had none. ``step_us`` (the always-on work per step) and ``window_ms``
-(one window) are measured alone in one process; the volume figures come from what the job shipped.
+summarizing thread and the shipper included; heartbeats (every 5 s) go on in paused blocks too.
+``overhead_pct`` is the ratio of the total time per step working vs. paused, over all pairs
+(windows come every ``window_s`` of working time, as they would), with ``ci95_pct`` its 95%
+bootstrap interval over pairs; ``median_pair_pct`` is the median over pairs of each pair's ratio,
+which leaves out the windows of the pairs that had none. ``step_us`` (the always-on work per step)
+and ``window_ms`` (one window) are measured alone in one process. The volume figures come from
+``--volume-s`` seconds of uninterrupted training after the pairs (each pause closes a step row
+early, so the alternating blocks ship more rows than a job does).
 
 ``--hook KEY=VALUE`` (repeatable) sets a hook option away from its default, to find where the cost
-is (``--hook window_s=0``: no windows); the figures to report are those at the defaults.
+is (``--hook window_s=0``: no windows; ``--hook enable=false``: an A/A run); the figures to report
+are those at the defaults.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
+import random
 import statistics
 import tempfile
 import time
@@ -45,18 +53,18 @@ from wire.records import decode
 WORLD = 2
 
 
-def _model() -> Any:
+def _model(width: int) -> Any:
     import torch
 
     torch.manual_seed(0)
     return torch.nn.Sequential(
-        torch.nn.Linear(128, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512), torch.nn.ReLU(),
-        torch.nn.Linear(512, 10),
+        torch.nn.Linear(128, width), torch.nn.ReLU(), torch.nn.Linear(width, width), torch.nn.ReLU(),
+        torch.nn.Linear(width, 10),
     )  # fmt: skip
 
 
 def _worker(
-    rank: int, loop: str, port: int, pairs: int, block_s: float, spool: str, out: str, options: dict
+    rank: int, loop: str, port: int, args: argparse.Namespace, spool: str, out: str, options: dict
 ) -> None:
     import torch
     import torch.distributed as dist
@@ -65,61 +73,101 @@ def _worker(
     import profiler_hook
 
     torch.set_num_threads(1)
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) >= WORLD:
+        os.sched_setaffinity(0, {cores[rank]})
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    base = _model()
-    models = {"off": DDP(copy.deepcopy(base)) if loop == "ddp" else base}
     hook = profiler_hook.attach(
         job=f"overhead-{loop}", spool_dir=spool, rank=rank, world_size=WORLD, **options
     )
-    models["on"] = DDP(copy.deepcopy(base)) if loop == "ddp" else base
-    opts = {k: torch.optim.SGD(m.parameters(), lr=0.01) for k, m in models.items()}
+    model = DDP(_model(args.width)) if loop == "ddp" else _model(args.width)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(rank)
     data = [(torch.randn(64, 128, generator=g), torch.randint(0, 10, (64,), generator=g)) for _ in range(16)]
 
-    def step(mode: str, i: int) -> None:
+    def step(i: int) -> None:
         x, y = data[i % len(data)]
-        model, opt = models[mode], opts[mode]
         loss = torch.nn.functional.cross_entropy(model(x), y)
         opt.zero_grad()
         loss.backward()
         if loop == "manual":
-            flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+            flat = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
             dist.all_reduce(flat)
             flat /= WORLD
         opt.step()
+
+    traces: list[list[tuple[float, bool]]] = []
 
     def block(mode: str, n: int) -> float:
         if mode == "on":
             hook.resume()
         else:
             hook.pause()
+        trace: list[tuple[float, bool]] = []  # per step: its time, and whether a window was busy
         t0 = time.perf_counter()
         for i in range(n):
+            t = time.perf_counter()
             if mode == "on":
                 with hook.step():
-                    step(mode, i)
+                    step(i)
             else:
-                step(mode, i)
-        return time.perf_counter() - t0
+                step(i)
+            trace.append(
+                (
+                    time.perf_counter() - t,
+                    hook._prof is not None or any(t.is_alive() for t in hook._summarizers),
+                )
+            )
+        took = time.perf_counter() - t0
+        if mode == "on":
+            traces.append(trace)
+        return took
 
     block("on", 30)
     block("off", 30)
     per_step = torch.tensor([block("off", 100) / 100])
     dist.all_reduce(per_step, op=dist.ReduceOp.MAX)  # every rank runs the same block lengths
-    n = max(20, round(block_s / float(per_step)))
+    n = max(20, round(args.block_s / float(per_step)))
     rows = []
-    for p in range(pairs):
+    for p in range(args.pairs):
         order = ("on", "off") if p % 2 == 0 else ("off", "on")
         times = {mode: block(mode, n) for mode in order}
         rows.append({"on_s": times["on"], "off_s": times["off"], "steps": n})
-    hook.resume()
+    tail = [time.time()]  # the volume: uninterrupted training, as a job runs
+    block("on", max(1, round(args.volume_s / float(per_step))))
+    tail.append(time.time())
     hook.close()
     dist.destroy_process_group()
-    Path(out, f"rank{rank}.json").write_text(json.dumps({"rows": rows, "dropped": hook.shipper.dropped}))
+    Path(out, f"rank{rank}.json").write_text(
+        json.dumps(
+            {"rows": rows, "tail": tail, "windows": _window_costs(traces), "dropped": hook.shipper.dropped}
+        )
+    )
 
 
-def in_run(loop: str, pairs: int, block_s: float, options: dict | None = None) -> dict[str, Any]:
+def _window_costs(traces: list[list[tuple[float, bool]]]) -> list[float]:
+    """What each window cost the training loop (seconds): the steps it was busy (profiling, then
+    summarizing on its thread) and the two after, less the median step of its block without one."""
+    costs = []
+    for trace in traces:
+        quiet = [dt for dt, busy in trace if not busy]
+        if not quiet:
+            continue
+        typical, k = statistics.median(quiet), 0
+        while k < len(trace):
+            if not trace[k][1]:
+                k += 1
+                continue
+            end = k
+            while end < len(trace) and trace[end][1]:
+                end += 1
+            costs.append(sum(dt - typical for dt, _ in trace[k : end + 2]))
+            k = end
+    return costs
+
+
+def in_run(loop: str, args: argparse.Namespace, options: dict) -> dict[str, Any]:
     """One job of ``loop`` with alternating blocks; the ratios and the volume it shipped."""
     import torch.multiprocessing as mp
 
@@ -128,57 +176,70 @@ def in_run(loop: str, pairs: int, block_s: float, options: dict | None = None) -
         os.makedirs(out)
         mp.start_processes(
             _worker,
-            args=(loop, free_port(), pairs, block_s, spool, out, options or {}),
+            args=(loop, free_port(), args, spool, out, options),
             nprocs=WORLD,
             start_method="spawn",
         )
         ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(WORLD)]
-        rows0 = ranks[0]["rows"]
-        volume = _volume(
-            Path(spool), sum(r["on_s"] for r in rows0), sum(r["on_s"] + r["off_s"] for r in rows0)
-        )
+        volume = _volume(Path(spool), ranks[0]["tail"])
     # The job runs at its slowest rank's pace: per pair, the slowest rank's block times.
+    pairs = args.pairs
     on = [max(r["rows"][i]["on_s"] for r in ranks) for i in range(pairs)]
     off = [max(r["rows"][i]["off_s"] for r in ranks) for i in range(pairs)]
     steps = ranks[0]["rows"][0]["steps"]
     return {
         "loop": loop,
+        "width": args.width,
         "pairs": pairs,
         "steps_per_block": steps,
         "off_ms_per_step": round(1e3 * sum(off) / (pairs * steps), 3),
         "on_ms_per_step": round(1e3 * sum(on) / (pairs * steps), 3),
         "overhead_pct": round((sum(on) / sum(off) - 1) * 100, 3),
+        "ci95_pct": _bootstrap(on, off),
         "median_pair_pct": round(
             (statistics.median(a / b for a, b in zip(on, off, strict=True)) - 1) * 100, 3
         ),
         "pair_pct": [round((a / b - 1) * 100, 2) for a, b in zip(on, off, strict=True)],
         "dropped": sum(r["dropped"] for r in ranks),
+        "window_job_ms": round(1e3 * statistics.median(w), 1)
+        if (w := [c for r in ranks for c in r["windows"]])
+        else 0.0,
         **volume,
     }
 
 
-def _volume(spool: Path, on_s: float, wall_s: float) -> dict[str, float]:
-    """Bytes one rank shipped: always-on records per minute (step rows per minute of working time,
-    heartbeats per minute of wall time: they beat paused or not), and per window."""
-    steps: dict[int, int] = defaultdict(int)
-    beats: dict[int, int] = defaultdict(int)
+def _bootstrap(on: list[float], off: list[float], n: int = 2000) -> list[float]:
+    """The 95% interval of the overall ratio (in %), resampling pairs."""
+    rng, idx = random.Random(0), range(len(on))
+    ratios = sorted(
+        (sum(on[i] for i in s) / sum(off[i] for i in s) - 1) * 100
+        for s in (rng.choices(idx, k=len(on)) for _ in range(n))
+    )
+    return [round(ratios[int(0.025 * n)], 2), round(ratios[int(0.975 * n)], 2)]
+
+
+def _volume(spool: Path, tail: list[float]) -> dict[str, float]:
+    """Bytes one rank shipped: always-on records (step rows, heartbeats) per minute of the
+    uninterrupted ``tail`` (its start and end, epoch seconds), and per window over the run."""
+    always: dict[int, int] = defaultdict(int)
     windows: list[int] = []
+    start_us, end_us = (int(t * 1e6) for t in tail)
     for f in spool.rglob("*.jsonl"):
         for line in f.read_bytes().splitlines():
             rec = decode(line)
             if rec.TYPE == "window":
                 windows.append(len(line) + 1)
-            else:
-                (steps if rec.TYPE == "steps" else beats)[rec.rank] += len(line) + 1
-    per_min = {r: steps[r] / (on_s / 60) + beats[r] / (wall_s / 60) for r in steps.keys() | beats.keys()}
+            elif rec.TYPE in ("steps", "heartbeat") and start_us <= rec.time_us <= end_us:
+                always[rec.rank] += len(line) + 1
+    minutes = (end_us - start_us) / 60e6
     return {
-        "always_on_kb_per_min": round(max(per_min.values(), default=0) / 1e3, 1),
+        "always_on_kb_per_min": round(max(always.values(), default=0) / minutes / 1e3, 1),
         "window_kb": round(max(windows) / 1e3, 1) if windows else 0.0,
         "windows": len(windows) // WORLD,
     }
 
 
-def components(reps: int = 5) -> dict[str, float]:
+def components(width: int, reps: int = 5) -> dict[str, float]:
     """The hook's two costs measured alone, in one process.
 
     ``step_us``: the always-on work of one step (begin/end, a data fetch, one tracked collective).
@@ -203,7 +264,7 @@ def components(reps: int = 5) -> dict[str, float]:
     hook.close()
 
     torch.set_num_threads(1)
-    model = _model()
+    model = _model(width)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = torch.randn(64, 128), torch.randint(0, 10, (64,))
 
@@ -222,7 +283,7 @@ def components(reps: int = 5) -> dict[str, float]:
             train_step()
         plain = time.perf_counter() - t0
         t0 = time.perf_counter()
-        prof = profile(activities=[ProfilerActivity.CPU], with_stack=cfg.with_stack)
+        prof: Any = profile(activities=[ProfilerActivity.CPU], with_stack=cfg.with_stack)
         prof.start()
         for _ in range(steps):
             train_step()
@@ -234,9 +295,13 @@ def components(reps: int = 5) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--pairs", type=int, default=6, help="block pairs per loop shape (default 6)")
-    p.add_argument("--block-s", type=float, default=10.0, help="seconds per block (default 10)")
+    p.add_argument("--pairs", type=int, default=60, help="block pairs per loop shape (default 60)")
+    p.add_argument("--block-s", type=float, default=2.0, help="seconds per block (default 2)")
+    p.add_argument("--width", type=int, default=2048, help="the model's hidden width (default 2048)")
     p.add_argument("--loops", default="ddp,manual", help="loop shapes, comma-separated")
+    p.add_argument(
+        "--volume-s", type=float, default=60.0, help="seconds of uninterrupted training for the volume"
+    )
     p.add_argument("--json", help="write the results here")
     p.add_argument(
         "--hook", action="append", default=[], metavar="KEY=VALUE", help="a hook option off its default"
@@ -244,8 +309,8 @@ def main(argv: list[str] | None = None) -> dict:
     a = p.parse_args(argv)
     options = dict(_option(o) for o in a.hook)
     t0 = time.perf_counter()
-    rows = [in_run(loop, a.pairs, a.block_s, options) for loop in a.loops.split(",")]
-    parts = components()
+    rows = [in_run(loop, a, options) for loop in a.loops.split(",")]
+    parts = components(a.width)
     cfg = Config(**options)
     result = {
         "benchmark": "hook_overhead",
@@ -257,8 +322,8 @@ def main(argv: list[str] | None = None) -> dict:
         "rows": rows,
         "seconds": round(time.perf_counter() - t0, 1),
     }
-    cols = ["loop", "off_ms_per_step", "on_ms_per_step", "overhead_pct", "median_pair_pct", "pairs",
-            "windows", "always_on_kb_per_min", "window_kb", "dropped"]  # fmt: skip
+    cols = ["loop", "off_ms_per_step", "on_ms_per_step", "overhead_pct", "ci95_pct", "median_pair_pct", "pairs",
+            "windows", "window_job_ms", "always_on_kb_per_min", "window_kb", "dropped"]  # fmt: skip
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for r in rows:

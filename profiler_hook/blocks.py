@@ -42,7 +42,10 @@ class StepBlocks:
         """Steps per block now: a power of two."""
         self.rows: list[StepRow] = []
         self._open: list[int] | None = None
-        """step, start_us, dur, data, comm, n_coll, first-collective sum and count, n, comm_wait."""
+        """step, start_us, dur, data, comm, n_coll, first-collective sum and count, n, comm_wait,
+        waited_comm."""
+        self._wait_share = 0.0
+        """Run-queue wait per µs of collective time, in the last block that read any."""
 
     def add(
         self,
@@ -54,15 +57,17 @@ class StepBlocks:
         n_coll: int,
         first_coll_us: int,
         comm_wait_us: int = 0,
+        waited_comm_us: int | None = None,
     ) -> bool:
-        """Add one finished step (``comm_wait_us``: the training thread's run-queue wait inside its
-        collectives); True if that closed a block."""
+        """Add one finished step (``comm_wait_us``: the training thread's run-queue wait inside the
+        ``waited_comm_us`` of its collective time where it was read, by default all of it); True if
+        that closed a block."""
         b = self._open
         if b is not None and step != b[0] + b[8]:
             self.close()
             b = None
         if b is None:
-            b = self._open = [step, start_us, 0, 0, 0, 0, 0, 0, 0, 0]
+            b = self._open = [step, start_us, 0, 0, 0, 0, 0, 0, 0, 0, 0]
         b[2] += dur_us
         b[3] += data_us
         b[4] += comm_us
@@ -72,6 +77,7 @@ class StepBlocks:
             b[7] += 1
         b[8] += 1
         b[9] += comm_wait_us
+        b[10] += comm_us if waited_comm_us is None else waited_comm_us
         if (step + 1) % self.length == 0 or b[2] >= 2e6 * self.block_s:
             self.close()
             return True
@@ -82,8 +88,12 @@ class StepBlocks:
         b, self._open = self._open, None
         if b is None:
             return
-        step, start, dur, data, comm, n_coll, first_sum, first_n, n, comm_wait = b
+        step, start, dur, data, comm, n_coll, first_sum, first_n, n, comm_wait, waited = b
         first = first_sum // first_n if first_n else -1
+        if waited > 0:
+            self._wait_share = comm_wait / waited
+        if waited < comm:  # the collectives whose wait was not read waited at the same share
+            comm_wait = round(comm * self._wait_share)
         base = self._base
         cpu, nivcsw, wait = self._base = self._usage() or base
         self.rows.append(

@@ -24,6 +24,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+WAIT_EVERY_NS = 100_000_000
+"""The training thread's run-queue wait is read at the collectives of one step in every 100 ms
+(every step, where steps take longer). A read is one ``pread`` of the kernel's schedstat: ~1.5 µs
+in a loop, but ~17 µs in a training step, whose tensors have left the caches cold; two a step were
+a third of the hook's per-step time in a 2-rank DDP job at 36 ms a step. A block of steps counts
+the wait of the collectives it did not read at the share of their time the read ones waited."""
+
 COLLECTIVES = (
     "all_reduce",
     "broadcast",
@@ -55,7 +62,8 @@ class CollectiveCall:
     blocking: bool = True
     """The calling thread waited inside the call (False: ``async_op=True``, waited on later)."""
     enter_wait_ns: int = 0
-    """The training thread's run-queue wait so far when it was issued..."""
+    """The training thread's run-queue wait so far when it was issued (-1: not read, see
+    ``WAIT_EVERY_NS``)..."""
     wait_ns: int = 0
     """...and how much it grew until the call completed: the part of ``dur_ns`` the training
     thread spent waiting for a CPU (counted in the step's collective time, not in its own)."""
@@ -119,6 +127,11 @@ class CollectiveTracker:
     step_first_enter_ns: int = -1
     step_last_async: CollectiveCall | None = None
     step_comm_wait_ns: int = 0
+    step_waited_comm_ns: int = 0
+    """The part of the step's collective time whose run-queue wait was read."""
+    read_wait: bool = True
+    """This step's collectives read the run-queue wait (see ``WAIT_EVERY_NS``)."""
+    _next_wait_read_ns: int = 0
     thread_wait: Callable[[], int] = lambda: 0
     """The training thread's run-queue wait so far, ns (``schedstat.ThreadWait``)."""
     # Calls recorded while a profiling window is open.
@@ -133,7 +146,13 @@ class CollectiveTracker:
             seq = self.last_seq.get(group, 0) + 1
             self.last_seq[group] = seq
         call = CollectiveCall(
-            group, op, seq, nbytes, now, blocking=blocking, enter_wait_ns=self.thread_wait()
+            group,
+            op,
+            seq,
+            nbytes,
+            now,
+            blocking=blocking,
+            enter_wait_ns=self.thread_wait() if self.read_wait else -1,
         )
         if blocking:
             self.current = call
@@ -150,7 +169,9 @@ class CollectiveTracker:
         """The training thread starts waiting for collectives launched from C++ (DDP's buckets), the
         last numbered ``seq``; ``launched`` of them were not counted by the wrappers. It waits as in a
         blocking call, and this wait supersedes the last asynchronous call's (a user's DDP hook's)."""
-        call = CollectiveCall(group, "all_reduce", seq, nbytes, now, enter_wait_ns=self.thread_wait())
+        call = CollectiveCall(
+            group, "all_reduce", seq, nbytes, now, enter_wait_ns=self.thread_wait() if self.read_wait else -1
+        )
         self.last_seq[group] = max(self.last_seq.get(group, 0), seq)
         self.step_count += launched
         if self.step_first_enter_ns < 0:
@@ -164,12 +185,15 @@ class CollectiveTracker:
         """A call completed: a blocking one returned, or an asynchronous one's future finished."""
         now = time.perf_counter_ns()
         call.dur_ns = now - call.enter_ns
-        call.wait_ns = max(0, self.thread_wait() - call.enter_wait_ns)
+        if call.enter_wait_ns >= 0:
+            call.wait_ns = max(0, self.thread_wait() - call.enter_wait_ns)
         self.last_exit_ns = now
         if call.blocking:
             self.current = None
             self.step_comm_ns += call.dur_ns
-            self.step_comm_wait_ns += call.wait_ns
+            if call.enter_wait_ns >= 0:
+                self.step_comm_wait_ns += call.wait_ns
+                self.step_waited_comm_ns += call.dur_ns
         else:
             self.inflight.pop((call.group, call.seq), None)
         recording = self.recording  # read once: the training thread may end the window meanwhile
@@ -189,8 +213,9 @@ class CollectiveTracker:
         except RuntimeError:  # changed size while iterating: another thread completed one
             return None
 
-    def take_step(self) -> tuple[int, int, int, int]:
-        """(comm_ns, count, first_enter_ns, comm_wait_ns) since the last call, then reset.
+    def take_step(self) -> tuple[int, int, int, int, int]:
+        """(comm_ns, count, first_enter_ns, comm_wait_ns, waited_comm_ns) since the last call, then
+        reset.
 
         ``comm_ns`` is the time the rank waited in collectives: inside blocking calls, plus, for
         asynchronous ones, the last one's time from launch to completion — a DDP communication hook
@@ -198,16 +223,23 @@ class CollectiveTracker:
         of them at the end of the backward pass, so the last bucket's time is what the step waited
         (for the slowest rank, and for the transfer); the earlier buckets overlap the backward pass.
         DDP's own wait, timed by :meth:`sync`, replaces it where measured. ``comm_wait_ns`` is the
-        part of ``comm_ns`` the training thread spent waiting for a CPU.
+        part of ``waited_comm_ns``, the collective time whose wait was read (``WAIT_EVERY_NS``),
+        the training thread spent waiting for a CPU.
         """
-        comm, comm_wait = self.step_comm_ns, self.step_comm_wait_ns
+        comm, comm_wait, waited = self.step_comm_ns, self.step_comm_wait_ns, self.step_waited_comm_ns
         last = self.step_last_async
         if last is not None and last.dur_ns >= 0:
             comm += last.dur_ns
-            comm_wait += last.wait_ns
-        out = (comm, self.step_count, self.step_first_enter_ns, comm_wait)
+            if last.enter_wait_ns >= 0:
+                comm_wait += last.wait_ns
+                waited += last.dur_ns
+        out = (comm, self.step_count, self.step_first_enter_ns, comm_wait, waited)
         self.step_comm_ns, self.step_count, self.step_first_enter_ns = 0, 0, -1
-        self.step_comm_wait_ns = 0
+        self.step_comm_wait_ns = self.step_waited_comm_ns = 0
+        now = time.perf_counter_ns()
+        if self.read_wait:
+            self._next_wait_read_ns = now + WAIT_EVERY_NS
+        self.read_wait = now >= self._next_wait_read_ns
         self.step_last_async = None
         self.steps += 1
         return out

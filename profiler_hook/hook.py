@@ -189,7 +189,7 @@ class Hook:
             return
         try:
             now = time.perf_counter_ns()
-            comm_ns, n_coll, first_ns, comm_wait_ns = self.tracker.take_step()
+            comm_ns, n_coll, first_ns, comm_wait_ns, waited_ns = self.tracker.take_step()
             closed = self._blocks.add(
                 self.step_num,
                 (self._mark_ns + self._epoch_offset_ns) // 1000,
@@ -199,6 +199,7 @@ class Hook:
                 n_coll,
                 (first_ns - self._mark_ns) // 1000 if first_ns >= 0 else -1,
                 comm_wait_ns // 1000,
+                waited_ns // 1000,
             )
             self._finished = self.step_num
             self.schedule.note_step(now - self._mark_ns, now - self._mark_ns - comm_ns)

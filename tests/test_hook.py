@@ -228,13 +228,36 @@ def test_a_steps_run_queue_wait_inside_collectives_is_not_counted_as_its_own() -
     tracker.exit(call)  # read 2: 1 ms inside the call
     launched = tracker.enter("world", "all_reduce", 8, blocking=False)  # read 3
     tracker.exit(launched)  # read 4: the step's last asynchronous call counts too
-    comm_ns, n, _, comm_wait_ns = tracker.take_step()
-    assert n == 2 and comm_wait_ns == 2_000_000
+    comm_ns, n, _, comm_wait_ns, waited_ns = tracker.take_step()
+    assert n == 2 and comm_wait_ns == 2_000_000 and waited_ns == comm_ns
     usage = iter([(0, 0, 0), (0, 0, 10_000)])  # CPU µs, switches, wait µs: at the start, at the end
     blocks = StepBlocks(0.0, lambda: next(usage))
     blocks.add(0, 0, 20_000, 0, comm_ns // 1000, n, 0, comm_wait_ns // 1000)
     (row,) = blocks.take()
     assert row.wait_us == 10_000 - 2_000
+
+
+def test_the_wait_inside_collectives_is_read_once_in_100_ms_and_counted_at_that_share_between() -> None:
+    """Each read of the kernel's counter costs ~17 µs in a training step: the steps in between
+    count their collectives' wait at the share the last read ones waited."""
+    reads: list[int] = []
+
+    def wait() -> int:
+        reads.append(1)
+        return len(reads) * 1_000_000  # +1 ms of wait at every read
+
+    tracker = CollectiveTracker(thread_wait=wait)
+    tracker.exit(tracker.enter("world", "all_reduce", 8))
+    *_, comm_wait_ns, waited_ns = tracker.take_step()
+    assert len(reads) == 2 and comm_wait_ns == 1_000_000 and waited_ns > 0
+    tracker.exit(tracker.enter("world", "all_reduce", 8))  # the next step, within 100 ms: not read
+    *_, comm_wait_ns, waited_ns = tracker.take_step()
+    assert len(reads) == 2 and comm_wait_ns == waited_ns == 0
+    usage = iter([(0, 0, 0), (0, 0, 10_000), (0, 0, 20_000)])
+    blocks = StepBlocks(0.0, lambda: next(usage))  # a row per step
+    blocks.add(0, 0, 20_000, 0, 4_000, 1, 0, 1_000, 4_000)  # read: a quarter of the time waited
+    blocks.add(1, 20_000, 20_000, 0, 2_000, 1, 0, 0, 0)  # not read: counted at a quarter
+    assert [r.wait_us for r in blocks.take()] == [10_000 - 1_000, 10_000 - 500]
 
 
 def test_config_rejects_bad_settings_naming_the_field() -> None:

@@ -1,0 +1,41 @@
+"""``benchmarks.hook_overhead``: its analysis, and one short run of the real 2-rank DDP job."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import hook_overhead
+
+
+def test_a_windows_cost_is_its_busy_steps_and_the_two_after_less_the_blocks_usual_step() -> None:
+    quiet = [(0.010, False)] * 9
+    trace = [*quiet, (0.030, True), (0.020, True), (0.015, False), (0.012, False), *quiet]
+    assert hook_overhead._window_costs([trace]) == [pytest.approx(0.020 + 0.010 + 0.005 + 0.002)]
+    assert hook_overhead._window_costs([quiet]) == []
+
+
+def test_the_interval_resamples_pairs_around_the_overall_ratio() -> None:
+    on, off = [1.02, 1.00, 1.04, 0.99], [1.0, 1.0, 1.0, 1.0]
+    low, high = hook_overhead._bootstrap(on, off)
+    assert low < (sum(on) / sum(off) - 1) * 100 < high
+    assert low >= -1.0 and high <= 4.0  # within the pairs' own extremes
+
+
+@pytest.mark.timeout(240)
+def test_a_short_in_run_ab_of_a_ddp_job_reports_every_figure(tmp_path: Path) -> None:
+    out = tmp_path / "overhead.json"
+    result = hook_overhead.main(
+        ["--pairs", "2", "--block-s", "0.3", "--volume-s", "6", "--loops", "ddp", "--width", "256",
+         "--json", str(out)]
+    )  # fmt: skip
+    assert json.loads(out.read_text()) == result
+    (row,) = result["rows"]
+    assert row["loop"] == "ddp" and row["pairs"] == 2 and row["dropped"] == 0
+    assert row["off_ms_per_step"] > 0 and row["on_ms_per_step"] > 0
+    low, high = row["ci95_pct"]
+    assert low <= row["overhead_pct"] <= high
+    assert 0 < row["always_on_kb_per_min"] < 100  # step rows and heartbeats of the uninterrupted tail
+    assert result["step_us"] > 0 and result["window_ms"] > 0
