@@ -1,6 +1,6 @@
 """Hook overhead at the defaults a user gets: an in-run A/B inside a real multi-rank DDP job.
 
-    python -m benchmarks.hook_overhead [--pairs 60] [--block-s 2] [--width 2048] [--loops ddp,manual]
+    python -m benchmarks.hook_overhead [--pairs 60] [--block-s 2] [--width 3072] [--loops ddp,manual]
                                        [--volume-s 60] [--json PATH] [--hook KEY=VALUE ...]
 
 Each loop shape runs as one 2-rank gloo job on this machine's cores, each rank on its own core
@@ -14,8 +14,9 @@ alone (measured: 2% between two DDP copies of one model, hook off in both), more
   is counted and timed in the working blocks; paused, its two gradient hooks return at once.
 - ``manual``: the hand-written all-reduce loop, for comparison with earlier measurements.
 
-The model is an MLP of ``--width`` (2048: ~36 ms steps on one core here, in the range of the small
-jobs users run; 512 gives ~4 ms steps, whose jitter on shared cores is too large to resolve 0.5%).
+The model is an MLP of ``--width`` (3072: ~90 ms steps on one core here, in the 50-120 ms of the
+DDP scripts users brought to us; 2048: ~36 ms; 512: ~4 ms, where the hook's ~36 µs of CPU a step
+are ~0.9% and the steps' jitter on shared cores is too large for the A/B to resolve it).
 What is counted is the whole training time per step as the loop measures it, windows, the
 summarizing thread and the shipper included; heartbeats (every 5 s) go on in paused blocks too.
 ``overhead_pct`` is the ratio of the total time per step working vs. paused, over all pairs
@@ -297,7 +298,7 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--pairs", type=int, default=60, help="block pairs per loop shape (default 60)")
     p.add_argument("--block-s", type=float, default=2.0, help="seconds per block (default 2)")
-    p.add_argument("--width", type=int, default=2048, help="the model's hidden width (default 2048)")
+    p.add_argument("--width", type=int, default=3072, help="the model's hidden width (default 3072)")
     p.add_argument("--loops", default="ddp,manual", help="loop shapes, comma-separated")
     p.add_argument(
         "--volume-s", type=float, default=60.0, help="seconds of uninterrupted training for the volume"
