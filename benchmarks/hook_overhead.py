@@ -323,8 +323,8 @@ def main(argv: list[str] | None = None) -> dict:
         "rows": rows,
         "seconds": round(time.perf_counter() - t0, 1),
     }
-    cols = ["loop", "off_ms_per_step", "on_ms_per_step", "overhead_pct", "ci95_pct", "median_pair_pct", "pairs",
-            "windows", "window_job_ms", "always_on_kb_per_min", "window_kb", "dropped"]  # fmt: skip
+    cols = ["loop", "off_ms_per_step", "on_ms_per_step", "overhead_pct", "ci95_pct", "median_pair_pct",
+            "pairs", "windows", "window_job_ms", "always_on_kb_per_min", "window_kb", "dropped"]  # fmt: skip
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for r in rows:

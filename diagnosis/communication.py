@@ -16,10 +16,11 @@ Where a measurement names its link's endpoints (``"<local IP>><peer IP>"``: the 
 heartbeats carry per link, every few seconds; or, in records of older hooks, a window's
 ``net_send@tcp`` pattern with the pair as its ``stack``), the links are compared instead, per span
 of ``CommunicationSettings.span_s`` seconds, and the culprit is found as in network tomography: a
-slow NIC slows every link through it, in both directions, and no other. Ranks that merely send *into* the slow NIC have one slow link among
-healthy ones. So per window the slow links are found, and the smallest group of ranks — the
-ranks behind one address, a NIC, a host, a switch — whose links to the rest of the job carry most
-of their extra send time, most of its links being slow, is the culprit.
+slow NIC slows every link through it, in both directions, and no other. Ranks that merely send
+*into* the slow NIC have one slow link among healthy ones. So per window the slow links are found,
+and the smallest group of ranks — the ranks behind one address, a NIC, a host, a switch — whose
+links to the rest of the job carry most of their extra send time, most of its links being slow,
+is the culprit.
 """
 
 from __future__ import annotations

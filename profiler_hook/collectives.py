@@ -152,7 +152,7 @@ class CollectiveTracker:
             nbytes,
             now,
             blocking=blocking,
-            enter_wait_ns=self.thread_wait() if self.read_wait else -1,
+            enter_wait_ns=self._wait_mark(),
         )
         if blocking:
             self.current = call
@@ -169,9 +169,7 @@ class CollectiveTracker:
         """The training thread starts waiting for collectives launched from C++ (DDP's buckets), the
         last numbered ``seq``; ``launched`` of them were not counted by the wrappers. It waits as in a
         blocking call, and this wait supersedes the last asynchronous call's (a user's DDP hook's)."""
-        call = CollectiveCall(
-            group, "all_reduce", seq, nbytes, now, enter_wait_ns=self.thread_wait() if self.read_wait else -1
-        )
+        call = CollectiveCall(group, "all_reduce", seq, nbytes, now, enter_wait_ns=self._wait_mark())
         self.last_seq[group] = max(self.last_seq.get(group, 0), seq)
         self.step_count += launched
         if self.step_first_enter_ns < 0:
@@ -180,6 +178,10 @@ class CollectiveTracker:
             self.step_last_async = None
         self.current = call
         return call
+
+    def _wait_mark(self) -> int:
+        """The run-queue wait so far, where this step reads it; -1 where it does not."""
+        return self.thread_wait() if self.read_wait else -1
 
     def exit(self, call: CollectiveCall) -> None:
         """A call completed: a blocking one returned, or an asynchronous one's future finished."""
@@ -213,9 +215,9 @@ class CollectiveTracker:
         except RuntimeError:  # changed size while iterating: another thread completed one
             return None
 
-    def take_step(self) -> tuple[int, int, int, int, int]:
+    def take_step(self, now_ns: int) -> tuple[int, int, int, int, int]:
         """(comm_ns, count, first_enter_ns, comm_wait_ns, waited_comm_ns) since the last call, then
-        reset.
+        reset; ``now_ns`` (``time.perf_counter_ns``) decides whether the next step reads the wait.
 
         ``comm_ns`` is the time the rank waited in collectives: inside blocking calls, plus, for
         asynchronous ones, the last one's time from launch to completion — a DDP communication hook
@@ -236,10 +238,9 @@ class CollectiveTracker:
         out = (comm, self.step_count, self.step_first_enter_ns, comm_wait, waited)
         self.step_comm_ns, self.step_count, self.step_first_enter_ns = 0, 0, -1
         self.step_comm_wait_ns = self.step_waited_comm_ns = 0
-        now = time.perf_counter_ns()
         if self.read_wait:
-            self._next_wait_read_ns = now + WAIT_EVERY_NS
-        self.read_wait = now >= self._next_wait_read_ns
+            self._next_wait_read_ns = now_ns + WAIT_EVERY_NS
+        self.read_wait = now_ns >= self._next_wait_read_ns
         self.step_last_async = None
         self.steps += 1
         return out

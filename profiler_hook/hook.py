@@ -189,7 +189,7 @@ class Hook:
             return
         try:
             now = time.perf_counter_ns()
-            comm_ns, n_coll, first_ns, comm_wait_ns, waited_ns = self.tracker.take_step()
+            comm_ns, n_coll, first_ns, comm_wait_ns, waited_ns = self.tracker.take_step(now)
             closed = self._blocks.add(
                 self.step_num,
                 (self._mark_ns + self._epoch_offset_ns) // 1000,
@@ -279,7 +279,7 @@ class Hook:
             self.schedule.resume()
             self._mark_ns, self._data_ns = time.perf_counter_ns(), 0
             self._blocks.restart()
-            self.tracker.take_step()  # what happened while paused belongs to no step
+            self.tracker.take_step(self._mark_ns)  # what happened while paused belongs to no step
         except Exception as exc:
             self._fail("resume", exc)
         self.paused = False

@@ -228,7 +228,7 @@ def test_a_steps_run_queue_wait_inside_collectives_is_not_counted_as_its_own() -
     tracker.exit(call)  # read 2: 1 ms inside the call
     launched = tracker.enter("world", "all_reduce", 8, blocking=False)  # read 3
     tracker.exit(launched)  # read 4: the step's last asynchronous call counts too
-    comm_ns, n, _, comm_wait_ns, waited_ns = tracker.take_step()
+    comm_ns, n, _, comm_wait_ns, waited_ns = tracker.take_step(time.perf_counter_ns())
     assert n == 2 and comm_wait_ns == 2_000_000 and waited_ns == comm_ns
     usage = iter([(0, 0, 0), (0, 0, 10_000)])  # CPU µs, switches, wait µs: at the start, at the end
     blocks = StepBlocks(0.0, lambda: next(usage))
@@ -248,10 +248,10 @@ def test_the_wait_inside_collectives_is_read_once_in_100_ms_and_counted_at_that_
 
     tracker = CollectiveTracker(thread_wait=wait)
     tracker.exit(tracker.enter("world", "all_reduce", 8))
-    *_, comm_wait_ns, waited_ns = tracker.take_step()
+    *_, comm_wait_ns, waited_ns = tracker.take_step(time.perf_counter_ns())
     assert len(reads) == 2 and comm_wait_ns == 1_000_000 and waited_ns > 0
     tracker.exit(tracker.enter("world", "all_reduce", 8))  # the next step, within 100 ms: not read
-    *_, comm_wait_ns, waited_ns = tracker.take_step()
+    *_, comm_wait_ns, waited_ns = tracker.take_step(time.perf_counter_ns())
     assert len(reads) == 2 and comm_wait_ns == waited_ns == 0
     usage = iter([(0, 0, 0), (0, 0, 10_000), (0, 0, 20_000)])
     blocks = StepBlocks(0.0, lambda: next(usage))  # a row per step
