@@ -1,29 +1,36 @@
 """Hook overhead at the defaults a user gets: an in-run A/B inside a real multi-rank DDP job.
 
-    python -m benchmarks.hook_overhead [--pairs 60] [--block-s 2] [--width 3072] [--loops ddp,manual]
-                                       [--volume-s 60] [--json PATH] [--hook KEY=VALUE ...]
+    python -m benchmarks.hook_overhead [--pairs 240] [--block-s 0.5] [--start-s 25] [--width 3072]
+                                       [--loops ddp,manual] [--volume-s 60] [--json PATH]
+                                       [--hook KEY=VALUE ...]
 
 Each loop shape runs as one 2-rank gloo job on this machine's cores, each rank on its own core
 where there are enough (the hook's threads then share their rank's core: the worst case for the
-hook). The job alternates blocks of ``--block-s`` seconds (the same step counts on every rank) with
-the hook working and paused (``hook.pause()``); the order within a pair alternates so that drift
-hits both alike. Both arms train the same model: two copies differ in speed by their memory layout
-alone (measured: 2% between two DDP copies of one model, hook off in both), more than the hook.
+hook). After ``--start-s`` seconds of work (a job's steady state: the start-up windows, 10 and 20 s
+in, come once a job), the job alternates blocks of ``--block-s`` seconds (the same step counts on
+every rank) with the hook working and paused (``hook.pause()``); the order within a pair
+alternates so that drift hits both alike. A working block goes on while a window is busy on any
+rank, so that no window is cut short or summarized in a paused block. Short blocks: a step's time
+here drifts (its correlation with the next step's is ~0.55, with the 10th's ~0.2), and the drift
+cancels within a pair of adjacent blocks (measured at width 3072: 240 pairs of 0.5 s gave half the
+interval of 60 pairs of 2 s, in the same time). Both arms train the same model: two copies differ
+in speed by their memory layout alone (measured: 2% between two DDP copies of one model, hook off
+in both), more than the hook.
 
 - ``ddp``: ``DistributedDataParallel`` built after ``profiler_hook.attach``, so its synchronization
   is counted and timed in the working blocks; paused, its two gradient hooks return at once.
 - ``manual``: the hand-written all-reduce loop, for comparison with earlier measurements.
 
-The model is an MLP of ``--width`` (3072: ~90 ms steps on one core here, in the 50-120 ms of the
-DDP scripts users brought to us; 2048: ~36 ms; 512: ~4 ms, where the hook's ~36 µs of CPU a step
-are ~0.9% and the steps' jitter on shared cores is too large for the A/B to resolve it).
+The model is an MLP of ``--width`` (3072: ~90-110 ms steps on one core here, in the 50-120 ms of
+the DDP scripts users brought to us; 2048: ~36 ms; 512: ~4 ms, where the hook's ~36 µs of CPU a
+step are ~0.9% and the steps' jitter on shared cores is too large for the A/B to resolve it).
 What is counted is the whole training time per step as the loop measures it, windows, the
 summarizing thread and the shipper included; heartbeats (every 5 s) go on in paused blocks too.
-``overhead_pct`` is the ratio of the total time per step working vs. paused, over all pairs
-(windows come every ``window_s`` of working time, as they would), with ``ci95_pct`` its 95%
-bootstrap interval over pairs; ``median_pair_pct`` is the median over pairs of each pair's ratio,
-which leaves out the windows of the pairs that had none. ``step_us`` (the always-on work per step)
-and ``window_ms`` (one window) are measured alone in one process. The volume figures come from
+``overhead_pct`` is the ratio of the time per step working vs. paused, over all pairs (windows
+come every ``window_s`` of working time, as they would), with ``ci95_pct`` its 95% bootstrap
+interval over pairs; ``median_pair_pct`` is the median over pairs of each pair's ratio, which
+leaves out the windows of the pairs that had none. ``step_us`` (the always-on work per step) and
+``window_ms`` (one window) are measured alone in one process. The volume figures come from
 ``--volume-s`` seconds of uninterrupted training after the pairs (each pause closes a step row
 early, so the alternating blocks ship more rows than a job does).
 
@@ -98,43 +105,55 @@ def _worker(
             flat /= WORLD
         opt.step()
 
-    traces: list[list[tuple[float, bool]]] = []
+    trace: list[tuple[float, bool]] = []  # every working step: its time, and whether a window was busy
 
-    def block(mode: str, n: int) -> float:
-        if mode == "on":
-            hook.resume()
-        else:
-            hook.pause()
-        trace: list[tuple[float, bool]] = []  # per step: its time, and whether a window was busy
+    def busy() -> bool:
+        return hook._prof is not None or any(t.is_alive() for t in hook._summarizers)
+
+    def run(mode: str, n: int) -> float:
         t0 = time.perf_counter()
         for i in range(n):
             t = time.perf_counter()
             if mode == "on":
                 with hook.step():
                     step(i)
+                trace.append((time.perf_counter() - t, busy()))
             else:
                 step(i)
-            trace.append(
-                (
-                    time.perf_counter() - t,
-                    hook._prof is not None or any(t.is_alive() for t in hook._summarizers),
-                )
-            )
-        took = time.perf_counter() - t0
+        return time.perf_counter() - t0
+
+    def block(mode: str, n: int) -> tuple[float, int]:
+        """A block of ``n`` steps, working or paused; a working block goes on, ``n`` steps at a
+        time, while a window is busy on any rank (a pause would cut it short, or leave its
+        summarizing to the paused block). Its time and steps."""
         if mode == "on":
-            traces.append(trace)
-        return took
+            hook.resume()
+        else:
+            hook.pause()
+        took, steps = run(mode, n), n
+        while mode == "on":
+            flag = torch.tensor([float(busy())])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank runs the same steps
+            if not flag.item():
+                break
+            took, steps = took + run(mode, n), steps + n
+        return took, steps
 
     block("on", 30)
     block("off", 30)
-    per_step = torch.tensor([block("off", 100) / 100])
+    per_step = torch.tensor([block("off", 100)[0] / 100])
     dist.all_reduce(per_step, op=dist.ReduceOp.MAX)  # every rank runs the same block lengths
-    n = max(20, round(args.block_s / float(per_step)))
+    n = max(3, round(args.block_s / float(per_step)))
+    # Measure the steady state of a job, as after its first minute: past the windows at 10 and 20 s.
+    block("on", round(args.start_s / float(per_step)))
+    trace.clear()
     rows = []
     for p in range(args.pairs):
         order = ("on", "off") if p % 2 == 0 else ("off", "on")
-        times = {mode: block(mode, n) for mode in order}
-        rows.append({"on_s": times["on"], "off_s": times["off"], "steps": n})
+        runs = {mode: block(mode, n) for mode in order}
+        rows.append(
+            {"on_s": runs["on"][0], "on_steps": runs["on"][1], "off_s": runs["off"][0], "off_steps": n}
+        )
     tail = [time.time()]  # the volume: uninterrupted training, as a job runs
     block("on", max(1, round(args.volume_s / float(per_step))))
     tail.append(time.time())
@@ -142,29 +161,27 @@ def _worker(
     dist.destroy_process_group()
     Path(out, f"rank{rank}.json").write_text(
         json.dumps(
-            {"rows": rows, "tail": tail, "windows": _window_costs(traces), "dropped": hook.shipper.dropped}
+            {"rows": rows, "tail": tail, "windows": _window_costs(trace), "dropped": hook.shipper.dropped}
         )
     )
 
 
-def _window_costs(traces: list[list[tuple[float, bool]]]) -> list[float]:
-    """What each window cost the training loop (seconds): the steps it was busy (profiling, then
-    summarizing on its thread) and the two after, less the median step of its block without one."""
-    costs = []
-    for trace in traces:
-        quiet = [dt for dt, busy in trace if not busy]
-        if not quiet:
+def _window_costs(trace: list[tuple[float, bool]]) -> list[float]:
+    """What each window cost the training loop (seconds): the working steps it was busy (profiling,
+    then summarizing on its thread) and the two after, less the median working step without one."""
+    quiet = [dt for dt, busy in trace if not busy]
+    if not quiet:
+        return []
+    typical, costs, k = statistics.median(quiet), [], 0
+    while k < len(trace):
+        if not trace[k][1]:
+            k += 1
             continue
-        typical, k = statistics.median(quiet), 0
-        while k < len(trace):
-            if not trace[k][1]:
-                k += 1
-                continue
-            end = k
-            while end < len(trace) and trace[end][1]:
-                end += 1
-            costs.append(sum(dt - typical for dt, _ in trace[k : end + 2]))
-            k = end
+        end = k
+        while end < len(trace) and trace[end][1]:
+            end += 1
+        costs.append(sum(dt - typical for dt, _ in trace[k : end + 2]))
+        k = end
     return costs
 
 
@@ -183,24 +200,27 @@ def in_run(loop: str, args: argparse.Namespace, options: dict) -> dict[str, Any]
         )
         ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(WORLD)]
         volume = _volume(Path(spool), ranks[0]["tail"])
-    # The job runs at its slowest rank's pace: per pair, the slowest rank's block times.
+    # The job runs at its slowest rank's pace: per pair, the slowest rank's block times, per step.
     pairs = args.pairs
     on = [max(r["rows"][i]["on_s"] for r in ranks) for i in range(pairs)]
     off = [max(r["rows"][i]["off_s"] for r in ranks) for i in range(pairs)]
-    steps = ranks[0]["rows"][0]["steps"]
+    on_steps = [ranks[0]["rows"][i]["on_steps"] for i in range(pairs)]
+    off_steps = [ranks[0]["rows"][i]["off_steps"] for i in range(pairs)]
+    on_step = [t / n for t, n in zip(on, on_steps, strict=True)]
+    off_step = [t / n for t, n in zip(off, off_steps, strict=True)]
     return {
         "loop": loop,
         "width": args.width,
         "pairs": pairs,
-        "steps_per_block": steps,
-        "off_ms_per_step": round(1e3 * sum(off) / (pairs * steps), 3),
-        "on_ms_per_step": round(1e3 * sum(on) / (pairs * steps), 3),
-        "overhead_pct": round((sum(on) / sum(off) - 1) * 100, 3),
-        "ci95_pct": _bootstrap(on, off),
+        "steps_per_block": off_steps[0],
+        "off_ms_per_step": round(1e3 * sum(off) / sum(off_steps), 3),
+        "on_ms_per_step": round(1e3 * sum(on) / sum(on_steps), 3),
+        "overhead_pct": round(_pct(on, on_steps, off, off_steps, range(pairs)), 3),
+        "ci95_pct": _bootstrap(on, on_steps, off, off_steps),
         "median_pair_pct": round(
-            (statistics.median(a / b for a, b in zip(on, off, strict=True)) - 1) * 100, 3
+            (statistics.median(a / b for a, b in zip(on_step, off_step, strict=True)) - 1) * 100, 3
         ),
-        "pair_pct": [round((a / b - 1) * 100, 2) for a, b in zip(on, off, strict=True)],
+        "pair_pct": [round((a / b - 1) * 100, 2) for a, b in zip(on_step, off_step, strict=True)],
         "dropped": sum(r["dropped"] for r in ranks),
         "window_job_ms": round(1e3 * statistics.median(w), 1)
         if (w := [c for r in ranks for c in r["windows"]])
@@ -209,13 +229,18 @@ def in_run(loop: str, args: argparse.Namespace, options: dict) -> dict[str, Any]
     }
 
 
-def _bootstrap(on: list[float], off: list[float], n: int = 2000) -> list[float]:
-    """The 95% interval of the overall ratio (in %), resampling pairs."""
+def _pct(on: list[float], on_steps: list[int], off: list[float], off_steps: list[int], idx: Any) -> float:
+    """How much longer a working step took than a paused one (in %), over the pairs ``idx``."""
+    on_s, off_s = sum(on[i] for i in idx), sum(off[i] for i in idx)
+    return (on_s / sum(on_steps[i] for i in idx) / (off_s / sum(off_steps[i] for i in idx)) - 1) * 100
+
+
+def _bootstrap(
+    on: list[float], on_steps: list[int], off: list[float], off_steps: list[int], n: int = 2000
+) -> list[float]:
+    """The 95% interval of the overall ratio of time per step (in %), resampling pairs."""
     rng, idx = random.Random(0), range(len(on))
-    ratios = sorted(
-        (sum(on[i] for i in s) / sum(off[i] for i in s) - 1) * 100
-        for s in (rng.choices(idx, k=len(on)) for _ in range(n))
-    )
+    ratios = sorted(_pct(on, on_steps, off, off_steps, rng.choices(idx, k=len(on))) for _ in range(n))
     return [round(ratios[int(0.025 * n)], 2), round(ratios[int(0.975 * n)], 2)]
 
 
@@ -296,8 +321,11 @@ def components(width: int, reps: int = 5) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--pairs", type=int, default=60, help="block pairs per loop shape (default 60)")
-    p.add_argument("--block-s", type=float, default=2.0, help="seconds per block (default 2)")
+    p.add_argument("--pairs", type=int, default=240, help="block pairs per loop shape (default 240)")
+    p.add_argument("--block-s", type=float, default=0.5, help="seconds per block (default 0.5)")
+    p.add_argument(
+        "--start-s", type=float, default=25.0, help="seconds of work before the pairs (default 25)"
+    )
     p.add_argument("--width", type=int, default=3072, help="the model's hidden width (default 3072)")
     p.add_argument("--loops", default="ddp,manual", help="loop shapes, comma-separated")
     p.add_argument(

@@ -10,25 +10,26 @@ import pytest
 from benchmarks import hook_overhead
 
 
-def test_a_windows_cost_is_its_busy_steps_and_the_two_after_less_the_blocks_usual_step() -> None:
+def test_a_windows_cost_is_its_busy_steps_and_the_two_after_less_the_usual_working_step() -> None:
     quiet = [(0.010, False)] * 9
     trace = [*quiet, (0.030, True), (0.020, True), (0.015, False), (0.012, False), *quiet]
-    assert hook_overhead._window_costs([trace]) == [pytest.approx(0.020 + 0.010 + 0.005 + 0.002)]
-    assert hook_overhead._window_costs([quiet]) == []
+    assert hook_overhead._window_costs(trace) == [pytest.approx(0.020 + 0.010 + 0.005 + 0.002)]
+    assert hook_overhead._window_costs(quiet) == []
 
 
-def test_the_interval_resamples_pairs_around_the_overall_ratio() -> None:
-    on, off = [1.02, 1.00, 1.04, 0.99], [1.0, 1.0, 1.0, 1.0]
-    low, high = hook_overhead._bootstrap(on, off)
-    assert low < (sum(on) / sum(off) - 1) * 100 < high
-    assert low >= -1.0 and high <= 4.0  # within the pairs' own extremes
+def test_the_interval_resamples_pairs_around_the_overall_ratio_per_step() -> None:
+    on, off = [1.02, 1.00, 2.08, 0.99], [1.0, 1.0, 1.0, 1.0]
+    on_steps, off_steps = [10, 10, 20, 10], [10] * 4  # the third working block went on for a window
+    low, high = hook_overhead._bootstrap(on, on_steps, off, off_steps)
+    assert low < (sum(on) / 50 / (sum(off) / 40) - 1) * 100 < high
+    assert low >= -1.0 and high <= 4.0  # within the pairs' own extremes per step
 
 
 @pytest.mark.timeout(240)
 def test_a_short_in_run_ab_of_a_ddp_job_reports_every_figure(tmp_path: Path) -> None:
     out = tmp_path / "overhead.json"
     result = hook_overhead.main(
-        ["--pairs", "2", "--block-s", "0.3", "--volume-s", "6", "--loops", "ddp", "--width", "256",
+        ["--pairs", "2", "--block-s", "0.3", "--start-s", "1", "--volume-s", "6", "--loops", "ddp", "--width", "256",
          "--json", str(out)]
     )  # fmt: skip
     assert json.loads(out.read_text()) == result
