@@ -40,6 +40,8 @@ def run(
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         mine: dict[str, Any] = {"rank": rank, "node": node_name(), **probes.devices()}
+        if serial:  # the first turn too runs with every other node idle, not still starting up
+            dist.barrier()
         for turn in range(world if serial else 1):
             if not serial or turn == rank:
                 mine["matmul_gflops"] = round(probes.matmul_gflops(), 3)
