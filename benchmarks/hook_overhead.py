@@ -13,9 +13,9 @@ alternates so that drift hits both alike. A working block goes on while a window
 rank, so that no window is cut short or summarized in a paused block. Short blocks: a step's time
 here drifts (its correlation with the next step's is ~0.55, with the 10th's ~0.2), and the drift
 cancels within a pair of adjacent blocks (at width 3072, back to back, once: 240 pairs of 0.5 s
-gave half the interval of 60 pairs of 2 s in the same time; the machine's load moves it as much). Both arms train the same model: two copies differ
-in speed by their memory layout alone (measured: 2% between two DDP copies of one model, hook off
-in both), more than the hook.
+gave half the interval of 60 pairs of 2 s in the same time; the machine's load moves it as
+much). Both arms train the same model: two copies differ in speed by their memory layout alone
+(measured: 2% between two DDP copies of one model, hook off in both), more than the hook.
 
 - ``ddp``: ``DistributedDataParallel`` built after ``profiler_hook.attach``, so its synchronization
   is counted and timed in the working blocks; paused, its two gradient hooks return at once.
