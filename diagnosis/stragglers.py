@@ -101,6 +101,14 @@ class StragglerSettings:
     shift_min_after: int = 6
     """...for this many chunks at least (and three before): on a healthy 8-rank run, on 2 shared
     cores, one rank's last 4 chunks rose 1.02x -> 1.10x."""
+    shift_busy_share: float = 0.5
+    """...and this share of the rise at least must show in its time outside the collectives with the
+    run-queue wait left in: the hook reads the wait inside the collectives at some steps only, and
+    where the rest of a step's wait falls moves with the ranks' order on shared cores. In 6 runs of
+    the demo's data-loader fault (4 ranks, 2 cores) a healthy rank's own time rose 0.89x -> 1.10x
+    its peers' at a t of 5.3 as its wait outside the collectives fell 0.9x -> 0.35x theirs; its
+    time outside the collectives (0.85x) and its CPU time (1.0x) stayed. A slower device adds
+    work and so time outside the collectives."""
     shift_cpu_min_t: float = 5.0
     """The same split over the main thread's CPU time per step (relative to the peers'), for a
     rank whose own time does not pass both tests above: free of the run-queue waits that make
@@ -153,8 +161,11 @@ class Straggler:
         """How much its own time grew against its peers' (``ratio`` for the peer rule); found on
         CPU time, the more that either grew: the CPU time is the same work measured without the
         run-queue noise, but holds none of the rank's other waits (a 1.15x slower device: 1.045x
-        in CPU time, 1.07x in own time; another run's: 1.10x and 1.04x)."""
-        own = self.ratio / self.before_ratio if self.before_ratio > 0 else self.ratio
+        in CPU time, 1.07x in own time; another run's: 1.10x and 1.04x). Grown from below its
+        peers, only to where it now is above them: that is what the job waits for it. (A healthy
+        rank of the demo went from 0.90x its peers, its place on the shared cores, to 1.045x: a
+        growth of 1.16x made it a compute finding at 0.66.)"""
+        own = self.ratio / max(self.before_ratio, 1.0) if self.before_ratio > 0 else self.ratio
         return max(self.cpu_growth, own)
 
     @property
@@ -474,7 +485,11 @@ def shifted(
     if np.isnan(rel).any():
         return []  # a rank missing from some chunk: joined late or restarted, no series to split
     best_t, best_k = _best_split(rel, s.shift_min_after)
-    by_own = (best_t >= s.shift_min_t) & (_rise(rel, best_k) >= s.shift_min_rise)
+    rise = _rise(rel, best_k)
+    by_own = (best_t >= s.shift_min_t) & (rise >= s.shift_min_rise)
+    outside = g.values["dur_us"] - g.values["comm_us"]
+    busy = chunk_means(replace(g, values={"r": _relative(outside, ~skip)}), "r", c)
+    by_own &= _rise(busy, best_k) >= s.shift_busy_share * rise
     cpu = g.values["cpu_us"]
     g.values["rel_cpu"] = _relative(cpu, ~skip)
     rel_cpu = chunk_means(g, "rel_cpu", c)

@@ -15,6 +15,7 @@ import pytest
 from aggregator import Store, ingest
 from diagnosis import CAUSES, Finding, JobData, Settings, diagnose, read_job, stragglers
 from diagnosis.data import STEP_FIELDS
+from diagnosis.findings import effect
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -191,6 +192,24 @@ def test_a_certain_rise_a_hair_short_in_own_time_is_judged_on_the_cpu_time_too()
         assert stragglers.shifted(synthetic(ranks=4, steps=1400, hosts_of=2, seed=seed).steps) == []
 
 
+def test_a_rise_in_own_time_that_is_run_queue_wait_moving_into_the_collectives_is_no_change() -> None:
+    """Every rank waits 800 µs a step for a CPU outside the collectives; from step 700 rank 2's wait
+    falls inside them instead (the order the ranks leave a collective in decides who queues where).
+    Its own time rises 1.18x against its peers', but its time outside the collectives and its CPU
+    time do not: it works no longer and holds nobody back."""
+    for seed in range(3):
+        healthy = synthetic(ranks=4, steps=1400, hosts_of=2, seed=seed).steps.assign(wait_us=800.0)
+        since = (healthy["rank"] == 2) & (healthy["step"] >= 700)
+        moved = healthy.copy()
+        moved.loc[since, "wait_us"] = 0.0
+        assert stragglers.shifted(moved) == []
+        # The same rise as work: its time outside the collectives grows with it.
+        slower = healthy.copy()
+        slower.loc[since, "dur_us"] += 800.0
+        (found,) = stragglers.shifted(slower)
+        assert found.rank == 2 and 650 <= found.since_step <= 760
+
+
 def test_a_straggler_in_bursts_stands_out_in_cpu_time_where_its_own_time_is_lost_in_the_spread() -> None:
     """Rank 2 works 1.25x in bursts of 150 steps (its peers lose CPU to it too, so its own time
     rises less, 1.15x): in own time it stands out in too few chunks; in CPU time in most."""
@@ -207,15 +226,32 @@ def test_a_straggler_in_bursts_stands_out_in_cpu_time_where_its_own_time_is_lost
     assert own_only <= 1 and with_cpu >= 5, (own_only, with_cpu)
 
 
+def _change(ratio: float, before_ratio: float) -> stragglers.Straggler:
+    """A rank the change-point rule found, held in 15 of 15 chunks (its values per step all 0)."""
+    parts = ("own_us", "data_us", "comm_us", "cpu_us", "nivcsw")
+    zero = dict.fromkeys((*parts, *(f"peer_{p}" for p in parts)), 0.0)
+    return stragglers.Straggler(
+        rank=3, chunks_flagged=15, chunks=15, ratio=ratio, before_ratio=before_ratio, **zero
+    )
+
+
 def test_a_change_found_on_cpu_time_is_as_large_as_the_larger_of_its_two_growths() -> None:
     """A 1.15x slower device found on CPU time grew 1.045x there and 1.083x in own time (the CPU
     time holds none of its other waits): its confidence follows the larger; another run's grew
     1.10x in CPU time and 1.04x in own time."""
-    zero = dict.fromkeys(("own_us", "peer_own_us", "data_us", "peer_data_us", "comm_us", "peer_comm_us"), 0.0)
-    zero |= dict.fromkeys(("cpu_us", "peer_cpu_us", "nivcsw", "peer_nivcsw"), 0.0)
-    mild = stragglers.Straggler(rank=3, chunks_flagged=15, chunks=15, ratio=1.083, before_ratio=1.0, **zero)
+    mild = _change(ratio=1.083, before_ratio=1.0)
     assert replace(mild, cpu_growth=1.045).growth == pytest.approx(1.083)
     assert replace(mild, ratio=1.04, cpu_growth=1.10).growth == pytest.approx(1.10)
+
+
+def test_a_rank_that_was_faster_than_its_peers_has_grown_only_by_how_far_it_now_exceeds_them() -> None:
+    """A healthy rank of the demo (4 ranks on 2 shared cores) was 0.90x its peers for 10 s, then
+    1.045x: its own time grew 1.16x, but the job waits for it 4.5% longer, too little to report."""
+    was_fast = _change(ratio=1.045, before_ratio=0.90)
+    assert was_fast.growth == pytest.approx(1.045)
+    assert effect(was_fast.growth) < Settings().min_confidence
+    assert replace(was_fast, before_ratio=1.0).growth == pytest.approx(1.045)
+    assert replace(was_fast, before_ratio=1.02).growth == pytest.approx(1.045 / 1.02)
 
 
 def test_a_straggler_slow_half_the_time_is_told_in_bursts_not_diluted_over_the_chunks() -> None:
