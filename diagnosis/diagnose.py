@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from dataclasses import dataclass, field
@@ -200,15 +201,22 @@ def _waited_for(
     threads of a rank that keeps pace can queue as well: in a job whose rank 3's data loader
     stalled, rank 1's threads queued 1.5x as long as the others' in 2 of 2 windows, and it waited
     27.9 ms per step in the collectives where rank 3, whom every rank waited for, waited 12.9 ms.
-    (Three such findings in three runs, at 1.15, 2.2 and 2.3x the straggler's wait.)"""
+    (Three such findings in three runs, at 1.15, 2.2 and 2.3x the straggler's wait.) Both are
+    measured on the same steps, those since the contention and the stragglers held: before a
+    straggler's fault began nobody waited for it, and every rank's wait was as small as its. A
+    straggler contended itself is one the job waits for too."""
     out = {c.rank: c for c in found}
-    behind = [st for st in sts if st.rank not in out]
-    if not found or not behind or steps.empty:
+    if not found or not sts or steps.empty:
         return out
-    since = steps[steps["step"] >= min(c.since_step for c in found)]
-    comm = since[since["rank"].isin(list(out))].groupby("rank")["comm_us"].median()
-    least = min(st.comm_us for st in behind)
-    return {r: c for r, c in out.items() if r not in comm or comm[r] <= s.waited_for * least}
+    first = max(min(c.since_step for c in found), min(st.since_step for st in sts))
+    since = steps[steps["step"] >= first]
+    comm = since[since["rank"].isin([*out, *(st.rank for st in sts)])].groupby("rank")["comm_us"].median()
+
+    def waited_for(rank: int) -> bool:
+        least = min((comm[st.rank] for st in sts if st.rank != rank and st.rank in comm), default=math.inf)
+        return rank not in comm or comm[rank] <= s.waited_for * least
+
+    return {r: c for r, c in out.items() if waited_for(r)}
 
 
 def _stragglers(steps: pd.DataFrame, s: stragglers.StragglerSettings) -> list[stragglers.Straggler]:

@@ -583,6 +583,30 @@ def test_threads_that_queue_on_a_rank_the_job_does_not_wait_for_are_no_finding()
     assert (f.cause, f.ranks) == ("host_contention", [5])
 
 
+def test_a_rank_that_sleeps_in_its_own_code_is_that_code_path_though_its_threads_queue_too() -> None:
+    """Rank 5 sleeps 3 ms a step in a metrics upload only it makes: it uses the CPU for half its own
+    time, and its threads queue 2 ms a step longer than its peers' (the others run meanwhile). The
+    upload holds more of its excess than the queueing: a code path. Rank 0's threads queue 3 ms
+    longer too, but rank 0 waits in the collectives as long as the others: nobody waits for it."""
+    data = synthetic(slow={5: {"compute_us": 3000, "cpu": 0.5}})
+    up = "train.py(40): upload_metrics"
+    upload = pd.DataFrame(
+        [
+            {"rank": 5, "window": w, "step_lo": 50 + 50 * w, "step_hi": 60 + 50 * w, "kind": "python"}
+            | {"name": up, "stack": "train.py(80): train_step", "count": 10, "total_us": 30_000.0}
+            | {"mean_us": 3000.0}
+            for w in range(4)
+        ]
+    )
+    for waits in ({5: 3.0}, {5: 3.0, 0: 4.0}):
+        functions = pd.concat([sched_windows(waits), upload], ignore_index=True)
+        f = only(diagnose(replace(data, functions=functions)).findings)
+        assert (f.cause, f.ranks, f.function) == ("code_path", [5], up)
+    # Without the upload in its windows, the queueing is the account of its excess.
+    f = only(diagnose(replace(data, functions=sched_windows({5: 3.0}))).findings)
+    assert (f.cause, f.ranks) == ("host_contention", [5])
+
+
 def test_both_ranks_of_a_contended_host_of_two_are_named_though_they_lift_the_median() -> None:
     """Two of four ranks contended (one host of two): the median of all four sits between them and
     the others, so one of them stands out by less than ``min_ratio``; measured against the ranks
