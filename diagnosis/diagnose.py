@@ -85,8 +85,14 @@ def _straggler_finding(
 ) -> Finding:
     if not fs.empty:
         # The windows that caught it slow say where its extra time goes; those before the fault
-        # began (or between its bursts) would dilute a code path it has taken since.
-        slow = stragglers.slow_windows(steps, fs[fs["rank"] == st.rank], st, peers)
+        # began (or between its bursts) would dilute a code path it has taken since. Found at a
+        # change, those before it are left out first: a rank whose gradient hook began at step
+        # 509 was slow by chance in a window at step 484, and only there.
+        mine = fs[fs["rank"] == st.rank]
+        if st.before_ratio > 0 and (mine["step_hi"] > st.since_step).any():
+            mine = mine[mine["step_hi"] > st.since_step]
+            fs = fs[fs["window"].isin(mine["window"].unique())]
+        slow = stragglers.slow_windows(steps, mine, st, peers)
         if slow:
             fs = fs[fs["window"].isin(slow)]
     excess = functions.compare(fs, st.rank, peers)

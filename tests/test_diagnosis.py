@@ -350,6 +350,30 @@ def test_a_code_path_taken_since_mid_run_is_judged_on_the_windows_that_caught_th
     assert f.cause == "compute"
 
 
+def test_a_code_path_found_at_a_change_is_judged_on_the_windows_since_though_one_before_was_slow() -> None:
+    """Rank 2 (0.96x its peers: its cores) audits its gradients from step 700: found by the change-
+    point rule. A window at step 600 caught it slow by chance (a preempted forward), before the
+    audit began; the one at step 1000 holds the audit, and it is what names the cause."""
+    bias = {0: 1.06, 1: 0.97, 2: 0.96, 3: 1.02}
+    data = synthetic(ranks=4, steps=1400, hosts_of=2, bias=bias, slow={2: {"compute_us": 750, "from": 700}})
+    steps = data.steps.copy()
+    steps.loc[(steps["rank"] == 2) & steps["step"].between(600, 604), "dur_us"] += 3000.0
+    common = [("op", "aten::addmm", 15, 10_000.0), ("python", "train.py(10): forward", 5, 20_000.0)]
+    preempted = [("op", "aten::addmm", 15, 10_000.0), ("python", "train.py(10): forward", 5, 35_000.0)]
+    audit = [*common, ("python", "train.py(50): audit_gradients", 5, 3_750.0)]
+    before = functions_frame({r: preempted if r == 2 else common for r in range(4)})
+    after = functions_frame({r: audit if r == 2 else common for r in range(4)})
+    windows = pd.concat(
+        [
+            before.assign(window=0, step_lo=600, step_hi=605),
+            after.assign(window=1, step_lo=1000, step_hi=1005),
+        ]
+    )
+    f = only(diagnose(replace(data, steps=steps, functions=windows)).findings)
+    assert f.evidence["held_since_step"] > 605
+    assert (f.cause, f.ranks, f.function) == ("code_path", [2], "train.py(50): audit_gradients")
+
+
 def test_code_path_names_the_innermost_function_of_the_jobs_own_code_and_the_operator_under_it() -> None:
     data = synthetic(slow={6: {"compute_us": 1500}})
     common = [("op", "aten::addmm", 15, 10_000.0), ("python", "train.py(80): train_step", 5, 20_000.0)]
