@@ -31,9 +31,12 @@ def classify(
     # caught fewer of its (rare) calls than the steps paid for, a tenth and at least twice the
     # excess of all the operators that got slower (a garbage collection every 5 steps: 24% of the
     # excess in 4 windows, with no operator slower).
-    if extra is not None and not (
-        extra.excess_us >= 0.3 * total
-        or (extra.excess_us >= 0.1 * total and extra.excess_us >= 2 * functions.work_excess(excess))
+    if extra is not None and (
+        not (
+            extra.excess_us >= 0.3 * total
+            or (extra.excess_us >= 0.1 * total and extra.excess_us >= 2 * functions.work_excess(excess))
+        )
+        or functions.stray_builtin(excess, extra)
     ):
         extra = None
     waited = waits.wait_us - waits.peer_wait_us if waits is not None else 0.0

@@ -374,6 +374,45 @@ def test_a_code_path_found_at_a_change_is_judged_on_the_windows_since_though_one
     assert (f.cause, f.ranks, f.function) == ("code_path", [2], "train.py(50): audit_gradients")
 
 
+def test_a_built_in_that_no_code_path_holds_is_where_a_slower_rank_lost_the_cpu_not_a_path() -> None:
+    """Rank 6's device is slower; in its window a ``getattr`` under a torch wrapper that every rank
+    runs took 0.66 ms a step, and ~0 on the peers (the thread lost the CPU or the GIL there). No
+    caller of it runs only on rank 6 and none of the job's own code holds it: its operators are
+    the account. Under a function of the job's own that only rank 6 runs, it is that code path."""
+    data = synthetic(slow={6: {"compute_us": 1500}})
+    wrapper = ("pylib", "torch/_compile.py(42): inner", 5, 600.0, "train.py(80): train_step")
+    common = [("op", "aten::addmm", 15, 10_000.0), wrapper]
+    getattr_ = (
+        "pylib",
+        "<built-in function getattr>",
+        5,
+        3_300.0,
+        "train.py(80): train_step > torch/_compile.py(42): inner",
+    )
+    slow = [("op", "aten::addmm", 15, 17_000.0), (*wrapper[:3], 3_900.0, wrapper[4]), getattr_]
+    f = only(
+        diagnose(
+            replace(data, functions=functions_frame({r: slow if r == 6 else common for r in range(8)}))
+        ).findings
+    )
+    assert (f.cause, f.ranks, f.function) == ("compute", [6], "aten::addmm")
+    check = ("python", "train.py(60): check_grads", 5, 3_400.0, "train.py(80): train_step")
+    under = (
+        "pylib",
+        "<built-in function getattr>",
+        5,
+        3_300.0,
+        "train.py(80): train_step > train.py(60): check_grads",
+    )
+    path = [*common, check, under]
+    f = only(
+        diagnose(
+            replace(data, functions=functions_frame({r: path if r == 6 else common for r in range(8)}))
+        ).findings
+    )
+    assert (f.cause, f.ranks, f.function) == ("code_path", [6], "train.py(60): check_grads")
+
+
 def test_code_path_names_the_innermost_function_of_the_jobs_own_code_and_the_operator_under_it() -> None:
     data = synthetic(slow={6: {"compute_us": 1500}})
     common = [("op", "aten::addmm", 15, 10_000.0), ("python", "train.py(80): train_step", 5, 20_000.0)]
