@@ -106,7 +106,7 @@ class StragglerSettings:
     run-queue wait left in: the hook reads the wait inside the collectives at some steps only, and
     where the rest of a step's wait falls moves with the ranks' order on shared cores. In 6 runs of
     the demo's data-loader fault (4 ranks, 2 cores) a healthy rank's own time rose 0.89x -> 1.10x
-    its peers' at a t of 5.3 as its wait outside the collectives fell 0.9x -> 0.35x theirs; its
+    its peers' at a t of 5.3 as its wait outside the collectives fell 0.8x -> 0.35x theirs; its
     time outside the collectives (0.85x) and its CPU time (1.0x) stayed. A slower device adds
     work and so time outside the collectives."""
     shift_cpu_min_t: float = 5.0
