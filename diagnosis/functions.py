@@ -233,7 +233,8 @@ def stray_builtin(excess: list[FunctionExcess], e: FunctionExcess) -> bool:
     culprit, and no function of the job's own code holds half its excess. A built-in is a leaf;
     where it is called from is the path. Alone, its time is where the thread happened to be when
     it lost the CPU or the GIL: a ``getattr`` under torch's ``_disable_dynamo`` wrapper took 658 µs
-    a step on a rank 1.09x its peers, in the one window since its device slowed, and ~5 on theirs."""
+    a step on a rank 1.09x its peers, in the one window since its device slowed; on theirs, too
+    little there to be kept."""
     if not e.name.startswith("<built-in"):
         return False
     paths = {x.name for x in excess if x.extra and x.name in e.callers}
