@@ -302,7 +302,7 @@ class Hook:
             self._blocks.close()
             self._wait.close()
             self._flush_steps()
-            self.watchdog.close()
+            self.watchdog.close(max(1.0, deadline - time.monotonic()))
             self.shipper.submit(self.watchdog.beat())
             self.tracker.unpatch()
             ddp.unpatch()

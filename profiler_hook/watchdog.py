@@ -149,6 +149,10 @@ class Watchdog:
                     last_beat = time.monotonic()
                     self._submit(self.beat())
 
-    def close(self) -> None:
+    def close(self, timeout: float = 1.0) -> None:
+        """Stop the thread, waiting up to ``timeout`` seconds for it to end. It may be inside a
+        call of the job's store (C++, the GIL released): a daemon thread that returns from one while
+        the interpreter shuts down is ended by ``pthread_exit`` through C++ frames, which aborts
+        the process ("terminate called without an active exception", SIGABRT)."""
         self._stop.set()
-        self._thread.join(1.0)
+        self._thread.join(timeout)

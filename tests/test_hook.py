@@ -1303,3 +1303,22 @@ def test_nvml_samples_the_ranks_own_gpu_through_cuda_visible_devices(monkeypatch
     assert first.sample() == {}, "a failing NVML call gives no sample, never an exception"
     monkeypatch.setitem(sys.modules, "pynvml", None)  # not installed: import fails
     assert GpuSampler(0).sample() == {}
+
+
+def test_close_waits_for_the_watchdog_thread_inside_a_slow_call_of_the_jobs_store(tmp_path: Path) -> None:
+    """The watchdog thread polls the window schedule in the job's store: C++, the GIL released. A
+    daemon thread that returns from such a call while the interpreter shuts down aborts the process
+    ("terminate called without an active exception", SIGABRT: a rank of CI's DDP job, and a
+    10-line script with a TCPStore, 6 of 6 times). So ``close`` waits for it within its timeout, not
+    for 1 s: a store call on a busy host can take longer."""
+    hook = profiler_hook.attach(spool_dir=str(tmp_path), rank=0, world_size=1, window_s=0)
+    inside = threading.Event()
+
+    def slow_store_call() -> None:
+        inside.set()
+        time.sleep(1.5)
+
+    hook.watchdog._tick = slow_store_call
+    assert inside.wait(5)
+    hook.close(timeout=5)
+    assert not hook.watchdog._thread.is_alive()
