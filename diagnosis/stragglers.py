@@ -109,6 +109,13 @@ class StragglerSettings:
     its peers' at a t of 5.3 as its wait outside the collectives fell 0.8x -> 0.35x theirs; its
     time outside the collectives (0.85x) and its CPU time (1.0x) stayed. A slower device adds
     work and so time outside the collectives."""
+    shift_cpu_bound: float = 0.8
+    """A rank whose main thread's CPU time is this share of its own time at least is CPU-bound:
+    there, half the rise must also show in its CPU time and data wait. On a CPU-bound healthy rank
+    of the demo own time rose 0.95x -> 1.085x its peers' at a t of 5.3 (its time outside the
+    collectives with it) while its CPU time stayed at 1.00x; the 1.15x slower device's CPU time
+    rose by 0.035 and 0.045 with own-time rises of 0.055 and 0.07. (On a GPU the CPU waits for the
+    device off the CPU, or spins: then it is no CPU-bound rank, or its CPU time rises.)"""
     shift_cpu_min_t: float = 5.0
     """The same split over the main thread's CPU time per step (relative to the peers'), for a
     rank whose own time does not pass both tests above: free of the run-queue waits that make
@@ -490,6 +497,13 @@ def shifted(
     outside = g.values["dur_us"] - g.values["comm_us"]
     busy = chunk_means(replace(g, values={"r": _relative(outside, ~skip)}), "r", c)
     by_own &= _rise(busy, best_k) >= s.shift_busy_share * rise
+    # Where a rank's own time is CPU work, a rise in it is more CPU work or a longer wait for data.
+    peer_own = np.clip(nanmedian(own[~skip], axis=0), 1.0, None)[None, :]
+    work = chunk_means(
+        replace(g, values={"r": (g.values["cpu_us"] + g.values["data_us"]) / peer_own}), "r", c
+    )
+    cpu_bound = np.nanmean(g.values["cpu_us"], axis=1) >= s.shift_cpu_bound * np.nanmean(own, axis=1)
+    by_own &= ~cpu_bound | (_rise(work, best_k) >= s.shift_busy_share * rise)
     cpu = g.values["cpu_us"]
     g.values["rel_cpu"] = _relative(cpu, ~skip)
     rel_cpu = chunk_means(g, "rel_cpu", c)

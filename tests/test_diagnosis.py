@@ -203,11 +203,20 @@ def test_a_rise_in_own_time_that_is_run_queue_wait_moving_into_the_collectives_i
         moved = healthy.copy()
         moved.loc[since, "wait_us"] = 0.0
         assert stragglers.shifted(moved) == []
-        # The same rise as work: its time outside the collectives grows with it.
-        slower = healthy.copy()
-        slower.loc[since, "dur_us"] += 800.0
+        # Its time outside the collectives grows too, but not its CPU time: its own time is CPU
+        # work (a CPU-bound rank), and a rise in it that is no more work is no change either.
+        longer = healthy.copy()
+        longer.loc[since, "dur_us"] += 800.0
+        assert stragglers.shifted(longer) == []
+        # The same rise as work: its CPU time grows with it.
+        slower = longer.copy()
+        slower.loc[since, "cpu_us"] += 800.0
         (found,) = stragglers.shifted(slower)
         assert found.rank == 2 and 650 <= found.since_step <= 760
+        # Where its own time is not CPU work (it waits off the CPU for a device), the longer steps
+        # are the change.
+        (found,) = stragglers.shifted(longer.assign(cpu_us=longer["cpu_us"] / 4))
+        assert found.rank == 2
 
 
 def test_a_straggler_in_bursts_stands_out_in_cpu_time_where_its_own_time_is_lost_in_the_spread() -> None:
