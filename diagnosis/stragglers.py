@@ -494,17 +494,14 @@ def shifted(
     best_t, best_k = _best_split(rel, s.shift_min_after)
     rise = _rise(rel, best_k)
     by_own = (best_t >= s.shift_min_t) & (rise >= s.shift_min_rise)
-    outside = g.values["dur_us"] - g.values["comm_us"]
-    busy = chunk_means(replace(g, values={"r": _relative(outside, ~skip)}), "r", c)
-    by_own &= _rise(busy, best_k) >= s.shift_busy_share * rise
+    g.values["rel_busy"] = _relative(g.values["dur_us"] - g.values["comm_us"], ~skip)
+    by_own &= _rise(chunk_means(g, "rel_busy", c), best_k) >= s.shift_busy_share * rise
     # Where a rank's own time is CPU work, a rise in it is more CPU work or a longer wait for data.
-    peer_own = np.clip(nanmedian(own[~skip], axis=0), 1.0, None)[None, :]
-    work = chunk_means(
-        replace(g, values={"r": (g.values["cpu_us"] + g.values["data_us"]) / peer_own}), "r", c
-    )
-    cpu_bound = np.nanmean(g.values["cpu_us"], axis=1) >= s.shift_cpu_bound * np.nanmean(own, axis=1)
-    by_own &= ~cpu_bound | (_rise(work, best_k) >= s.shift_busy_share * rise)
     cpu = g.values["cpu_us"]
+    peer_own = np.clip(nanmedian(own[~skip], axis=0), 1.0, None)[None, :]
+    g.values["rel_work"] = (cpu + g.values["data_us"]) / peer_own  # in units of the peers' own time
+    cpu_bound = np.nanmean(cpu, axis=1) >= s.shift_cpu_bound * np.nanmean(own, axis=1)
+    by_own &= ~cpu_bound | (_rise(chunk_means(g, "rel_work", c), best_k) >= s.shift_busy_share * rise)
     g.values["rel_cpu"] = _relative(cpu, ~skip)
     rel_cpu = chunk_means(g, "rel_cpu", c)
     by_cpu = np.zeros(len(g.ranks), dtype=bool)
