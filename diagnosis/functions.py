@@ -18,6 +18,8 @@ import pandas as pd
 MAX_PEERS = 32
 """Peers compared against (evenly spread over the rest): enough for a stable median at any scale."""
 WORK_KINDS = ("op", "kernel", "memcpy")
+PYTHON_KINDS = ("python", "pylib")
+"""Python functions: the job's own code, and libraries' (recorded in windows with stacks only)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -123,13 +125,21 @@ def compare(functions: pd.DataFrame, rank: int, peers: list[int]) -> list[Functi
     f = functions[functions["rank"].isin([rank, *peers])]
     windows = set(f.loc[f["rank"] == rank, "window"])
     f = f[f["window"].isin(windows)]
+    # Python functions are compared over the windows that recorded stacks (start-up and triggered
+    # ones: ``profiler_hook.schedule``), everything else over all windows.
+    python = f["kind"].isin(PYTHON_KINDS)
+    stacked = set(f.loc[python & (f["rank"] == rank), "window"])
+    f = f[~python | f["window"].isin(stacked)]
     if f.empty:
         return []
     steps = (f["step_hi"] - f["step_lo"]).clip(lower=1)
     f = f.assign(us=f["total_us"] / steps, n=f["count"] / steps)
     n_windows = f.groupby("rank")["window"].nunique()
+    n_stacked = f[f["window"].isin(stacked)].groupby("rank")["window"].nunique()
     per = f.groupby(["rank", "kind", "name", "stack"])[["us", "n"]].sum()
-    per = per.div(n_windows, axis=0, level="rank")
+    ranks, kinds = per.index.get_level_values("rank"), per.index.get_level_values("kind")
+    of = ranks.map(n_stacked).where(kinds.isin(PYTHON_KINDS), ranks.map(n_windows))
+    per = per.div(of.to_numpy(), axis=0)
     wide = per.unstack("rank", fill_value=0.0)
     present_peers = [p for p in peers if p in n_windows.index]
     if rank not in n_windows.index or not present_peers:
@@ -146,7 +156,7 @@ def compare(functions: pd.DataFrame, rank: int, peers: list[int]) -> list[Functi
     out = out[out["rank_us"] > out["peer_us"]]
     out = out.assign(excess=out["rank_us"] - out["peer_us"]).sort_values(by="excess", ascending=False)
     seen_in = f[f["rank"] == rank].groupby(["kind", "name", "stack"])["window"].nunique()
-    mine = f[(f["rank"] == rank) & f["kind"].isin(("python", "pylib"))]
+    mine = f[(f["rank"] == rank) & f["kind"].isin(PYTHON_KINDS)]
     callers = _callers(zip(mine["name"], mine["stack"], strict=True))
     waiting = {c for (nm, _), cs in callers.items() if _COLLECTIVE_FRAME.search(nm) for c in cs}
     return [
@@ -161,7 +171,7 @@ def compare(functions: pd.DataFrame, rank: int, peers: list[int]) -> list[Functi
             waits=nm in waiting,
             callers=frozenset(callers.get((nm, st), ())),
             windows=int(seen_in.get((k, nm, st), 0)),
-            of_windows=int(n_windows[rank]),
+            of_windows=int((n_stacked if k in PYTHON_KINDS else n_windows)[rank]),
         )
         for (k, nm, st), r in out.head(200).iterrows()
     ]
@@ -221,7 +231,7 @@ def top_extra(excess: list[FunctionExcess]) -> FunctionExcess | None:
         return None
     best = max(e.excess_us for e in extra)
     # A Python function names the code path better than the operators it calls.
-    for kind in ("python", "pylib"):
+    for kind in PYTHON_KINDS:
         python = [e for e in extra if e.kind == kind and e.excess_us >= 0.5 * best]
         if python:
             return python[0]

@@ -59,7 +59,10 @@ class Config:
     at 4 and 8 ranks, jumped 1.08x and 1.09x at most; a rank behind a 1 Gbit/s NIC slowed the
     job 1.26x, under the 1.5x this was before, and got one window in 30 s after it began."""
     with_stack: bool = True
-    """Record Python functions (by call stack) in profiling windows."""
+    """Record Python functions (by call stack) in the profiling windows that look for a cause: the
+    first two, and those a slowdown or a rank standing out from its peers triggers, with their
+    follow-ups. Periodic windows record operators only: stacks took ~35 of the 45-75 ms a window
+    cost a 2-rank DDP job at ~110 ms a step (``benchmarks.hook_overhead``)."""
     max_functions: int = 300
     """At most this many function patterns per window (the largest by total time are kept)."""
     patch_collectives: bool = True

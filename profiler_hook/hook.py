@@ -203,6 +203,8 @@ class Hook:
             )
             self._finished = self.step_num
             self.schedule.note_step(now - self._mark_ns, now - self._mark_ns - comm_ns)
+            if closed and (row := self._blocks.rows[-1]).n_steps:
+                self.schedule.note_block((row.dur_us - row.comm_us) / row.n_steps, row.cpu_us / row.n_steps)
             self._mark_ns, self._data_ns = now, 0
             self._maybe_stop_window()
             if closed and time.perf_counter() - self._last_flush >= self.cfg.flush_s:
@@ -396,7 +398,8 @@ class Hook:
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if _cuda() else [])
         # Read before the profiler starts: its window would hold our reads.
         self._waits = run_queue_wait()
-        self._prof = profile(activities=activities, with_stack=cfg.with_stack, record_shapes=False)
+        stacks = cfg.with_stack and self.schedule.stacks
+        self._prof = profile(activities=activities, with_stack=stacks, record_shapes=False)
         self._prof.start()
         self._window = (s, s, s + cfg.window_steps, time.time_ns())
         self.tracker.recording = []

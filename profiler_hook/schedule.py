@@ -10,7 +10,16 @@ only compares two integers per step. A rank that reads the plan too late skips t
 the lead is several times the polling interval) and says so in the store; rank 0 then plans
 further ahead, doubling the lead up to ``MAX_LEAD_S``, so a loaded machine stops missing windows.
 The first two windows come 10 and 20 s after start-up, so that a fault present from the first step
-is profiled early.
+is profiled early. A window is also asked for by a rank that stands out from its peers with no
+jump in its own steps (a fault that began before the trigger had a history, or grew slowly): every
+step block (~2 s, ``profiler_hook.blocks``) each rank publishes its own time and CPU time per
+step; rank 0 gathers those of up to ``SAMPLE`` ranks into one key, and each rank compares itself
+with the median of the others there.
+
+Python stacks are recorded in the windows that look for a cause: the first two, and those a
+slowdown triggers with their follow-ups. Periodic windows record operators only: stacks more than
+double a window's events, and were more than half of what a window cost a 2-rank DDP job; the
+plan carries the choice, so every rank profiles the same way.
 """
 
 from __future__ import annotations
@@ -53,6 +62,18 @@ LEAD_STEPS = 20
 TRIGGER_COOLDOWN_S = 10.0
 """After a triggered window, requests for this long are dropped: the slowdown is being profiled."""
 FOLLOW_UPS = 2
+SAMPLE = 32
+"""Ranks whose rates rank 0 gathers (evenly spread): each rank compares itself with their median,
+so at any scale rank 0 reads this many keys a block, and every rank one."""
+STAND_OUT_OWN = 1.3
+STAND_OUT_CPU = 1.15
+"""A rank stands out from its peers when its own time per step (outside collectives) is this
+multiple of theirs, or its CPU time per step is. The largest in the fault suite's 14 healthy runs
+(2 of each of 7 jobs, 2 shared cores), over two blocks in a row: own time 1.23x (rank 0 of the GPT
+under torchrun, which also evaluates), CPU time 1.06x; a device 1.5x slower showed 1.23-1.25x in
+CPU time, 1.23-1.31x in own time, and triggered no jump."""
+STAND_OUT_BLOCKS = 2
+"""Blocks in a row a rank must stand out in before it asks for a window (once, until it stops)."""
 """Windows planned after a triggered one, ``TRIGGER_COOLDOWN_S`` apart: a finding needs a slowdown
 seen in more than one window, and the trigger stops firing once the slow steps fill its history."""
 
@@ -89,6 +110,8 @@ class Schedule:
         self.rank, self.world_size = rank, world_size
         self.planned = -1
         """The step the next window starts at (-1: none); the training thread compares against it."""
+        self.stacks = True
+        """Whether that window records Python stacks (start-up and triggered windows: see above)."""
         self.plans = 0
         self.missed = 0
         """Windows this rank learnt of only after their step had passed."""
@@ -96,6 +119,15 @@ class Schedule:
         self._key, self._req_key = f"rankscope/{job}/window", f"rankscope/{job}/requests"
         self._ready_key = f"rankscope/{job}/ready"
         self._missed_key = f"rankscope/{job}/missed"
+        self._rates_key, self._peers_key = f"rankscope/{job}/rates/", f"rankscope/{job}/peer_rates"
+        self._sample = sorted({int(i * world_size / SAMPLE) for i in range(min(SAMPLE, world_size))})
+        self._rates: tuple[float, float] | None = None
+        """This rank's own time and CPU time per step (µs) in its last block..."""
+        self._published: tuple[float, float] | None = None
+        """...and the rates it last published and compared."""
+        self._standing_out = 0
+        """Comparisons in a row in which this rank stood out (counted past ``STAND_OUT_BLOCKS``
+        without asking again, until it stops)."""
         self._lead_s = LEAD_S
         self._ready = ready
         """Set when this rank's profiler can start without stalling; rank 0 plans no window until
@@ -152,6 +184,10 @@ class Schedule:
         ):
             self._want = True
 
+    def note_block(self, own_us: float, cpu_us: float) -> None:
+        """A step block ended: its own time and CPU time per step (µs), compared with the peers'."""
+        self._rates = (own_us, cpu_us)
+
     # --- the background thread -----------------------------------------------------------------
 
     def poll(self, step: int) -> None:
@@ -176,12 +212,16 @@ class Schedule:
             if store is not None:
                 store.add(self._ready_key, 1)
             self._ready_sent = True
+        if store is not None and self.trigger_ratio:
+            self._compare(store)
         if self.rank != 0 and store is not None:
             if self._want:
                 store.add(self._req_key, 1)
                 self._want = False
-            if store.check([self._key]) and not self._adopt(int(store.get(self._key)), step):
-                store.add(self._missed_key, 1)
+            if store.check([self._key]):
+                first, _, stacks = store.get(self._key).decode().partition(":")
+                if not self._adopt(int(first), step, stacks != "0"):
+                    store.add(self._missed_key, 1)
             return
         if self.planned >= 0 and self.planned + self.window_steps > step:
             return  # a window is planned or running: requests wait for it to end, not dropped
@@ -206,25 +246,57 @@ class Schedule:
             self._lead_s = LEAD_S * 2 ** min(
                 store.add(self._missed_key, 0), int(math.log2(MAX_LEAD_S / LEAD_S))
             )
-        first = step + self._lead()
+        first, stacks = step + self._lead(), asked or follow_up or self.plans < FOLLOW_UPS
         self._last_plan = now
         if store is not None:
-            store.set(self._key, str(first))
-        self._adopt(first, step)
+            store.set(self._key, f"{first}:{int(stacks)}")
+        self._adopt(first, step, stacks)
+
+    def _compare(self, store: Any) -> None:
+        """Once a block: publish this rank's rates, (rank 0) gather the sample's, and ask for a
+        window when this rank has stood out from the others in the sample ``STAND_OUT_BLOCKS``
+        blocks in a row."""
+        rates = self._rates
+        if rates is None or rates is self._published:
+            return
+        self._published = rates
+        store.set(f"{self._rates_key}{self.rank}", f"{rates[0]:.1f},{rates[1]:.1f}")
+        keys = [f"{self._rates_key}{r}" for r in self._sample]
+        if self.rank == 0 and store.check(keys):  # every sampled rank has ended a block
+            pairs = zip(self._sample, store.multi_get(keys), strict=True)
+            store.set(self._peers_key, ";".join(f"{r}:{v.decode()}" for r, v in pairs))
+        if not store.check([self._peers_key]):
+            return
+        peers = []
+        for entry in store.get(self._peers_key).decode().split(";"):
+            r, _, v = entry.partition(":")
+            if int(r) != self.rank:
+                peers.append(tuple(map(float, v.split(","))))
+        if not peers:
+            return
+        own, cpu = (statistics.median(p[i] for p in peers) for i in (0, 1))
+        if rates[0] >= STAND_OUT_OWN * own or rates[1] >= STAND_OUT_CPU * cpu > 0:
+            self._standing_out += 1
+            if self._standing_out == STAND_OUT_BLOCKS:
+                self._want = True
+        else:
+            self._standing_out = 0
 
     def _lead(self) -> int:
         """Steps in the lead (``LEAD_S``, longer after misses) at the recent step time (at least 2)."""
         step_s = statistics.median(self._recent) / 1e9 if self._recent else LEAD_S
         return max(2, math.ceil(self._lead_s / max(step_s, 1e-6)))
 
-    def _adopt(self, first: int, step: int) -> bool:
-        """Take the plan ``first``; False if it is new and its step has passed (a miss)."""
+    def _adopt(self, first: int, step: int, stacks: bool) -> bool:
+        """Take the plan ``first`` (with Python ``stacks`` or not); False if it is new and its step
+        has passed (a miss)."""
         if first == self._seen:
             return True
         self._seen = first
         if first <= step:
             self.missed += 1
             return False
+        self.stacks = stacks  # before ``planned``: the training thread reads it once that matches
         self.planned = first
         self.plans += 1
         return True

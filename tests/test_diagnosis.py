@@ -359,6 +359,25 @@ def test_a_code_path_taken_since_mid_run_is_judged_on_the_windows_that_caught_th
     assert f.cause == "compute"
 
 
+def test_python_functions_are_judged_on_the_windows_with_stacks_operators_on_all() -> None:
+    """Periodic windows record operators only (``profiler_hook.schedule``): a code path in the one
+    window with stacks is not diluted by two without, nor is a Python function seen in one window
+    of one taken for a preempted call."""
+    data = synthetic(slow={6: {"compute_us": 1500}})
+    ops = [("op", "aten::addmm", 15, 10_000.0)]
+    common = [*ops, ("python", "train.py(10): forward", 5, 20_000.0)]
+    audit = [*common, ("python", "train.py(50): audit_gradients", 5, 7_500.0)]
+    windows = [functions_frame({r: audit if r == 6 else common for r in range(8)})]
+    for w, lo in ((1, 200), (2, 250)):
+        frame = functions_frame(
+            {r: [*ops, ("op", "aten::norm", 100, 6000.0)] if r == 6 else ops for r in range(8)}
+        )
+        windows.append(frame.assign(window=w, step_lo=lo, step_hi=lo + 5))
+    f = only(diagnose(replace(data, functions=pd.concat(windows))).findings)
+    assert (f.cause, f.ranks, f.function) == ("code_path", [6], "train.py(50): audit_gradients")
+    assert f.evidence["calls_per_step"] == 1.0 and f.evidence["peer_calls_per_step"] == 0.0
+
+
 def test_a_code_path_found_at_a_change_is_judged_on_the_windows_since_though_one_before_was_slow() -> None:
     """Rank 2 (0.96x its peers: its cores) audits its gradients from step 700: found by the change-
     point rule. A window at step 600 caught it slow by chance (a preempted forward), before the

@@ -317,13 +317,13 @@ def test_a_call_that_holds_most_of_a_window_is_an_execution_but_the_loop_around_
     """The frames open when the window starts and ends (the loop, its callers) are left out; a long
     call inside it — a garbage-collection pause taking most of a 5-step window — is kept."""
     model = torch.nn.Linear(32, 4)
-    t0 = time.time_ns()
     with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+        t0 = time.time_ns()  # after the start: a process's first one imports for ~1 s
         for step in range(5):
             model(torch.randn(8, 32)).sum().backward()
             if step == 2:
                 pause_for_garbage_collection()
-    window_ns = time.time_ns() - t0
+        window_ns = time.time_ns() - t0
     functions, _, _ = summarize(prof.profiler.kineto_results.events(), [], window_ns, max_functions=300)
     names = {f.name.rsplit(": ", 1)[-1]: f for f in functions if f.kind == "python"}
     pause = names["pause_for_garbage_collection"]
@@ -526,6 +526,68 @@ def test_a_slowdown_on_any_rank_triggers_a_window_for_all_ranks_at_once() -> Non
     clock[0] += 10
     planner.poll(planner.planned + 5)
     assert planner.plans == 3  # nothing more until window_s
+
+
+def test_windows_that_look_for_a_cause_record_stacks_and_periodic_ones_do_not_on_every_rank() -> None:
+    """Start-up, triggered and follow-up windows record Python stacks; periodic ones operators
+    only. The plan carries the choice, so ranks profile alike."""
+    clock = [0.0]
+    planner, follower = _two_ranks(30, clock)
+    got, step = [], 0
+
+    def window(request: bool = False) -> None:
+        nonlocal step
+        follower._want = request
+        for s in (follower, planner, follower):  # the request goes out, rank 0 plans, rank 1 reads
+            s.poll(step)
+        assert planner.planned == follower.planned > step
+        got.append((planner.stacks, follower.stacks))
+        step = planner.planned + 5  # the window is over
+
+    for wait_s, request in (
+        (10, False),
+        (10, False),
+        (30, False),
+        (30, False),
+        (1, True),
+        (10, False),
+        (10, False),
+        (30, False),
+    ):
+        clock[0] += wait_s
+        window(request)
+    #              start-up ×2,   periodic ×2,     triggered + 2 follow-ups,     periodic
+    assert got == [(True, True)] * 2 + [(False, False)] * 2 + [(True, True)] * 3 + [(False, False)]
+
+
+def test_a_rank_that_stands_out_from_its_peers_with_no_jump_asks_for_a_window_once_while_it_does() -> None:
+    """A rank slow since before its trigger had a history makes no jump, but its own time or CPU
+    time per step stands out from its peers' block after block (CPU time here: 1.2x)."""
+    clock = [1.0]  # no start-up window due yet
+    planner, follower = _two_ranks(3600, clock)
+    step = 0
+
+    def blocks(own: float, cpu: float, n: int) -> None:
+        nonlocal step
+        for _ in range(n):
+            step += 100
+            planner.note_block(10_000.0, 8_000.0)
+            follower.note_block(own, cpu)
+            for s in (follower, planner):  # rank 1 compares its block with the others' last
+                s.poll(step)
+
+    blocks(11_000.0, 8_500.0, 5)  # 1.1x and 1.06x: within a healthy job's spread
+    assert planner.plans == 0 and planner._requests_seen == 0
+    blocks(10_000.0, 9_600.0, 2)  # two blocks in a row: it asks, and rank 0 plans
+    assert planner._requests_seen == 1 and planner.plans == 1 and planner.stacks
+    follower.poll(step)
+    assert follower.planned == planner.planned > step and follower.stacks
+    clock[0] += 30
+    blocks(10_000.0, 9_600.0, 4)  # still standing out: no second request
+    assert planner._requests_seen == 1
+    blocks(10_000.0, 8_000.0, 1)
+    blocks(13_500.0, 8_000.0, 3)  # own time 1.35x, after it stopped standing out: asks again
+    assert planner._requests_seen == 2
 
 
 def test_a_healthy_busy_job_does_not_trigger_but_a_lasting_slowdown_does() -> None:
@@ -753,6 +815,24 @@ def test_a_window_holds_none_of_the_hooks_own_reads() -> None:
     assert not [n for n in names if "readlink" in n or "listdir" in n], names
 
 
+def test_a_window_records_python_functions_only_where_its_plan_asks_for_stacks() -> None:
+    sink = _ListSink()
+    hook = Hook(Config(heartbeat_s=60), Identity(rank=0, local_rank=0, world_size=1, host="h"), sink)
+    x = torch.ones(64, 64)
+    for stacks in (False, True):
+        hook.schedule.stacks, hook.schedule.planned = stacks, hook.step_num + 2
+        for _ in range(8):
+            with hook.step():
+                x = torch.tanh(x @ x)
+        for t in hook._summarizers:
+            t.join(30)
+    hook.close(timeout=30)
+    wins = [r for r in map(decode, sink.got) if isinstance(r, WindowSummary)]
+    kinds = [{f.kind for f in w.functions} for w in sorted(wins, key=lambda w: w.window)]
+    assert len(kinds) == 2 and all("op" in k for k in kinds), kinds
+    assert not kinds[0] & {"python", "pylib"} and kinds[1] & {"python", "pylib"}, kinds
+
+
 def test_pausing_inside_a_window_ends_the_window() -> None:
     """A window open when the hook pauses is dropped, not left profiling (with stacks) until resume."""
     sink = _ListSink()
@@ -903,9 +983,10 @@ def test_hook_in_spawned_gloo_ranks(tmp_path: Path) -> None:
         assert all(row.n_coll == row.n_steps and row.comm_us > 0 for row in rows)  # an all-reduce a step
         wins = [r for r in rs if isinstance(r, WindowSummary)]
         windows[rank] = [(w.window, w.step_lo, w.step_hi) for w in wins]
-        for w in wins:
+        for i, w in enumerate(sorted(wins, key=lambda w: w.window)):
             kinds = {f.kind for f in w.functions}
-            assert {"op", "python", "collective", "dataloader"} <= kinds
+            assert {"op", "collective", "dataloader"} <= kinds
+            assert i >= 2 or "python" in kinds  # stacks: the first two windows (and triggered ones)
             # gloo's annotation of each all-reduce is communication, not an operator of the model.
             assert {f.kind for f in w.functions if f.name.startswith("gloo:")} == {"collective"}
             assert len(json.dumps([list(f) for f in w.functions])) < 100_000  # the per-window budget
