@@ -29,8 +29,9 @@ summarizing thread and the shipper included; heartbeats (every 5 s) go on in pau
 ``overhead_pct`` is the ratio of the time per step working vs. paused, over all pairs (windows
 come every ``window_s`` of working time, as they would), with ``ci95_pct`` its 95% bootstrap
 interval over pairs; ``median_pair_pct`` is the median over pairs of each pair's ratio, which
-leaves out the windows of the pairs that had none. ``step_us`` (the always-on work per step) and
-``window_ms`` (one window) are measured alone in one process. The volume figures come from
+leaves out the windows of the pairs that had none. ``step_us`` (the always-on work per step),
+``window_ms`` (one periodic window) and ``stacked_window_ms`` (one with Python stacks: the first
+two of a job, and triggered ones) are measured alone in one process. The volume figures come from
 ``--volume-s`` seconds of uninterrupted training after the pairs (each pause closes a step row
 early, so the alternating blocks ship more rows than a job does).
 
@@ -269,8 +270,9 @@ def components(width: int, reps: int = 5) -> dict[str, float]:
     """The hook's two costs measured alone, in one process.
 
     ``step_us``: the always-on work of one step (begin/end, a data fetch, one tracked collective).
-    ``window_ms``: one default window on the benchmark's model: profiler start, the extra time of
-    its steps, stop, and summarizing (median of ``reps`` windows).
+    ``window_ms``: one periodic window on the benchmark's model: profiler start, the extra time of
+    its steps, stop, and summarizing (median of ``reps`` windows); ``stacked_window_ms``: one that
+    records Python stacks (the first two and triggered ones), alternating with the periodic ones.
     """
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -302,21 +304,26 @@ def components(width: int, reps: int = 5) -> dict[str, float]:
 
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # as attach sets it: no lines per window
     steps, cfg = Config().window_steps, Config()
-    costs = []
+    costs: dict[bool, list[float]] = {False: [], True: []}
     for _ in range(reps + 1):
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            train_step()
-        plain = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        prof: Any = profile(activities=[ProfilerActivity.CPU], with_stack=cfg.with_stack)
-        prof.start()
-        for _ in range(steps):
-            train_step()
-        prof.stop()
-        summarize(prof.profiler.kineto_results.events(), [], int(1e9), cfg.max_functions)
-        costs.append(time.perf_counter() - t0 - plain)
-    return {"step_us": round(step_us, 2), "window_ms": round(1e3 * statistics.median(costs[1:]), 2)}
+        for stacks in costs:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                train_step()
+            plain = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            prof: Any = profile(activities=[ProfilerActivity.CPU], with_stack=stacks and cfg.with_stack)
+            prof.start()
+            for _ in range(steps):
+                train_step()
+            prof.stop()
+            summarize(prof.profiler.kineto_results.events(), [], int(1e9), cfg.max_functions)
+            costs[stacks].append(time.perf_counter() - t0 - plain)
+    return {
+        "step_us": round(step_us, 2),
+        "window_ms": round(1e3 * statistics.median(costs[False][1:]), 2),
+        "stacked_window_ms": round(1e3 * statistics.median(costs[True][1:]), 2),
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -362,8 +369,8 @@ def main(argv: list[str] | None = None) -> dict:
         if cfg.window_s
         else "none"
     )
-    print(f"\nalways-on work per step: {parts['step_us']} us; one window: {parts['window_ms']} ms "
-          f"({share} of a rank's time)")  # fmt: skip
+    print(f"\nalways-on work per step: {parts['step_us']} us; one periodic window: {parts['window_ms']} ms "
+          f"({share} of a rank's time); one with Python stacks: {parts['stacked_window_ms']} ms")  # fmt: skip
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=2))
     return result

@@ -39,4 +39,4 @@ def test_a_short_in_run_ab_of_a_ddp_job_reports_every_figure(tmp_path: Path) -> 
     low, high = row["ci95_pct"]
     assert low <= row["overhead_pct"] <= high
     assert 0 < row["always_on_kb_per_min"] < 100  # step rows and heartbeats of the uninterrupted tail
-    assert result["step_us"] > 0 and result["window_ms"] > 0
+    assert result["step_us"] > 0 and result["window_ms"] > 0 and result["stacked_window_ms"] > 0
