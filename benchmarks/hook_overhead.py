@@ -250,12 +250,14 @@ def _volume(spool: Path, tail: list[float]) -> dict[str, float]:
     uninterrupted ``tail`` (its start and end, epoch seconds), and per window over the run."""
     always: dict[int, int] = defaultdict(int)
     windows: list[int] = []
+    stacked = 0
     start_us, end_us = (int(t * 1e6) for t in tail)
     for f in spool.rglob("*.jsonl"):
         for line in f.read_bytes().splitlines():
             rec = decode(line)
             if rec.TYPE == "window":
                 windows.append(len(line) + 1)
+                stacked += any(fn.kind in ("python", "pylib") for fn in rec.functions)
             elif rec.TYPE in ("steps", "heartbeat") and start_us <= rec.time_us <= end_us:
                 always[rec.rank] += len(line) + 1
     minutes = (end_us - start_us) / 60e6
@@ -263,6 +265,7 @@ def _volume(spool: Path, tail: list[float]) -> dict[str, float]:
         "always_on_kb_per_min": round(max(always.values(), default=0) / minutes / 1e3, 1),
         "window_kb": round(max(windows) / 1e3, 1) if windows else 0.0,
         "windows": len(windows) // WORLD,
+        "stacked_windows": stacked // WORLD,
     }
 
 
@@ -359,7 +362,8 @@ def main(argv: list[str] | None = None) -> dict:
         "seconds": round(time.perf_counter() - t0, 1),
     }
     cols = ["loop", "off_ms_per_step", "on_ms_per_step", "overhead_pct", "ci95_pct", "median_pair_pct",
-            "pairs", "windows", "window_job_ms", "always_on_kb_per_min", "window_kb", "dropped"]  # fmt: skip
+            "pairs", "windows", "stacked_windows", "window_job_ms", "always_on_kb_per_min", "window_kb",
+            "dropped"]  # fmt: skip
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for r in rows:
