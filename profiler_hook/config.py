@@ -45,10 +45,11 @@ class Config:
     """A rank with no progress for this long is stalled: its heartbeat carries its Python stack."""
     window_s: float = 30.0
     """A profiling window starts about every this many seconds, at a step every rank agrees on
-    (0: never profile, not even when triggered); the first two come 10 and 20 s after start-up. One
-    window costs a 2-rank DDP job with a core per rank 30-75 ms (``benchmarks.hook_overhead``), so
-    30 s keeps windows at 0.1-0.25% of the job's time, and a slowdown too small to trigger one
-    (below) is still profiled within 30 s of its start."""
+    (0: never profile, not even when triggered); the first two come 10 and 20 s after start-up. A
+    periodic window (no Python stacks: ``with_stack``) cost a 2-rank DDP job with a core per rank
+    ~10 ms, within the steps' noise (``benchmarks.hook_overhead``; with stacks, 45-75 ms), so 30 s
+    keeps windows under 0.1% of the job's time, and a slowdown too small to trigger one (below)
+    is still profiled within 30 s of its start."""
     window_steps: int = 5
     """Steps profiled in each window."""
     trigger_ratio: float = 1.2
