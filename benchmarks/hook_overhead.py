@@ -57,7 +57,7 @@ from profiler_hook.config import Config, Identity
 from profiler_hook.hook import Hook
 from profiler_hook.sinks import NullSink
 from rankscope.workload import free_port
-from wire.records import decode
+from wire.records import WindowSummary, decode
 
 WORLD = 2
 
@@ -255,7 +255,7 @@ def _volume(spool: Path, tail: list[float]) -> dict[str, float]:
     for f in spool.rglob("*.jsonl"):
         for line in f.read_bytes().splitlines():
             rec = decode(line)
-            if rec.TYPE == "window":
+            if isinstance(rec, WindowSummary):
                 windows.append(len(line) + 1)
                 stacked += any(fn.kind in ("python", "pylib") for fn in rec.functions)
             elif rec.TYPE in ("steps", "heartbeat") and start_us <= rec.time_us <= end_us:

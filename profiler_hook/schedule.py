@@ -62,6 +62,8 @@ LEAD_STEPS = 20
 TRIGGER_COOLDOWN_S = 10.0
 """After a triggered window, requests for this long are dropped: the slowdown is being profiled."""
 FOLLOW_UPS = 2
+"""Windows planned after a triggered one, ``TRIGGER_COOLDOWN_S`` apart: a finding needs a slowdown
+seen in more than one window, and the trigger stops firing once the slow steps fill its history."""
 SAMPLE = 32
 """Ranks whose rates rank 0 gathers (evenly spread): each rank compares itself with their median,
 so at any scale rank 0 reads this many keys a block, and every rank one."""
@@ -74,8 +76,6 @@ under torchrun, which also evaluates), CPU time 1.06x; a device 1.5x slower show
 CPU time, 1.23-1.31x in own time, and triggered no jump."""
 STAND_OUT_BLOCKS = 2
 """Blocks in a row a rank must stand out in before it asks for a window (once, until it stops)."""
-"""Windows planned after a triggered one, ``TRIGGER_COOLDOWN_S`` apart: a finding needs a slowdown
-seen in more than one window, and the trigger stops firing once the slow steps fill its history."""
 
 
 def default_store() -> Any:
@@ -125,6 +125,7 @@ class Schedule:
         """This rank's own time and CPU time per step (µs) in its last block..."""
         self._published: tuple[float, float] | None = None
         """...and the rates it last published and compared."""
+        self._compare_warned = False
         self._standing_out = 0
         """Comparisons in a row in which this rank stood out (counted past ``STAND_OUT_BLOCKS``
         without asking again, until it stops)."""
@@ -213,7 +214,12 @@ class Schedule:
                 store.add(self._ready_key, 1)
             self._ready_sent = True
         if store is not None and self.trigger_ratio:
-            self._compare(store)
+            try:
+                self._compare(store)
+            except Exception as exc:  # windows are planned without it
+                if not self._compare_warned:
+                    self._compare_warned = True
+                    log.warning("rankscope: ranks' rates not compared (%s: %s)", type(exc).__name__, exc)
         if self.rank != 0 and store is not None:
             if self._want:
                 store.add(self._req_key, 1)
@@ -263,7 +269,8 @@ class Schedule:
         store.set(f"{self._rates_key}{self.rank}", f"{rates[0]:.1f},{rates[1]:.1f}")
         keys = [f"{self._rates_key}{r}" for r in self._sample]
         if self.rank == 0 and store.check(keys):  # every sampled rank has ended a block
-            pairs = zip(self._sample, store.multi_get(keys), strict=True)
+            values = store.multi_get(keys) if hasattr(store, "multi_get") else [store.get(k) for k in keys]
+            pairs = zip(self._sample, values, strict=True)
             store.set(self._peers_key, ";".join(f"{r}:{v.decode()}" for r, v in pairs))
         if not store.check([self._peers_key]):
             return

@@ -590,6 +590,27 @@ def test_a_rank_that_stands_out_from_its_peers_with_no_jump_asks_for_a_window_on
     assert planner._requests_seen == 2
 
 
+def test_ranks_compare_their_rates_through_a_store_without_multi_get() -> None:
+    """An older torch's store has no ``multi_get``: rank 0 reads the sample's keys one by one."""
+
+    class OldStore:
+        def __init__(self, store: torch.distributed.Store) -> None:
+            self.set, self.get, self.check, self.add = store.set, store.get, store.check, store.add
+
+    store = OldStore(torch.distributed.HashStore())
+    planner, follower = (
+        Schedule(window_s=3600, window_steps=5, trigger_ratio=1.5, rank=r, world_size=2, job="j",
+                 store=lambda: store, clock=lambda: 1.0)
+        for r in (0, 1)
+    )  # fmt: skip
+    for step in (100, 200, 300):
+        planner.note_block(10_000.0, 8_000.0)
+        follower.note_block(10_000.0, 9_600.0)
+        for s in (follower, planner):
+            s.poll(step)
+    assert not follower._compare_warned and planner._requests_seen == 1 and planner.plans == 1
+
+
 def test_a_healthy_busy_job_does_not_trigger_but_a_lasting_slowdown_does() -> None:
     """Replays a healthy 2-rank DDP job's steps recorded on 2 shared cores (the first 5,000, ~20 s):
     runs of 20-50 steps at 2-3x come and go, on which a trigger on the last 20 steps' median fired
