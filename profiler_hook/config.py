@@ -61,8 +61,8 @@ class Config:
     job 1.26x, under the 1.5x this was before, and got one window in 30 s after it began."""
     with_stack: bool = True
     """Record Python functions (by call stack) in the profiling windows that look for a cause: the
-    first two, and those a slowdown or a rank standing out from its peers triggers, with their
-    follow-ups. Periodic windows record operators only: stacks took ~35 of the 45-75 ms a window
+    first two, those a slowdown or a rank standing out from its peers triggers, with their
+    follow-ups, and every window while a rank stands out. Other windows record operators only: stacks took ~35 of the 45-75 ms a window
     cost a 2-rank DDP job at ~110 ms a step (``benchmarks.hook_overhead``)."""
     max_functions: int = 300
     """At most this many function patterns per window (the largest by total time are kept)."""

@@ -16,10 +16,11 @@ step block (~2 s, ``profiler_hook.blocks``) each rank publishes its own time and
 step; rank 0 gathers those of up to ``SAMPLE`` ranks into one key, and each rank compares itself
 with the median of the others there.
 
-Python stacks are recorded in the windows that look for a cause: the first two, and those a
-slowdown triggers with their follow-ups. Periodic windows record operators only: stacks more than
-double a window's events, and were more than half of what a window cost a 2-rank DDP job; the
-plan carries the choice, so every rank profiles the same way.
+Python stacks are recorded in the windows that look for a cause: the first two, those a slowdown
+triggers with their follow-ups, and every window while a rank stands out (a rank found at a change
+is attributed from the windows since). Other periodic windows record operators only: stacks more
+than double a window's events, and were more than half of what a window cost a 2-rank DDP job;
+the plan carries the choice, so every rank profiles the same way.
 """
 
 from __future__ import annotations
@@ -120,6 +121,8 @@ class Schedule:
         self._ready_key = f"rankscope/{job}/ready"
         self._missed_key = f"rankscope/{job}/missed"
         self._rates_key, self._peers_key = f"rankscope/{job}/rates/", f"rankscope/{job}/peer_rates"
+        self._standing_key = f"rankscope/{job}/standing_out"
+        """How many ranks stand out now: while any does, every window records stacks."""
         self._sample = sorted({int(i * world_size / SAMPLE) for i in range(min(SAMPLE, world_size))})
         self._rates: tuple[float, float] | None = None
         """This rank's own time and CPU time per step (µs) in its last block..."""
@@ -252,7 +255,8 @@ class Schedule:
             self._lead_s = LEAD_S * 2 ** min(
                 store.add(self._missed_key, 0), int(math.log2(MAX_LEAD_S / LEAD_S))
             )
-        first, stacks = step + self._lead(), asked or follow_up or self.plans < FOLLOW_UPS
+        standing = store is not None and store.add(self._standing_key, 0) > 0
+        first, stacks = step + self._lead(), asked or follow_up or standing or self.plans < FOLLOW_UPS
         self._last_plan = now
         if store is not None:
             store.set(self._key, f"{first}:{int(stacks)}")
@@ -286,7 +290,10 @@ class Schedule:
             self._standing_out += 1
             if self._standing_out == STAND_OUT_BLOCKS:
                 self._want = True
+                store.add(self._standing_key, 1)
         else:
+            if self._standing_out >= STAND_OUT_BLOCKS:
+                store.add(self._standing_key, -1)
             self._standing_out = 0
 
     def _lead(self) -> int:

@@ -582,10 +582,17 @@ def test_a_rank_that_stands_out_from_its_peers_with_no_jump_asks_for_a_window_on
     assert planner._requests_seen == 1 and planner.plans == 1 and planner.stacks
     follower.poll(step)
     assert follower.planned == planner.planned > step and follower.stacks
-    clock[0] += 30
-    blocks(10_000.0, 9_600.0, 4)  # still standing out: no second request
-    assert planner._requests_seen == 1
+    for _ in range(2):  # the two follow-ups, 10 s apart; it still stands out: no second request
+        clock[0] += 10
+        blocks(10_000.0, 9_600.0, 1)
+    assert planner.plans == 3 and planner._requests_seen == 1
+    clock[0] += 3600
+    blocks(10_000.0, 9_600.0, 1)
+    assert planner.plans == 4 and planner.stacks  # a periodic window, with stacks while it stands out
     blocks(10_000.0, 8_000.0, 1)
+    clock[0] += 3600
+    blocks(10_000.0, 8_000.0, 1)
+    assert planner.plans == 5 and not planner.stacks  # no rank stands out: operators only
     blocks(13_500.0, 8_000.0, 3)  # own time 1.35x, after it stopped standing out: asks again
     assert planner._requests_seen == 2
 
