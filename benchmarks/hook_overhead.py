@@ -31,7 +31,7 @@ come every ``window_s`` of working time, as they would), with ``ci95_pct`` its 9
 interval over pairs; ``median_pair_pct`` is the median over pairs of each pair's ratio, which
 leaves out the windows of the pairs that had none. ``step_us`` (the always-on work per step),
 ``window_ms`` (one periodic window) and ``stacked_window_ms`` (one with Python stacks: the first
-two of a job, and triggered ones) are measured alone in one process. The volume figures come from
+two of a job, triggered ones, and all while a rank stands out) are measured alone in one process. The volume figures come from
 ``--volume-s`` seconds of uninterrupted training after the pairs (each pause closes a step row
 early, so the alternating blocks ship more rows than a job does).
 
@@ -53,6 +53,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from diagnosis.functions import PYTHON_KINDS
 from profiler_hook.config import Config, Identity
 from profiler_hook.hook import Hook
 from profiler_hook.sinks import NullSink
@@ -257,7 +258,7 @@ def _volume(spool: Path, tail: list[float]) -> dict[str, float]:
             rec = decode(line)
             if isinstance(rec, WindowSummary):
                 windows.append(len(line) + 1)
-                stacked += any(fn.kind in ("python", "pylib") for fn in rec.functions)
+                stacked += any(fn.kind in PYTHON_KINDS for fn in rec.functions)
             elif rec.TYPE in ("steps", "heartbeat") and start_us <= rec.time_us <= end_us:
                 always[rec.rank] += len(line) + 1
     minutes = (end_us - start_us) / 60e6
@@ -275,7 +276,7 @@ def components(width: int, reps: int = 5) -> dict[str, float]:
     ``step_us``: the always-on work of one step (begin/end, a data fetch, one tracked collective).
     ``window_ms``: one periodic window on the benchmark's model: profiler start, the extra time of
     its steps, stop, and summarizing (median of ``reps`` windows); ``stacked_window_ms``: one that
-    records Python stacks (the first two and triggered ones), alternating with the periodic ones.
+    records Python stacks (those that look for a cause), alternating with the periodic ones.
     """
     import torch
     from torch.profiler import ProfilerActivity, profile

@@ -125,8 +125,8 @@ def compare(functions: pd.DataFrame, rank: int, peers: list[int]) -> list[Functi
     f = functions[functions["rank"].isin([rank, *peers])]
     windows = set(f.loc[f["rank"] == rank, "window"])
     f = f[f["window"].isin(windows)]
-    # Python functions are compared over the windows that recorded stacks (start-up and triggered
-    # ones: ``profiler_hook.schedule``), everything else over all windows.
+    # Python functions are compared over the windows that recorded stacks (those that look for a
+    # cause: ``profiler_hook.schedule``), everything else over all windows.
     python = f["kind"].isin(PYTHON_KINDS)
     stacked = set(f.loc[python & (f["rank"] == rank), "window"])
     f = f[~python | f["window"].isin(stacked)]

@@ -62,8 +62,9 @@ class Config:
     with_stack: bool = True
     """Record Python functions (by call stack) in the profiling windows that look for a cause: the
     first two, those a slowdown or a rank standing out from its peers triggers, with their
-    follow-ups, and every window while a rank stands out. Other windows record operators only: stacks took ~35 of the 45-75 ms a window
-    cost a 2-rank DDP job at ~110 ms a step (``benchmarks.hook_overhead``)."""
+    follow-ups, and every window while a rank stands out. Other windows record operators only:
+    stacks took ~35 of the 45-75 ms a window cost a 2-rank DDP job at ~110 ms a step
+    (``benchmarks.hook_overhead``)."""
     max_functions: int = 300
     """At most this many function patterns per window (the largest by total time are kept)."""
     patch_collectives: bool = True

@@ -112,7 +112,7 @@ class Schedule:
         self.planned = -1
         """The step the next window starts at (-1: none); the training thread compares against it."""
         self.stacks = True
-        """Whether that window records Python stacks (start-up and triggered windows: see above)."""
+        """Whether that window records Python stacks (windows that look for a cause: see above)."""
         self.plans = 0
         self.missed = 0
         """Windows this rank learnt of only after their step had passed."""
