@@ -3,6 +3,7 @@
     python -m benchmarks.hook_overhead [--pairs 240] [--block-s 0.5] [--start-s 25] [--width 3072]
                                        [--loops ddp,manual] [--volume-s 60] [--json PATH]
                                        [--hook KEY=VALUE ...]
+    python -m benchmarks.hook_overhead --pool RUN.json [RUN.json ...]
 
 Each loop shape runs as one 2-rank gloo job on this machine's cores, each rank on its own core
 where there are enough (the hook's threads then share their rank's core: the worst case for the
@@ -29,11 +30,17 @@ summarizing thread and the shipper included; heartbeats (every 5 s) go on in pau
 ``overhead_pct`` is the ratio of the time per step working vs. paused, over all pairs (windows
 come every ``window_s`` of working time, as they would), with ``ci95_pct`` its 95% bootstrap
 interval over pairs; ``median_pair_pct`` is the median over pairs of each pair's ratio, which
-leaves out the windows of the pairs that had none. ``step_us`` (the always-on work per step),
-``window_ms`` (one periodic window) and ``stacked_window_ms`` (one with Python stacks: the first
-two of a job, triggered ones, and all while a rank stands out) are measured alone in one process. The volume figures come from
+leaves out the windows of the pairs that had none, with ``median_ci95_pct`` its own interval.
+``step_us`` (the always-on work per step), ``window_ms`` (one periodic window) and
+``stacked_window_ms`` (one with Python stacks: the first two of a job, triggered ones, and all
+while a rank stands out) are measured alone in one process. The volume figures come from
 ``--volume-s`` seconds of uninterrupted training after the pairs (each pause closes a step row
 early, so the alternating blocks ship more rows than a job does).
+
+One run's pairs vary by 3-9% each (steps' jitter on shared cores), so a run of 240 pairs gives
+the median to about ±0.5 points. ``--pool`` reads the ``--json`` of several runs and prints
+their pairs' figures pooled per loop shape (``pair_s``: each pair's working and paused seconds
+and steps), running nothing.
 
 ``--hook KEY=VALUE`` (repeatable) sets a hook option away from its default, to find where the cost
 is (``--hook window_s=0``: no windows; ``--hook enable=false``: an A/A run); the figures to report
@@ -202,32 +209,45 @@ def in_run(loop: str, args: argparse.Namespace, options: dict) -> dict[str, Any]
         )
         ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(WORLD)]
         volume = _volume(Path(spool), ranks[0]["tail"])
-    # The job runs at its slowest rank's pace: per pair, the slowest rank's block times, per step.
-    pairs = args.pairs
-    on = [max(r["rows"][i]["on_s"] for r in ranks) for i in range(pairs)]
-    off = [max(r["rows"][i]["off_s"] for r in ranks) for i in range(pairs)]
-    on_steps = [ranks[0]["rows"][i]["on_steps"] for i in range(pairs)]
-    off_steps = [ranks[0]["rows"][i]["off_steps"] for i in range(pairs)]
-    on_step = [t / n for t, n in zip(on, on_steps, strict=True)]
-    off_step = [t / n for t, n in zip(off, off_steps, strict=True)]
+    # The job runs at its slowest rank's pace: per pair, the slowest rank's block times.
+    pairs = [
+        [
+            max(r["rows"][i]["on_s"] for r in ranks),
+            ranks[0]["rows"][i]["on_steps"],
+            max(r["rows"][i]["off_s"] for r in ranks),
+            ranks[0]["rows"][i]["off_steps"],
+        ]
+        for i in range(args.pairs)
+    ]
     return {
         "loop": loop,
         "width": args.width,
-        "pairs": pairs,
-        "steps_per_block": off_steps[0],
-        "off_ms_per_step": round(1e3 * sum(off) / sum(off_steps), 3),
-        "on_ms_per_step": round(1e3 * sum(on) / sum(on_steps), 3),
-        "overhead_pct": round(_pct(on, on_steps, off, off_steps, range(pairs)), 3),
-        "ci95_pct": _bootstrap(on, on_steps, off, off_steps),
-        "median_pair_pct": round(
-            (statistics.median(a / b for a, b in zip(on_step, off_step, strict=True)) - 1) * 100, 3
-        ),
-        "pair_pct": [round((a / b - 1) * 100, 2) for a, b in zip(on_step, off_step, strict=True)],
+        "steps_per_block": pairs[0][3],
+        **_figures(pairs),
+        "pair_s": pairs,
         "dropped": sum(r["dropped"] for r in ranks),
         "window_job_ms": round(1e3 * statistics.median(w), 1)
         if (w := [c for r in ranks for c in r["windows"]])
         else 0.0,
         **volume,
+    }
+
+
+def _figures(pairs: list[list]) -> dict[str, Any]:
+    """The A/B's figures from its pairs, each ``[on_s, on_steps, off_s, off_steps]``: the time per
+    step paused and working, the overall ratio with its 95% interval, and the median of the pairs'
+    ratios (the issue's measure) with its own."""
+    on, on_steps, off, off_steps = (list(col) for col in zip(*pairs, strict=True))
+    ratios = [(a / n) / (b / m) for a, n, b, m in pairs]
+    return {
+        "pairs": len(pairs),
+        "off_ms_per_step": round(1e3 * sum(off) / sum(off_steps), 3),
+        "on_ms_per_step": round(1e3 * sum(on) / sum(on_steps), 3),
+        "overhead_pct": round(_pct(on, on_steps, off, off_steps, range(len(pairs))), 3),
+        "ci95_pct": _bootstrap(on, on_steps, off, off_steps),
+        "median_pair_pct": round((statistics.median(ratios) - 1) * 100, 3),
+        "median_ci95_pct": _median_interval(ratios),
+        "pair_pct": [round((r - 1) * 100, 2) for r in ratios],
     }
 
 
@@ -244,6 +264,24 @@ def _bootstrap(
     rng, idx = random.Random(0), range(len(on))
     ratios = sorted(_pct(on, on_steps, off, off_steps, rng.choices(idx, k=len(on))) for _ in range(n))
     return [round(ratios[int(0.025 * n)], 2), round(ratios[int(0.975 * n)], 2)]
+
+
+def _median_interval(ratios: list[float], n: int = 2000) -> list[float]:
+    """The 95% interval of the median of the pairs' ratios (in %), resampling pairs."""
+    rng = random.Random(0)
+    meds = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(n))
+    return [round((meds[int(0.025 * n)] - 1) * 100, 2), round((meds[int(0.975 * n)] - 1) * 100, 2)]
+
+
+def pool(paths: list[str]) -> list[dict[str, Any]]:
+    """Earlier runs' pairs (their ``--json``), pooled per loop shape: one row each, as a run's."""
+    by_loop: dict[str, list] = defaultdict(list)
+    for path in paths:
+        for row in json.loads(Path(path).read_text())["rows"]:
+            if "pair_s" not in row:
+                raise SystemExit(f"--pool {path}: its rows have no pair_s (written by an older version)")
+            by_loop[row["loop"]] += row["pair_s"]
+    return [{"loop": loop, **_figures(pairs)} for loop, pairs in by_loop.items()]
 
 
 def _volume(spool: Path, tail: list[float]) -> dict[str, float]:
@@ -346,7 +384,18 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument(
         "--hook", action="append", default=[], metavar="KEY=VALUE", help="a hook option off its default"
     )
+    p.add_argument(
+        "--pool",
+        nargs="+",
+        metavar="JSON",
+        help="print earlier runs' pairs pooled per loop shape; run nothing",
+    )
     a = p.parse_args(argv)
+    if a.pool:
+        pooled = pool(a.pool)
+        _table(pooled, ["loop", "pairs", "off_ms_per_step", "on_ms_per_step", "overhead_pct", "ci95_pct",
+                        "median_pair_pct", "median_ci95_pct"])  # fmt: skip
+        return {"benchmark": "hook_overhead", "pooled": a.pool, "rows": pooled}
     options = dict(_option(o) for o in a.hook)
     t0 = time.perf_counter()
     rows = [in_run(loop, a, options) for loop in a.loops.split(",")]
@@ -362,13 +411,9 @@ def main(argv: list[str] | None = None) -> dict:
         "rows": rows,
         "seconds": round(time.perf_counter() - t0, 1),
     }
-    cols = ["loop", "off_ms_per_step", "on_ms_per_step", "overhead_pct", "ci95_pct", "median_pair_pct",
-            "pairs", "windows", "stacked_windows", "window_job_ms", "always_on_kb_per_min", "window_kb",
-            "dropped"]  # fmt: skip
-    print("| " + " | ".join(cols) + " |")
-    print("|" + "---|" * len(cols))
-    for r in rows:
-        print("| " + " | ".join(str(r[c]) for c in cols) + " |")
+    _table(rows, ["loop", "off_ms_per_step", "on_ms_per_step", "overhead_pct", "ci95_pct", "median_pair_pct",
+                  "median_ci95_pct", "pairs", "windows", "stacked_windows", "window_job_ms",
+                  "always_on_kb_per_min", "window_kb", "dropped"])  # fmt: skip
     share = (
         f"every {cfg.window_s:.0f} s: {parts['window_ms'] / 10 / cfg.window_s:.3f}%"
         if cfg.window_s
@@ -379,6 +424,13 @@ def main(argv: list[str] | None = None) -> dict:
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=2))
     return result
+
+
+def _table(rows: list[dict[str, Any]], cols: list[str]) -> None:
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for r in rows:
+        print("| " + " | ".join(str(r[c]) for c in cols) + " |")
 
 
 def _option(text: str) -> tuple[str, Any]:

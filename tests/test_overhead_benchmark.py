@@ -25,6 +25,27 @@ def test_the_interval_resamples_pairs_around_the_overall_ratio_per_step() -> Non
     assert low >= -1.0 and high <= 4.0  # within the pairs' own extremes per step
 
 
+def test_runs_pool_their_pairs_per_loop_shape_with_an_interval_for_the_median(tmp_path: Path) -> None:
+    def run(name: str, ddp: list[list], manual: list[list]) -> str:
+        rows = [{"loop": "ddp", "pair_s": ddp}, {"loop": "manual", "pair_s": manual}]
+        (path := tmp_path / name).write_text(json.dumps({"rows": rows}))
+        return str(path)
+
+    # ddp's working blocks are 1%, 2%, 3% ... 6% slower per step than their paused partners.
+    a = run("a.json", [[1.01, 10, 1.0, 10], [2.04, 20, 1.0, 10], [1.03, 10, 1.0, 10]], [[1.0, 10, 1.0, 10]])
+    b = run("b.json", [[1.04, 10, 1.0, 10], [1.05, 10, 1.0, 10], [1.06, 10, 1.0, 10]], [[0.99, 10, 1.0, 10]])
+    ddp, manual = hook_overhead.main(["--pool", a, b])["rows"]
+    assert (ddp["loop"], ddp["pairs"], manual["pairs"]) == ("ddp", 6, 2)
+    assert ddp["median_pair_pct"] == pytest.approx(3.5)
+    low, high = ddp["median_ci95_pct"]
+    assert 1.0 <= low <= 3.5 <= high <= 6.0
+    assert ddp["overhead_pct"] == pytest.approx((7.23 / 70 / 0.1 - 1) * 100, abs=1e-3)
+    assert manual["median_pair_pct"] == pytest.approx(-0.5)
+    (tmp_path / "old.json").write_text(json.dumps({"rows": [{"loop": "ddp", "pair_pct": [1.0]}]}))
+    with pytest.raises(SystemExit, match="no pair_s"):
+        hook_overhead.main(["--pool", str(tmp_path / "old.json")])
+
+
 @pytest.mark.timeout(240)
 def test_a_short_in_run_ab_of_a_ddp_job_reports_every_figure(tmp_path: Path) -> None:
     out = tmp_path / "overhead.json"
@@ -38,5 +59,7 @@ def test_a_short_in_run_ab_of_a_ddp_job_reports_every_figure(tmp_path: Path) -> 
     assert row["off_ms_per_step"] > 0 and row["on_ms_per_step"] > 0
     low, high = row["ci95_pct"]
     assert low <= row["overhead_pct"] <= high
+    low, high = row["median_ci95_pct"]
+    assert low <= row["median_pair_pct"] <= high and len(row["pair_s"]) == 2
     assert 0 < row["always_on_kb_per_min"] < 100  # step rows and heartbeats of the uninterrupted tail
     assert result["step_us"] > 0 and result["window_ms"] > 0 and result["stacked_window_ms"] > 0
