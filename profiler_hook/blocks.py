@@ -31,12 +31,18 @@ class StepBlocks:
     """Sums finished steps into :class:`StepRow` blocks; the closed ones wait in ``rows``."""
 
     def __init__(
-        self, block_s: float, usage: Callable[[], tuple[int, int, int] | None] = lambda: (0, 0, 0)
+        self,
+        block_s: float,
+        usage: Callable[[], tuple[int, int, int] | None] = lambda: (0, 0, 0),
+        uncounted: Callable[[], int] = lambda: 0,
     ) -> None:
         self.block_s = block_s
         self._usage = usage
         """Cumulative CPU µs, involuntary context switches and run-queue wait µs, read when a block
         ends (None: not readable now; the block gets none)."""
+        self._uncounted = uncounted
+        """The collectives launched since it was last called that the steps did not count (those
+        launched from C++ outside the tracked paths), read when a block ends."""
         self._base = usage() or (0, 0, 0)
         self.length = 1
         """Steps per block now: a power of two."""
@@ -89,6 +95,7 @@ class StepBlocks:
         if b is None:
             return
         step, start, dur, data, comm, n_coll, first_sum, first_n, n, comm_wait, waited = b
+        n_coll += self._uncounted()
         first = first_sum // first_n if first_n else -1
         if waited > 0:
             self._wait_share = comm_wait / waited

@@ -123,10 +123,10 @@ class Sync:
             seq, counted = self._seq(), self.tracker.counted.get(self.group, 0)
             if seq is None:  # count each synchronization as one collective
                 seq = self.last + 1
-            # Collectives on this group since the last pass, less those the wrappers counted.
+            # Collectives on this group since the last pass, less those counted by another path.
             launched = max(0, (seq - self.last) - (counted - self.counted))
-            self.last, self.counted = seq, counted
             self.call = self.tracker.sync(self.group, seq, launched, self.nbytes, now)
+            self.last, self.counted = seq, self.tracker.counted.get(self.group, 0)  # ours included
             self.engine.queue_callback(self._synchronized)
         except Exception:  # tracking must never fail the backward pass
             self.call = None

@@ -90,7 +90,7 @@ class Hook:
         self._wait = ThreadWait()
         """The training thread's run-queue wait (see ``StepRow.wait_us``)."""
         self._cpu_clock = _cpu_clock(self._training_thread)
-        self._blocks = StepBlocks(cfg.step_block_s, self._step_usage)
+        self._blocks = StepBlocks(cfg.step_block_s, self._step_usage, self._uncounted)
         self._last_flush = time.perf_counter()
         self._mark_ns = time.perf_counter_ns()
         self._epoch_offset_ns = time.time_ns() - self._mark_ns
@@ -334,6 +334,8 @@ class Hook:
         except Exception as exc:  # a torch built without distributed, say: training goes on
             parts.append(f"torch.distributed calls: not tracked ({type(exc).__name__}: {exc})")
         parts.append("DDP per backward pass" if ddp.patch(self.tracker) else "DDP: not tracked (unavailable)")
+        if self.tracker.active:
+            parts.append("other collectives: counted by c10d, not timed")
         backend = _backend()
         if backend == "nccl":
             parts.append("nccl: waits as the CPU sees them")
@@ -354,6 +356,16 @@ class Hook:
             return _usage(self._wait, self._cpu_clock)
         except OSError:  # the training thread has ended
             return None
+
+    def _uncounted(self) -> int:
+        """Collectives launched from C++ outside the tracked paths since the last block."""
+        if not self.tracker.active:
+            return 0
+        try:
+            return self.tracker.catch_up()
+        except Exception as exc:
+            self._fail("counting the collectives c10d numbered", exc)
+            return 0
 
     def _flush_steps(self) -> None:
         if rows := self._blocks.take():

@@ -122,14 +122,26 @@ class Watchdog:
         age = (now - last) / 1e9
         call = self._tracker.oldest_inflight()
         stalled = age >= self._stall_s
+        seqs = self._tracker.seqs()
+        group, op, seq = (call.group, call.op, call.seq) if call else ("", "", -1)
+        if call is not None and call.blocking:
+            # The thread is inside it, the last it launched: its number is c10d's, where c10d counted
+            # collectives launched from C++ since the last catch-up that the tracker numbered too low.
+            seq = max(seq, seqs.get(group, 0))
+        elif call is None and stalled:
+            # No tracked call: a stalled rank waits in the last collective launched from C++ (a
+            # functional collective's wait, say), the one c10d numbered past the tracker's count.
+            ahead = [(g, n) for g, n in seqs.items() if n > self._tracker.last_seq.get(g, 0)]
+            if ahead:
+                (group, seq), op = max(ahead, key=lambda gn: gn[1]), "c10d"
         return self._make(
             step=step,
             progress_age_s=round(age, 3),
-            coll_group=call.group if call else "",
-            coll_op=call.op if call else "",
-            coll_seq=call.seq if call else -1,
-            coll_age_s=round((now - call.enter_ns) / 1e9, 3) if call else 0.0,
-            last_seq=dict(self._tracker.last_seq),
+            coll_group=group,
+            coll_op=op,
+            coll_seq=seq,
+            coll_age_s=round((now - call.enter_ns) / 1e9 if call else age if seq >= 0 else 0.0, 3),
+            last_seq=seqs,
             stack=main_stack(self._main) if stalled else "",
             samples=self.sampler.take(),
             sends=self.links.read(),

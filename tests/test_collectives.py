@@ -1,19 +1,24 @@
-"""Every collective a real job issues is seen always-on: DDP's (launched from C++), FSDP2's and plain
-calls, in spawned multi-rank gloo jobs, with the wait on the rank that waits."""
+"""Every collective a real job issues is seen always-on: DDP's (launched from C++), FSDP's, FSDP2's and
+plain calls, in spawned multi-rank gloo jobs, with the wait on the rank that waits; tensor
+parallelism's, launched from C++ by functional collectives, counted and numbered."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import statistics
+import time
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import profiler_hook
+from diagnosis.hangs import HangSettings, find
 from rankscope.workload import Fault, JobSpec, free_port, launch
 from tests.test_hook import _records
 from wire.records import Heartbeat, StepBatch
@@ -69,9 +74,15 @@ def _user_hook_job(rank: int, port: int, spool: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
     hook = profiler_hook.attach(job="userhook", spool_dir=spool, rank=rank, world_size=2, window_s=0)
+    world = dist.distributed_c10d._get_default_group()
+    attached_seq = world._get_sequence_number_for_group()
     torch.manual_seed(0)
     model = DDP(torch.nn.Linear(64, 8))
-    built_seq = dist.distributed_c10d._get_default_group()._get_sequence_number_for_group()
+    throwaway = DDP(torch.nn.Linear(4, 4))
+    watched = len(hook.tracker.on_patch)
+    del throwaway
+    gc.collect()
+    built_seq = world._get_sequence_number_for_group()
     calls = []
 
     # Unannotated: DDP checks annotations against its types, and this module's are strings.
@@ -88,17 +99,11 @@ def _user_hook_job(rank: int, port: int, spool: str, out: str) -> None:
             model.zero_grad()
             model(x).sum().backward()
     grad = model.module.weight.grad
-    c10d_seq = dist.distributed_c10d._get_default_group()._get_sequence_number_for_group()
+    c10d_seq = world._get_sequence_number_for_group()
     seq = hook.tracker.last_seq.get("world", 0)
-    throwaway = DDP(torch.nn.Linear(4, 4))
-    watched = len(hook.tracker.on_patch)
-    del throwaway
-    gc.collect()
-    hook.pause()
-    hook.resume()  # forgets the model that is gone
     with open(f"{out}/rank{rank}", "w") as f:
         f.write(f"{len(calls)} {seq - c10d_seq} {float(grad[0, 0]):.4f} {c10d_seq - built_seq}")
-        f.write(f" {watched} {len(hook.tracker.on_patch)}")
+        f.write(f" {watched} {len(hook.tracker.on_patch)} {c10d_seq - attached_seq}")
     hook.close()
     dist.destroy_process_group()
 
@@ -113,13 +118,93 @@ def test_a_users_own_ddp_comm_hook_still_runs_and_its_collectives_are_tracked(tm
     # shows); the gradient is the average over ranks of x = 1 and x = 2 summed over 4 rows: 6.0.
     assert got[0][:3] == got[1][:3] == ["10", "0", "6.0000"]
     # Each collective counted once: the hook's all-reduces by their wrapper, not again as DDP's, and
-    # the broadcasts DDP issues from C++ when it rebuilds its buckets after the first step; the three
-    # paused steps' all-reduces not at all.
-    assert got[0][4:] == got[1][4:] == ["2", "1"], got  # a DDP model that is gone is not kept
-    launched = int(got[0][3])
-    assert launched == 10 + 2, got  # DDP's rebuild broadcasts the bucket sizes and indices
+    # the broadcasts DDP issues from C++ when it rebuilds its buckets after the first step, and when
+    # it is built (before the first step: counted in it); the three paused steps' all-reduces not at
+    # all.
+    assert got[0][4:6] == got[1][4:6] == ["2", "1"], got  # a DDP model that is gone is not kept
+    assert int(got[0][3]) == 10 + 2, got  # DDP's rebuild broadcasts the bucket sizes and indices
+    launched = int(got[0][6])
+    assert launched > 10 + 2, got  # and the models' construction broadcast them
     for rank, recs in _records(tmp_path, "userhook").items():
         rows = [row for x in recs if isinstance(x, StepBatch) for row in x.rows]
         assert sum(row.n_steps for row in rows) == 7, (rank, rows)
         assert sum(row.n_coll for row in rows) == launched - 3, (rank, rows)
         assert all(row.comm_us > 0 for row in rows), (rank, rows)
+
+
+STUCK_AT = 12
+"""The tensor-parallel step rank 1 is stuck in for 3 s, before the all-reduce rank 0 waits in."""
+
+
+def _launched_from_cxx_job(rank: int, port: int, spool: str, out: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    hook = profiler_hook.attach(
+        job="cxx", spool_dir=spool, rank=rank, world_size=2, window_s=0, step_block_s=0, flush_s=0.5,
+        heartbeat_s=0.2, stall_s=1.0,
+    )  # fmt: skip
+    torch.manual_seed(0)  # tensor parallelism: both ranks take the same batch
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}  # the forward ends in an all-reduce
+    tp, x = parallelize_module(model, init_device_mesh("cpu", (2,)), plan), torch.randn(4, 32)
+    world = dist.distributed_c10d._get_default_group()
+    seqs = []
+    for step in range(20):
+        with hook.step():
+            if step == STUCK_AT and rank == 1:
+                time.sleep(3)
+            seqs.append(world._get_sequence_number_for_group())
+            tp(x).sum().backward()
+            if step == 15:  # a process group's own method, as a C++ extension would call it
+                world.allreduce([torch.ones(2)]).wait()
+    fsdp = FSDP(torch.nn.Linear(32, 32), device_id=torch.device("cpu"))
+    for _ in range(10):
+        with hook.step():
+            fsdp(x).sum().backward()
+    seqs.append(world._get_sequence_number_for_group())
+    Path(out, f"rank{rank}").write_text(" ".join(map(str, seqs)))
+    hook.close()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_collectives_launched_from_cxx_are_counted_numbered_and_name_the_rank_a_hang_waits_for(
+    tmp_path: Path,
+) -> None:
+    """Tensor parallelism (DTensor's functional collectives, launched from C++), then FSDP."""
+    mp.start_processes(
+        _launched_from_cxx_job,
+        args=(free_port(), str(tmp_path), str(tmp_path)),
+        nprocs=2,
+        start_method="spawn",
+    )
+    recs = _records(tmp_path, "cxx")
+    seqs = [[int(n) for n in (tmp_path / f"rank{r}").read_text().split()] for r in (0, 1)]
+    assert seqs[0] == seqs[1]
+    for rank, rs in recs.items():
+        rows = {row.step: row for x in rs if isinstance(x, StepBatch) for row in x.rows}
+        assert sorted(rows) == list(range(30))
+        # One all-reduce a tensor-parallel step, counted in its step, not timed (after step 0,
+        # which also counts the device mesh's set-up), and step 15's own.
+        assert [rows[s].n_coll for s in range(1, 20)] == [2 if s == 15 else 1 for s in range(1, 20)], rank
+        assert all(rows[s].comm_us == 0 for s in range(20))
+        # FSDP's gathers and reduce-scatters pass the wrapped functions: counted and timed.
+        fsdp = [rows[s] for s in range(21, 30)]
+        assert sum(r.n_coll for r in fsdp) + rows[20].n_coll == seqs[0][-1] - seqs[0][19] - 1
+        assert all(r.n_coll >= 2 and r.comm_us > 0 for r in fsdp), fsdp
+        last = [x for x in rs if isinstance(x, Heartbeat)][-1]
+        assert last.last_seq == {"world": seqs[0][-1]}, rank  # c10d's numbers, on every rank
+    # Stuck, rank 1 never launched the all-reduce numbered after its last; rank 0 waits in it.
+    waiting = [x for x in recs[0] if isinstance(x, Heartbeat) and x.coll_op == "c10d"]
+    assert waiting and {(x.coll_group, x.coll_seq) for x in waiting} == {("world", seqs[0][STUCK_AT] + 1)}
+    stuck = max((x for x in recs[1] if isinstance(x, Heartbeat)), key=lambda x: x.progress_age_s)
+    assert stuck.progress_age_s >= 2.0 and stuck.last_seq["world"] == seqs[1][STUCK_AT]
+    hang = find(
+        pd.DataFrame([dataclasses.asdict(x) for x in (waiting[-1], stuck)]), HangSettings(stall_s=1.0)
+    )
+    assert hang is not None and (hang.ranks, hang.seq) == ([1], seqs[0][STUCK_AT] + 1), hang

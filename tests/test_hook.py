@@ -798,7 +798,9 @@ def test_the_rank_record_says_what_collective_tracking_covers() -> None:
         Hook(Config(window_s=0, heartbeat_s=60, patch_collectives=patch), ident, sink).close(timeout=30)
         got[patch] = [r.coverage for r in map(decode, sink.got) if isinstance(r, RankInfo)]
     assert got == {
-        True: ["torch.distributed calls; DDP per backward pass"],
+        True: [
+            "torch.distributed calls; DDP per backward pass; other collectives: counted by c10d, not timed"
+        ],
         False: ["off (patch_collectives=False)"],
     }
 
@@ -821,7 +823,10 @@ print([r.coverage for r in map(decode, sink.got) if isinstance(r, RankInfo)])
     out = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
     )
-    said = "torch.distributed calls; DDP per backward pass; backend fake: untested (counts and waits as the CPU sees them)"
+    said = (
+        "torch.distributed calls; DDP per backward pass; other collectives: counted by c10d, not timed; "
+        "backend fake: untested (counts and waits as the CPU sees them)"
+    )
     assert out.stdout.strip() == repr([said]), out
     assert out.stderr.count("rankscope: collective tracking: " + said) == 1, out.stderr
 
