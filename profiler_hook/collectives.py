@@ -21,7 +21,6 @@ its 2,000-entry ring holds the GIL for ~30 ms.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import threading
@@ -139,12 +138,9 @@ class CollectiveTracker:
     last_exit_ns: int = 0
     active: bool = False
     """Patched: measuring (False while the hook is paused or closed)."""
-    on_patch: list[Any] = field(default_factory=list)
-    """Weak references to what is called whenever measuring (re)starts, e.g. to skip what happened
-    while paused (weak: a model that is gone needs no call)."""
     counted: dict[str, int] = field(default_factory=dict)
-    """Per group, the collectives counted so far by any path: the wrapped functions, DDP's
-    synchronizations and :meth:`catch_up` (never reset)."""
+    """Per group, the collectives counted so far: by the wrapped functions and by :meth:`catch_up`
+    (never reset)."""
     _c10d: dict[str, tuple[int, int]] = field(default_factory=dict)
     """Per group, c10d's sequence number and ``counted`` at the last :meth:`catch_up` (or patch)."""
     steps: int = 0
@@ -193,14 +189,13 @@ class CollectiveTracker:
         self.counted[group] = self.counted.get(group, 0) + 1
         return call
 
-    def sync(self, group: str, seq: int, launched: int, nbytes: int, now: int) -> CollectiveCall:
-        """The training thread starts waiting for collectives launched from C++ (DDP's buckets), the
-        last numbered ``seq``; ``launched`` of them were not counted by the wrappers. It waits as in a
-        blocking call, and this wait supersedes the last asynchronous call's (a user's DDP hook's)."""
+    def sync(self, group: str, nbytes: int, now: int) -> CollectiveCall:
+        """The training thread starts waiting for collectives launched from C++ (DDP's buckets),
+        counted and numbered at the block's end by :meth:`catch_up` (heartbeats number the call as
+        c10d does). It waits as in a blocking call, and this wait supersedes the last asynchronous
+        call's (a user's DDP hook's)."""
+        seq = self.last_seq.get(group, 0)
         call = CollectiveCall(group, "all_reduce", seq, nbytes, now, enter_wait_ns=self._wait_mark())
-        self.last_seq[group] = max(self.last_seq.get(group, 0), seq)
-        self.step_count += launched
-        self.counted[group] = self.counted.get(group, 0) + launched
         if self.step_first_enter_ns < 0:
             self.step_first_enter_ns = now
         if self.step_last_async is not None and self.step_last_async.group == group:
@@ -315,13 +310,8 @@ class CollectiveTracker:
             if getattr(dist, op, None) is original:
                 setattr(dist, op, wrapped)
         self.active = True
-        for ref in list(self.on_patch):
-            if (resync := ref()) is None:  # its model is gone
-                self.on_patch.remove(ref)
-                continue
-            with contextlib.suppress(Exception):
-                resync()
-        # What was launched until now belongs to no step, and numbering goes on from c10d's.
+        # What was launched until now (or while paused) belongs to no step; numbering goes on from
+        # c10d's.
         for group, seq in c10d_seqs().items():
             self._c10d[group] = (seq, self.counted.get(group, 0))
             with self._lock:

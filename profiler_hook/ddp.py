@@ -8,27 +8,27 @@ there waits for all of them. So, per backward pass, two engine callbacks around 
 - a hook on the gradient of two of the model's parameters (the first and the last: one of them is
   computed in any step that uses the model) queues the first callback; queued before DDP's
   finalizer, it runs when the backward pass's own work has ended (all buckets launched: the rank's
-  arrival at the synchronization) and reads the process group's sequence number, which c10d
-  advances in C++ for every collective it launches — DDP's buckets included;
+  arrival at the synchronization);
 - that callback queues a second one, which runs after DDP's finalizer: the buckets are complete.
 
 The time between the two is what the backward pass waited (for the last rank, and the transfer).
-The sequence number gives the number of collectives DDP launched (those the wrapped Python calls
-did not count) and numbers them as Flight Recorder does. Per step that is three Python calls, where
+The buckets are counted and numbered as every collective launched from C++ is, from c10d's
+sequence number at each step block's end (:meth:`CollectiveTracker.catch_up`): not read here,
+where it cost ~17 µs a step inside a training step. Per step that is three Python calls, where
 a communication hook makes one per bucket and adds a division and a copy of every bucket, which
 DDP's C++ path fuses away (measured: a Python hook costs +2–4% at 12 ms steps; `benchmarks`).
 
 A user's own communication hook (fp16 compression, PowerSGD) is untouched; its ``torch.distributed``
 calls are tracked by the wrapped functions, and the wait is measured here as for DDP's own.
 On NCCL, ``finalize_backward`` makes the compute stream wait rather than the CPU, so the wait it
-measures is the CPU's only; counts and sequence numbers are exact on every backend.
+measures is the CPU's only; counts and sequence numbers are exact on every backend that numbers
+its collectives (gloo, NCCL).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-import weakref
 from typing import Any
 
 from .collectives import CollectiveCall, CollectiveTracker, group_name
@@ -79,32 +79,16 @@ class Sync:
         params = [p for p in model.module.parameters() if p.requires_grad]
         if not params:
             return
-        self.tracker, self.pg = tracker, model.process_group
-        self.group = group_name(self.pg)
+        self.tracker = tracker
+        self.group = group_name(model.process_group)
         self.nbytes = sum(p.numel() * p.element_size() for p in params)
         self.engine = torch.autograd.Variable._execution_engine
         self.armed = -1
         """The tracker's step count when a callback was queued for this backward pass (-1: none);
         a pass that raised never runs its callbacks, so the next step arms again."""
         self.call: CollectiveCall | None = None
-        # DDP's construction broadcast the model from C++: numbering starts where c10d's is.
-        self.resync()
-        tracker.on_patch.append(weakref.WeakMethod(self.resync))  # the hooks below keep self alive
         for p in {id(p): p for p in (params[0], params[-1])}.values():
             p.register_hook(self._grad_ready)
-
-    def _seq(self) -> int | None:
-        """c10d's sequence number of the group: its collectives so far (None: a backend without one)."""
-        try:
-            return int(self.pg._get_sequence_number_for_group())
-        except Exception:
-            return None
-
-    def resync(self) -> None:
-        """Collectives while the tracker was unpatched belong to no step: start counting from now."""
-        self.last = self._seq() or 0
-        self.counted = self.tracker.counted.get(self.group, 0)
-        self.tracker.last_seq[self.group] = max(self.tracker.last_seq.get(self.group, 0), self.last)
 
     def _grad_ready(self, grad: Any) -> None:
         if self.armed == self.tracker.steps or not self.tracker.active:
@@ -119,14 +103,7 @@ class Sync:
         """Before DDP's finalizer: every bucket launched."""
         self.armed = -1  # the pass's hooks have all run: the next pass arms again
         try:
-            now = time.perf_counter_ns()
-            seq, counted = self._seq(), self.tracker.counted.get(self.group, 0)
-            if seq is None:  # count each synchronization as one collective
-                seq = self.last + 1
-            # Collectives on this group since the last pass, less those counted by another path.
-            launched = max(0, (seq - self.last) - (counted - self.counted))
-            self.call = self.tracker.sync(self.group, seq, launched, self.nbytes, now)
-            self.last, self.counted = seq, self.tracker.counted.get(self.group, 0)  # ours included
+            self.call = self.tracker.sync(self.group, self.nbytes, time.perf_counter_ns())
             self.engine.queue_callback(self._synchronized)
         except Exception:  # tracking must never fail the backward pass
             self.call = None

@@ -5,7 +5,6 @@ parallelism's, launched from C++ by functional collectives, counted and numbered
 from __future__ import annotations
 
 import dataclasses
-import gc
 import os
 import statistics
 import time
@@ -78,10 +77,6 @@ def _user_hook_job(rank: int, port: int, spool: str, out: str) -> None:
     attached_seq = world._get_sequence_number_for_group()
     torch.manual_seed(0)
     model = DDP(torch.nn.Linear(64, 8))
-    throwaway = DDP(torch.nn.Linear(4, 4))
-    watched = len(hook.tracker.on_patch)
-    del throwaway
-    gc.collect()
     built_seq = world._get_sequence_number_for_group()
     calls = []
 
@@ -103,7 +98,7 @@ def _user_hook_job(rank: int, port: int, spool: str, out: str) -> None:
     seq = hook.tracker.last_seq.get("world", 0)
     with open(f"{out}/rank{rank}", "w") as f:
         f.write(f"{len(calls)} {seq - c10d_seq} {float(grad[0, 0]):.4f} {c10d_seq - built_seq}")
-        f.write(f" {watched} {len(hook.tracker.on_patch)} {c10d_seq - attached_seq}")
+        f.write(f" {c10d_seq - attached_seq}")
     hook.close()
     dist.destroy_process_group()
 
@@ -121,10 +116,9 @@ def test_a_users_own_ddp_comm_hook_still_runs_and_its_collectives_are_tracked(tm
     # the broadcasts DDP issues from C++ when it rebuilds its buckets after the first step, and when
     # it is built (before the first step: counted in it); the three paused steps' all-reduces not at
     # all.
-    assert got[0][4:6] == got[1][4:6] == ["2", "1"], got  # a DDP model that is gone is not kept
     assert int(got[0][3]) == 10 + 2, got  # DDP's rebuild broadcasts the bucket sizes and indices
-    launched = int(got[0][6])
-    assert launched > 10 + 2, got  # and the models' construction broadcast them
+    launched = int(got[0][4])
+    assert launched > 10 + 2, got  # and its construction broadcast the model
     for rank, recs in _records(tmp_path, "userhook").items():
         rows = [row for x in recs if isinstance(x, StepBatch) for row in x.rows]
         assert sum(row.n_steps for row in rows) == 7, (rank, rows)
