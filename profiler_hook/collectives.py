@@ -23,11 +23,14 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 WAIT_EVERY_NS = 100_000_000
 """The training thread's run-queue wait is read at the collectives of one step in every 100 ms
@@ -92,9 +95,10 @@ def group_name(group: Any) -> str:
     return str(getattr(group, "group_name", "") or id(group))
 
 
-def c10d_seqs() -> dict[str, int]:
-    """c10d's sequence number of every process group this rank belongs to (those whose backend has
-    none are left out): the collectives launched on the group so far, from Python or C++ alike."""
+def c10d_seqs(unnumbered: set[str] | None = None) -> dict[str, int]:
+    """c10d's sequence number of every process group this rank belongs to: the collectives launched
+    on the group so far, from Python or C++ alike. Groups whose backend has none are left out, and
+    named in ``unnumbered``."""
     try:
         from torch.distributed import distributed_c10d
 
@@ -106,8 +110,9 @@ def c10d_seqs() -> dict[str, int]:
     for pg in groups:
         try:
             seqs[group_name(pg)] = int(pg._get_sequence_number_for_group())
-        except Exception:  # a backend without sequence numbers
-            continue
+        except Exception:
+            if unnumbered is not None:
+                unnumbered.add(group_name(pg))
     return seqs
 
 
@@ -143,6 +148,8 @@ class CollectiveTracker:
     (never reset)."""
     _c10d: dict[str, tuple[int, int]] = field(default_factory=dict)
     """Per group, c10d's sequence number and ``counted`` at the last :meth:`catch_up` (or patch)."""
+    _unnumbered: set[str] = field(default_factory=set)
+    """Groups c10d does not number, already logged."""
     steps: int = 0
     """Steps taken (``take_step`` calls)."""
     # Per-step accumulators, reset by take_step().
@@ -207,8 +214,16 @@ class CollectiveTracker:
         """Count the collectives launched on each process group since the last call that no other
         path counted (see the module's docstring), number them as c10d does, and return how many.
         Once per step block: c10d's number costs ~17 µs a read inside a training step."""
-        extra = 0
-        for group, seq in c10d_seqs().items():
+        extra, unnumbered = 0, set[str]()
+        seqs = c10d_seqs(unnumbered)
+        if unnumbered - self._unnumbered:
+            self._unnumbered |= unnumbered
+            log.warning(
+                "rankscope: process groups %s have no sequence numbers (backend without them): "
+                "collectives launched on them from C++ are not counted",
+                sorted(unnumbered),
+            )
+        for group, seq in seqs.items():
             counted = self.counted.get(group, 0)
             base_seq, base_counted = self._c10d.get(group, (0, 0))  # a group new since: all of it
             if (n := (seq - base_seq) - (counted - base_counted)) > 0:

@@ -806,6 +806,8 @@ def test_the_rank_record_says_what_collective_tracking_covers() -> None:
 
 
 def test_an_untested_backend_is_said_once_in_the_log_and_in_the_rank_record() -> None:
+    """Also a backend without sequence numbers: its groups are named once in the log, and the
+    steps go on with the collectives launched from C++ on them uncounted."""
     script = """
 import logging, torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -817,8 +819,12 @@ from wire.records import RankInfo, decode
 logging.basicConfig(level=logging.WARNING, format="%(message)s")
 dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
 sink = _ListSink()
-Hook(Config(window_s=0, heartbeat_s=60), Identity(rank=0, local_rank=0, world_size=2, host="h"), sink).close()
-print([r.coverage for r in map(decode, sink.got) if isinstance(r, RankInfo)])
+hook = Hook(Config(window_s=0, heartbeat_s=60, step_block_s=0), Identity(rank=0, local_rank=0, world_size=2, host="h"), sink)
+for _ in range(3):  # each step ends a block, which counts the collectives c10d numbered
+    with hook.step():
+        pass
+hook.close()
+print([r.coverage for r in map(decode, sink.got) if isinstance(r, RankInfo)], hook.failures)
 """
     out = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
@@ -827,8 +833,10 @@ print([r.coverage for r in map(decode, sink.got) if isinstance(r, RankInfo)])
         "torch.distributed calls; DDP per backward pass; other collectives: counted by c10d, not timed; "
         "backend fake: untested (counts and waits as the CPU sees them)"
     )
-    assert out.stdout.strip() == repr([said]), out
+    assert out.stdout.strip() == f"{[said]!r} 0", out
     assert out.stderr.count("rankscope: collective tracking: " + said) == 1, out.stderr
+    unnumbered = "rankscope: process groups ['world'] have no sequence numbers (backend without them)"
+    assert out.stderr.count(unnumbered) == 1, out.stderr
 
 
 def test_a_window_holds_none_of_the_hooks_own_reads() -> None:
