@@ -6,13 +6,14 @@ the first number a rank never entered names the rank a hang waits for. Unlike Fl
 this state is always shipped (on heartbeats), not dumped only at the watchdog timeout.
 
 Tracking wraps the public ``torch.distributed`` collective functions, which is where plain calls,
-FSDP and FSDP2 (``fully_shard``) pass; DDP's gradient all-reduces, launched from C++, are counted and
-timed once per backward pass by :mod:`profiler_hook.ddp`. A blocking call is timed by its wrapper;
+FSDP and FSDP2 (``fully_shard``) pass; DDP's gradient all-reduces, launched from C++, are timed
+once per backward pass by :mod:`profiler_hook.ddp`. A blocking call is timed by its wrapper;
 an asynchronous one (``async_op=True``) by its work's future, which on gloo completes when the
-collective has finished. Every other collective — launched from C++ by functional collectives
-(tensor parallelism's DTensor), by ``ProcessGroup`` methods called directly or by
-an extension — is counted and numbered, not timed, from c10d's own per-group sequence number, which
-every collective launched on a group advances: the step rows count them once per block
+collective has finished. Every other collective — DDP's, and those launched from C++ by
+functional collectives (tensor parallelism's DTensor), by ``ProcessGroup`` methods called directly
+or by an extension — is counted and numbered (only DDP's also timed) from c10d's own per-group
+sequence number, which every collective launched on a group advances: the step rows count them
+once per block
 (:meth:`CollectiveTracker.catch_up`), and heartbeats report c10d's numbers (:func:`c10d_seqs`), so
 a rank that never launched the collective its peers wait in is named whatever launched it.
 Flight Recorder itself is not read always-on: on gloo it has no completion times, and one dump of
