@@ -193,12 +193,21 @@ def test_collectives_launched_from_cxx_are_counted_numbered_and_name_the_rank_a_
         assert all(r.n_coll >= 2 and r.comm_us > 0 for r in fsdp), fsdp
         last = [x for x in rs if isinstance(x, Heartbeat)][-1]
         assert last.last_seq == {"world": seqs[0][-1]}, rank  # c10d's numbers, on every rank
+
     # Stuck, rank 1 never launched the all-reduce numbered after its last; rank 0 waits in it.
-    waiting = [x for x in recs[0] if isinstance(x, Heartbeat) and x.coll_op == "c10d"]
+    def stalled(rank: int) -> list[Heartbeat]:
+        return [
+            x
+            for x in recs[rank]
+            if isinstance(x, Heartbeat) and x.step == STUCK_AT - 1 and x.progress_age_s >= 1.0
+        ]
+
+    waiting = [x for x in stalled(0) if x.coll_op == "c10d"]
     assert waiting and {(x.coll_group, x.coll_seq) for x in waiting} == {("world", seqs[0][STUCK_AT] + 1)}
-    stuck = max((x for x in recs[1] if isinstance(x, Heartbeat)), key=lambda x: x.progress_age_s)
-    assert stuck.progress_age_s >= 2.0 and stuck.last_seq["world"] == seqs[1][STUCK_AT]
+    # Until it wakes up and launches it (its last heartbeats of the step may come after that).
+    stuck = [x for x in stalled(1) if x.last_seq["world"] == seqs[1][STUCK_AT]]
+    assert stuck and stuck[-1].progress_age_s >= 2.0 and stuck[-1].coll_seq == -1, stalled(1)
     hang = find(
-        pd.DataFrame([dataclasses.asdict(x) for x in (waiting[-1], stuck)]), HangSettings(stall_s=1.0)
+        pd.DataFrame([dataclasses.asdict(x) for x in (waiting[-1], stuck[-1])]), HangSettings(stall_s=1.0)
     )
     assert hang is not None and (hang.ranks, hang.seq) == ([1], seqs[0][STUCK_AT] + 1), hang
