@@ -326,12 +326,7 @@ class CollectiveTracker:
             if getattr(dist, op, None) is original:
                 setattr(dist, op, wrapped)
         self.active = True
-        # What was launched until now (or while paused) belongs to no step; numbering goes on from
-        # c10d's.
-        for group, seq in c10d_seqs().items():
-            self._c10d[group] = (seq, self.counted.get(group, 0))
-            with self._lock:
-                self.last_seq[group] = max(self.last_seq.get(group, 0), seq)
+        self.catch_up()  # what was launched until now (or while paused) belongs to no step
 
     def unpatch(self) -> None:
         import torch.distributed as dist
