@@ -13,8 +13,15 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
 import pandas as pd
 
+from wire.records import CUT_KIND
+
+CUT_MARGIN = 4.0
+"""A function whose median call times its calls in a culprit's window is within this factor of the
+largest function a peer's window left out may have been left out there (the culprit's calls may be
+slower than the peers'). Left out, a window's functions took 10-14 µs on the demo's 4 ranks."""
 MAX_PEERS = 32
 """Peers compared against (evenly spread over the rest): enough for a stable median at any scale."""
 WORK_KINDS = ("op", "kernel", "memcpy")
@@ -132,25 +139,56 @@ def compare(functions: pd.DataFrame, rank: int, peers: list[int]) -> list[Functi
     f = f[~python | f["window"].isin(stacked)]
     if f.empty:
         return []
-    steps = (f["step_hi"] - f["step_lo"]).clip(lower=1)
-    f = f.assign(us=f["total_us"] / steps, n=f["count"] / steps)
     n_windows = f.groupby("rank")["window"].nunique()
     n_stacked = f[f["window"].isin(stacked)].groupby("rank")["window"].nunique()
-    per = f.groupby(["rank", "kind", "name", "stack"])[["us", "n"]].sum()
-    ranks, kinds = per.index.get_level_values("rank"), per.index.get_level_values("kind")
-    of = ranks.map(n_stacked).where(kinds.isin(PYTHON_KINDS), ranks.map(n_windows))
-    per = per.div(of.to_numpy(), axis=0)
-    wide = per.unstack("rank", fill_value=0.0)
     present_peers = [p for p in peers if p in n_windows.index]
     if rank not in n_windows.index or not present_peers:
         return []
-    us, n = wide["us"], wide["n"]
+    # A window that left functions out (``cut``: those below the ``max_functions`` largest) kept
+    # none that took less than the largest it left out. A function the culprit runs that small,
+    # without the calls that held it up (its median call), may have run in the windows that lack it:
+    # there it is averaged over the windows that know (those it is in, and those that left nothing
+    # out). Counted absent, it made a rank look like it runs a library function the others do not
+    # (``isinstance``, a context manager's ``__exit__``: a few microseconds a step, left out on every
+    # rank but one where a call was preempted for milliseconds). A larger one would have been kept.
+    is_cut = f["kind"] == CUT_KIND
+    cuts = f.loc[is_cut, ["rank", "window", "max_us"]]
+    f = f[~is_cut]
+    steps = (f["step_hi"] - f["step_lo"]).clip(lower=1)
+    cut = pd.MultiIndex.from_frame(cuts[["rank", "window"]])
+    f = f.assign(
+        us=f["total_us"] / steps,
+        n=f["count"] / steps,
+        in_cut=pd.MultiIndex.from_frame(f[["rank", "window"]]).isin(cut).astype(float),
+    )
+    key = ["kind", "name", "stack"]
+    wide = f.groupby(["rank", *key])[["us", "n", "in_cut"]].sum().unstack("rank", fill_value=0.0)
+    cols = wide["us"].columns
+    python = wide.index.get_level_values("kind").isin(PYTHON_KINDS)
+
+    def per_kind(python_value: pd.Series, other: pd.Series) -> np.ndarray:
+        """Per row of ``wide`` and rank: ``python_value`` on Python functions, else ``other``."""
+        py, rest = (v.reindex(cols, fill_value=0).to_numpy() for v in (python_value, other))
+        return np.where(python[:, None], py, rest)
+
+    n_cut = cuts.groupby("rank").size()
+    n_cut_stacked = cuts[cuts["window"].isin(stacked)].groupby("rank").size()
+    known = per_kind(n_stacked, n_windows)
+    own = f[f["rank"] == rank]
+    typical = (own["count"] * own["p50_us"]).groupby([own[k] for k in key]).mean().reindex(wide.index)
+    floor = cuts.loc[cuts["rank"].isin(present_peers), "max_us"].max() if not cuts.empty else 0.0
+    hidden = (typical <= CUT_MARGIN * floor).to_numpy()[:, None]
+    known = np.where(hidden, known - per_kind(n_cut_stacked, n_cut) + wide["in_cut"].to_numpy(), known)
+    known = pd.DataFrame(known, index=wide.index, columns=cols)
+    known = known.where(known > 0)  # NaN: no window of that rank knows whether it ran
+    us, n = wide["us"] / known, wide["n"] / known
     out = pd.DataFrame(
         {
             "rank_us": us[rank],
-            "peer_us": us[present_peers].median(axis=1),
+            # A function every peer left out took less than what they kept: next to nothing.
+            "peer_us": us[present_peers].median(axis=1).fillna(0.0),
             "rank_n": n[rank],
-            "peer_n": n[present_peers].median(axis=1),
+            "peer_n": n[present_peers].median(axis=1),  # NaN where no peer knows: never "extra"
         }
     )
     out = out[out["rank_us"] > out["peer_us"]]
@@ -226,7 +264,8 @@ def _callers(frames: Iterable[tuple[str, str]]) -> dict[tuple[str, str], set[str
 def top_extra(excess: list[FunctionExcess]) -> FunctionExcess | None:
     """The costliest function only the culprit runs (or runs more often), the job's own Python
     functions first, then library Python functions, then operators."""
-    extra = [e for e in excess if e.extra and e.kind != "collective"]
+    # A collective is no code path of the culprit's own; the run-queue wait's count is threads, not calls.
+    extra = [e for e in excess if e.extra and e.kind not in ("collective", "sched")]
     if not extra:
         return None
     best = max(e.excess_us for e in extra)

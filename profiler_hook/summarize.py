@@ -19,7 +19,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable
 from typing import Any
 
-from wire.records import FunctionPattern
+from wire.records import CUT_KIND, FunctionPattern
 
 from .collectives import CollectiveCall
 
@@ -268,4 +268,31 @@ def summarize(
     window = max(window_ns, 1)
     fractions = {k: round(min(1.0, _union_ns(v) / window), 4) for k, v in busy.items()}
     fractions["idle"] = round(max(0.0, 1.0 - _union_ns([i for v in busy.values() for i in v]) / window), 4)
-    return patterns[:max_functions], fractions, n
+    return _cut(patterns, max_functions), fractions, n
+
+
+def _cut(patterns: list[FunctionPattern], max_functions: int) -> list[FunctionPattern]:
+    """The ``max_functions`` largest ``patterns`` (sorted largest first), and, where some were left
+    out, one more of kind ``cut`` that says how many and how large: a function missing from the
+    window may have run there, below what was kept (the diagnosis then does not count it absent)."""
+    if len(patterns) <= max_functions:
+        return patterns
+    left = patterns[max_functions:]
+    total, largest = sum(p.total_us for p in left), left[0].total_us
+    mean = total / len(left)
+    cut = FunctionPattern(
+        kind=CUT_KIND,
+        name="left_out@window",
+        stack="",
+        count=len(left),
+        total_us=round(total, 1),
+        mean_us=round(mean, 2),
+        p50_us=round(left[len(left) // 2].total_us, 2),
+        p90_us=round(left[len(left) // 10].total_us, 2),
+        max_us=largest,
+        cv=0.0,
+        interval_us=0.0,
+        interval_cv=0.0,
+        nbytes=0,
+    )
+    return [*patterns[:max_functions], cut]

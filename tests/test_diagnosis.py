@@ -100,6 +100,8 @@ def functions_frame(per_rank: dict[int, list[tuple]]) -> pd.DataFrame:
             "count": c,
             "total_us": t,
             "mean_us": t / c,
+            "p50_us": t / c,
+            "max_us": t / c,
         }
         for r, fs in per_rank.items()
         for k, n, c, t, *stack in fs
@@ -441,6 +443,41 @@ def test_a_built_in_that_no_code_path_holds_is_where_a_slower_rank_lost_the_cpu_
     assert (f.cause, f.ranks, f.function) == ("code_path", [6], "train.py(60): check_grads")
 
 
+def test_a_function_the_peers_windows_left_out_may_have_run_there_and_makes_no_code_path() -> None:
+    """Rank 6's device is slower. In its window a context manager's ``__exit__`` that every rank
+    runs once a step took 2.4 ms (one call preempted; the median call 2 µs); the peers' windows, at
+    their ``max_functions``, left it out with the rest of their smallest functions (the largest
+    left out: 12 µs). It may have run there: the account is the slower device under the job's
+    forward. (A CI run called such a 2x slower device a code path through its forward.) Where the
+    peers' windows left nothing out, they did not run it, and it is rank 6's own code path; so it
+    is where its calls take more than the peers' windows could have left out."""
+    data = synthetic(slow={6: {"compute_us": 1500}})
+    forward = ("python", "train.py(10): forward", 5, 20_000.0)
+    exit_ = ("pylib", "contextlib.py(141): __exit__", 5, 2_400.0, "train.py(10): forward")
+    cut = ("cut", "left_out@window", 40, 90.0)
+    slow = [("op", "aten::addmm", 15, 17_000.0), (*forward[:3], 27_000.0), exit_, cut]
+    common = [("op", "aten::addmm", 15, 10_000.0), forward]
+
+    def frame(peers_cut: bool, median_call_us: float) -> pd.DataFrame:
+        f = functions_frame(
+            {r: slow if r == 6 else [*common, cut] if peers_cut else common for r in range(8)}
+        )
+        f.loc[f["kind"] == "cut", "max_us"] = 12.0
+        f.loc[f["name"] == exit_[1], "p50_us"] = median_call_us
+        return f
+
+    for peers_cut, median_call_us, expected in (
+        (True, 2.0, "compute"),
+        (False, 2.0, "code_path"),
+        (True, 480.0, "code_path"),
+    ):
+        f = only(diagnose(replace(data, functions=frame(peers_cut, median_call_us))).findings)
+        assert (f.cause, f.ranks, f.function) == (expected, [6], "train.py(10): forward"), (
+            peers_cut,
+            median_call_us,
+        )
+
+
 def test_code_path_names_the_innermost_function_of_the_jobs_own_code_and_the_operator_under_it() -> None:
     data = synthetic(slow={6: {"compute_us": 1500}})
     common = [("op", "aten::addmm", 15, 10_000.0), ("python", "train.py(80): train_step", 5, 20_000.0)]
@@ -622,6 +659,8 @@ def sched_windows(
                 "count": 12,
                 "total_us": 10 * 1000 * wait_ms.get(r, base_ms * (1.0 + 0.02 * r)),
                 "mean_us": 0.0,
+                "p50_us": 0.0,
+                "max_us": 0.0,
             }
             for w in range(windows)
             for r in range(ranks)
@@ -685,7 +724,7 @@ def test_a_rank_that_sleeps_in_its_own_code_is_that_code_path_though_its_threads
         [
             {"rank": 5, "window": w, "step_lo": 50 + 50 * w, "step_hi": 60 + 50 * w, "kind": "python"}
             | {"name": up, "stack": "train.py(80): train_step", "count": 10, "total_us": 30_000.0}
-            | {"mean_us": 3000.0}
+            | {"mean_us": 3000.0, "p50_us": 3000.0, "max_us": 3000.0}
             for w in range(4)
         ]
     )

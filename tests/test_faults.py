@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from dataclasses import replace
@@ -220,7 +221,8 @@ def test_reduced_suite_on_real_jobs(tmp_path: Path) -> None:
             # Findings are explained (not false) when the harness measured the machine itself slow down.
             assert s["false_findings"] == 0, (r["name"], r["machine"], [d["summary"] for d in s["detail"]])
         elif r["kind"] in CLEAR_CUT:
-            assert s["top_correct"], (r["name"], r["ground_truth"], s["detail"])
+            # The whole diagnosis, evidence and all, so that a wrong answer in CI can be understood.
+            assert s["top_correct"], (r["name"], r["ground_truth"], json.dumps(r["diagnosis"], indent=1))
             assert r["delays"]["localize_s"] is not None, r["name"]
     totals = out["totals"]
     assert totals["healthy_false_findings"] == 0

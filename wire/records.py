@@ -81,7 +81,9 @@ class FunctionPattern(NamedTuple):
     kind: str
     """``op`` (CPU operator), ``kernel`` (GPU kernel), ``collective``, ``memcpy``, ``dataloader``,
     ``python`` (a function of the job's own code), ``pylib`` (a Python function of the interpreter,
-    the standard library or an installed package), ``sched`` (the process's threads waiting for a CPU)."""
+    the standard library or an installed package), ``sched`` (the process's threads waiting for a CPU),
+    ``cut`` (the patterns a window left out beyond its ``max_functions``: their number as ``count``,
+    their summed time as ``total_us``, the largest one's as ``max_us``)."""
     name: str
     stack: str
     """For Python functions, the calling functions (outermost first, `` > ``-separated); else ''."""
@@ -101,7 +103,9 @@ class FunctionPattern(NamedTuple):
 
 
 FUNCTION_COLUMNS = FunctionPattern._fields
-KINDS = ("op", "kernel", "collective", "memcpy", "dataloader", "python", "pylib", "sched")
+KINDS = ("op", "kernel", "collective", "memcpy", "dataloader", "python", "pylib", "sched", "cut")
+CUT_KIND = "cut"
+"""The kind of a window's pattern that stands for the functions it left out (see ``kind``)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
