@@ -19,9 +19,9 @@ import pandas as pd
 from wire.records import CUT_KIND
 
 CUT_MARGIN = 4.0
-"""A function whose median call times its calls in a culprit's window is within this factor of the
-largest function a peer's window left out may have been left out there (the culprit's calls may be
-slower than the peers'). Left out, a window's functions took 10-14 µs on the demo's 4 ranks."""
+"""A function whose calls in the culprit's windows, at their median, add up to no more than this
+times the largest function a peer's window left out may have run there unseen (the culprit's calls
+may be slower than the peers'). The largest left out took 10-15 µs in the demo's 5-step windows."""
 MAX_PEERS = 32
 """Peers compared against (evenly spread over the rest): enough for a stable median at any scale."""
 WORK_KINDS = ("op", "kernel", "memcpy")
