@@ -16,8 +16,9 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from wire.records import CUT_KIND
-
+CUT_KIND = "cut"
+"""The kind of the pattern that says what a window left out beyond ``max_functions`` (the hook's
+``left_out@window``: ``count`` patterns, the largest of them ``max_us``)."""
 CUT_MARGIN = 4.0
 """A function whose calls in the culprit's windows, at their median, add up to no more than this
 times the largest function a peer's window left out may have run there unseen (the culprit's calls
