@@ -25,6 +25,13 @@ def baseline_of(report: dict[str, Any]) -> dict[str, float]:
     }
 
 
+ROUNDS = 2
+"""The local probes run this many times (in turns, where nodes share a machine), and each node keeps
+its best: a neighbour's burst of work that slows one turn does not fail the node. (A CI run's node0
+measured 0.57x the others' GFLOP/s in its one turn, with its memory bandwidth normal in the same
+turn: a core taken from its two-thread matmul for half a second.)"""
+
+
 def run(
     *, min_ratio: float = 0.7, baseline: dict[str, float] | None = None, serial: bool = False
 ) -> tuple[Report, int]:
@@ -42,12 +49,16 @@ def run(
         mine: dict[str, Any] = {"rank": rank, "node": node_name(), **probes.devices()}
         if serial:  # the first turn too runs with every other node idle, not still starting up
             dist.barrier()
-        for turn in range(world if serial else 1):
-            if not serial or turn == rank:
-                mine["matmul_gflops"] = round(probes.matmul_gflops(), 3)
-                mine["memory_gbps"] = round(probes.memory_gbps(), 3)
-            if serial:
-                dist.barrier()
+        for _ in range(ROUNDS):
+            for turn in range(world if serial else 1):
+                if not serial or turn == rank:
+                    for key, probe in (
+                        ("matmul_gflops", probes.matmul_gflops),
+                        ("memory_gbps", probes.memory_gbps),
+                    ):
+                        mine[key] = max(mine.get(key, 0.0), round(probe(), 3))
+                if serial:
+                    dist.barrier()
         busbw = probes.allreduce_busbw_gbps() if world > 1 else 0.0
         mine["send_gbps"] = round(probes.ring_send_gbps(serial=serial), 4) if world > 1 else 0.0
         everyone: list[Any] = [None] * world
