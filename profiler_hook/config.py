@@ -66,7 +66,8 @@ class Config:
     stacks took ~35 of the 45-75 ms a window cost a 2-rank DDP job at ~110 ms a step
     (``benchmarks.hook_overhead``)."""
     max_functions: int = 300
-    """At most this many function patterns per window (the largest by total time are kept)."""
+    """At most this many function patterns per window (the largest by total time are kept), and
+    one more (``left_out@window``) that says how many were left out and the largest one's time."""
     patch_collectives: bool = True
     """Wrap torch.distributed collectives, and time DDP's gradient synchronization once per
     backward pass, to count, sequence and time every collective always-on."""
