@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from .contention import WAIT_KIND
+
 CUT_KIND = "cut"
 """The kind of the pattern that says what a window left out beyond ``max_functions`` (the hook's
 ``left_out@window``: ``count`` patterns, the largest of them ``max_us``)."""
@@ -177,7 +179,7 @@ def compare(functions: pd.DataFrame, rank: int, peers: list[int]) -> list[Functi
     known = per_kind(n_stacked, n_windows)
     own = f[f["rank"] == rank]
     typical = (own["count"] * own["p50_us"]).groupby([own[k] for k in key]).mean().reindex(wide.index)
-    floor = cuts.loc[cuts["rank"].isin(present_peers), "max_us"].max() if not cuts.empty else 0.0
+    floor = cuts.loc[cuts["rank"].isin(present_peers), "max_us"].max()  # NaN where none left out: none hidden
     hidden = (typical <= CUT_MARGIN * floor).to_numpy()[:, None]
     known = np.where(hidden, known - per_kind(n_cut_stacked, n_cut) + wide["in_cut"].to_numpy(), known)
     known = pd.DataFrame(known, index=wide.index, columns=cols)
@@ -266,7 +268,7 @@ def top_extra(excess: list[FunctionExcess]) -> FunctionExcess | None:
     """The costliest function only the culprit runs (or runs more often), the job's own Python
     functions first, then library Python functions, then operators."""
     # A collective is no code path of the culprit's own; the run-queue wait's count is threads, not calls.
-    extra = [e for e in excess if e.extra and e.kind not in ("collective", "sched")]
+    extra = [e for e in excess if e.extra and e.kind not in ("collective", WAIT_KIND)]
     if not extra:
         return None
     best = max(e.excess_us for e in extra)
