@@ -175,7 +175,7 @@ def evaluate(
     timeline = Timeline.load(store, job, spool_job_dir)
     sent = timeline.steps["avail_us"] / 1e6 if not timeline.steps.empty else None
     speed = machine.load(machine_json, sent.min(), sent.max()) if sent is not None else None
-    slowed = speed is not None and speed["slowdown"] >= machine.SLOWED
+    slowed = machine.slowed(speed)
     s = scoring.score(sc.truth, final, name=sc.name, machine_slowed=slowed)
     probes = _probes(timeline, onset, probe_s) if onset else []
     delays = scoring.delays(sc.truth, probes)

@@ -28,8 +28,22 @@ WORK = 60_000
 """The reference work: ``sum(range(WORK))``, about 1 ms on an idle core of these machines."""
 
 SLOWED = 1.15
-"""The machine counts as slowed down when it ran this much slower in the last third of the
-job's steps than in the first."""
+"""The machine counts as slowed down when the reference work ran this much slower in the last
+third of the job's steps than in the first..."""
+
+LOST = 1.10
+"""...or when the cores left to the job fell by this factor: processes outside the job and steal
+took a tenth of a machine the job fills. Apart from the reference work's, as the two measures'
+noise differs: the cores left are counted (jiffies), the reference work is timed. On 30 kept
+runs of the suite's jobs on 2 cores, the cores left moved 0.96-1.06x on the 26 without load from
+outside, the reference work's time 0.97-1.24x on all (once 1.68x). A CI run's healthy job lost 1.14x of its cores (1.98 ->
+1.74) with its reference work 1.03x: its own time per step grew 1.21x, its step time 1.17x, and
+rankscope rightly found it slowed down as a whole, by external load."""
+
+
+def slowed(speed: dict[str, float] | None) -> bool:
+    """Whether the machine slowed down under the job (``speed``: a ``summary``)."""
+    return speed is not None and (speed["reference"] >= SLOWED or speed["capacity"] >= LOST)
 
 _TICK = os.sysconf("SC_CLK_TCK")
 
