@@ -45,6 +45,7 @@ def slowed(speed: dict[str, float] | None) -> bool:
     """Whether the machine slowed down under the job (``speed``: a ``summary``)."""
     return speed is not None and (speed["reference"] >= SLOWED or speed["capacity"] >= LOST)
 
+
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
