@@ -10,7 +10,7 @@ apart from a false alarm without asking rankscope, ``MachineWatch`` samples, whi
 - the time a fixed piece of reference work takes (a CPU clocked down, steal in short bursts).
 
 ``summary`` compares the last third of the job's steps with the first (start-up, with its
-imports, is no baseline); the machine slowed down by the larger of the two ratios.
+imports, is no baseline); ``slowed`` judges each ratio against its own noise.
 """
 
 from __future__ import annotations
@@ -36,9 +36,10 @@ LOST = 1.10
 took a tenth of a machine the job fills. Apart from the reference work's, as the two measures'
 noise differs: the cores left are counted (jiffies), the reference work is timed. On 30 kept
 runs of the suite's jobs on 2 cores, the cores left moved 0.96-1.06x on the 26 without load from
-outside, the reference work's time 0.97-1.24x on all (once 1.68x). A CI run's healthy job lost 1.14x of its cores (1.98 ->
-1.74) with its reference work 1.03x: its own time per step grew 1.21x, its step time 1.17x, and
-rankscope rightly found it slowed down as a whole, by external load."""
+outside, the reference work's time 0.97-1.24x on all (once 1.68x). A CI run's healthy job lost
+1.14x of its cores (1.98 -> 1.74) with its reference work 1.03x: its own time per step grew
+1.21x, its step time 1.17x, and rankscope rightly found it slowed down as a whole, by external
+load."""
 
 
 def slowed(speed: dict[str, float] | None) -> bool:
