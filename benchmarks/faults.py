@@ -171,10 +171,14 @@ def evaluate(
 ) -> dict[str, Any]:
     """Score a stored run of ``sc``: its final diagnosis, and diagnoses of the data cut every ``probe_s``
     (``machine_json``: the harness's samples of the machine's own speed, ``MachineWatch``)."""
-    final = diagnose(read_job(store, job))
+    data = read_job(store, job)
+    final = diagnose(data)
     timeline = Timeline.load(store, job, spool_job_dir)
     sent = timeline.steps["avail_us"] / 1e6 if not timeline.steps.empty else None
     speed = machine.load(machine_json, sent.min(), sent.max()) if sent is not None else None
+    work = machine.work(data.steps)
+    if speed is not None and work is not None:
+        speed.update(work=work, slowdown=max(speed["slowdown"], work))
     slowed = machine.slowed(speed)
     s = scoring.score(sc.truth, final, name=sc.name, machine_slowed=slowed)
     probes = _probes(timeline, onset, probe_s) if onset else []

@@ -9,6 +9,9 @@ apart from a false alarm without asking rankscope, ``MachineWatch`` samples, whi
   that processes outside the harness's process tree (the job is its children) used;
 - the time a fixed piece of reference work takes (a CPU clocked down, steal in short bursts).
 
+And ``work``, from the job's step rows: the CPU time its steps took, as the hook read it from the
+kernel (no diagnosis in it); a healthy job does the same work every step.
+
 ``summary`` compares the last third of the job's steps with the first (start-up, with its
 imports, is no baseline); ``slowed`` judges each ratio against its own noise.
 """
@@ -23,6 +26,8 @@ import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
+
+import pandas as pd
 
 WORK = 60_000
 """The reference work: ``sum(range(WORK))``, about 1 ms on an idle core of these machines."""
@@ -42,9 +47,32 @@ outside, the reference work's time 0.97-1.24x on all (once 1.68x). A CI run's he
 load."""
 
 
+WORK_SLOWED = 1.10
+"""...or when the job's own steps took this much more CPU time in the last third than in the
+first (``work``, the median rank's). A healthy job does the same work every step: its cores
+themselves ran slower (a busy hyperthread sibling, caches and memory bandwidth shared with other
+tenants, a lower clock), which the two measures above miss: the reference work stays in one
+core's cache, the cores left count time, not speed. On 3 runs each of the two healthy DDP jobs
+here it moved 0.82-1.22x. One found a job-wide slowdown: own time per step 1.22x, step time
+1.15x, its ranks' CPU time per step 1.22x, with the reference work 1.02x and the cores left 1.06x."""
+
+
 def slowed(speed: dict[str, float] | None) -> bool:
     """Whether the machine slowed down under the job (``speed``: a ``summary``)."""
-    return speed is not None and (speed["reference"] >= SLOWED or speed["capacity"] >= LOST)
+    return speed is not None and (
+        speed["reference"] >= SLOWED or speed["capacity"] >= LOST or speed.get("work", 0.0) >= WORK_SLOWED
+    )
+
+
+def work(steps: pd.DataFrame) -> float | None:
+    """The CPU time per step of the job's ranks (step rows: ``rank``, ``step``, ``cpu_us``), last
+    third of each rank's steps against its first, the median over ranks (None: too few steps)."""
+    ratios = []
+    for _, r in steps[steps["cpu_us"] > 0].sort_values("step").groupby("rank"):
+        third = len(r) // 3
+        if third >= 10:
+            ratios.append(r["cpu_us"].iloc[-third:].median() / r["cpu_us"].iloc[:third].median())
+    return round(float(statistics.median(ratios)), 3) if ratios else None
 
 
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -119,8 +147,9 @@ class MachineWatch(threading.Thread):
 def summary(samples: list[Any], start: float = 0.0, end: float = float("inf")) -> dict[str, float] | None:
     """Over the samples from ``start`` to ``end`` (wall-clock seconds; the job's steps), last third
     against first: ``reference``, the reference work's median time; ``capacity``, the cores left
-    to the job (median), first over last; ``slowdown``, the larger. Medians: the job's own bursts
-    (rank 0's evaluation, a profiling window) delay single samples."""
+    to the job (median), first over last; ``slowdown``, the larger (with ``work``, when the caller
+    adds it, the largest of the three). Medians: the job's own bursts (rank 0's evaluation, a
+    profiling window) delay single samples."""
     samples = [s for s in samples if start <= s[0] <= end]
     if len(samples) < 6:
         return None

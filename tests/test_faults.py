@@ -112,6 +112,28 @@ def test_the_machine_watch_sees_other_processes_take_the_cores_but_not_the_job_i
     assert machine.summary([(0.0, 0.001, 2.0)] * 5) is None, "too few samples to tell"
 
 
+def test_a_healthy_jobs_steps_needing_more_cpu_time_mean_its_machine_slowed() -> None:
+    import pandas as pd
+
+    from benchmarks import machine
+
+    def steps(late: float) -> pd.DataFrame:  # 4 ranks x 60 steps; the last 20 take ``late`` x the CPU time
+        return pd.DataFrame(
+            [
+                {"rank": r, "step": i, "cpu_us": 6000 * (late if i >= 40 else 1.0) + 10 * (i % 3)}
+                for r in range(4)
+                for i in range(60)
+            ]
+        )
+
+    steady = {"reference": 1.0, "capacity": 1.0}
+    assert machine.work(steps(1.0)) == pytest.approx(1.0, abs=0.01)
+    assert not machine.slowed({**steady, "work": machine.work(steps(1.0))})
+    assert machine.work(steps(1.2)) == pytest.approx(1.2, abs=0.01)
+    assert machine.slowed({**steady, "work": machine.work(steps(1.2))})
+    assert machine.work(steps(1.2).query("step < 20")) is None, "too few steps a rank to tell"
+
+
 def test_two_faults_and_the_function_named() -> None:
     truth = scoring.GroundTruth(
         kind="two-faults",
