@@ -27,6 +27,17 @@ def rankscope(*args: str, check: bool = True) -> subprocess.CompletedProcess[str
     )
 
 
+def _machine_slowed(out: Path) -> bool:
+    """The demo's steps took ``WORK_SLOWED`` x the CPU time by its end (``benchmarks.machine``)."""
+    from aggregator import Store
+    from benchmarks import machine
+    from diagnosis import read_job
+
+    with Store.embedded(out / "store") as store:
+        steps = read_job(store, store.jobs()["job"].iloc[0]).steps
+    return (machine.work(steps) or 0.0) >= machine.WORK_SLOWED
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("fault", "rank", "cause"), CASES)
 def test_demo_names_the_injected_fault(tmp_path: Path, fault: str, rank: int, cause: str | None) -> None:
@@ -35,13 +46,17 @@ def test_demo_names_the_injected_fault(tmp_path: Path, fault: str, rank: int, ca
     assert "[4/4] wrote" in run.stdout, run.stdout + run.stderr
     result = json.loads((out / "diagnosis.json").read_text())
     assert result["job"].startswith(f"demo-{fault}-")
-    if cause is None:
-        assert result["findings"] == [], run.stdout
+    # Beyond the fault, a finding is false unless the machine itself slowed down, as the fault
+    # suite judges it: on a shared 2-core runner, a healthy demo's same steps took up to 1.25x the
+    # CPU time by its end, and all its ranks really did slow down together.
+    found = result["findings"]
+    extra = found if cause is None else found[1:]
+    assert [f for f in extra if f["cause"] != "job_wide" or not _machine_slowed(out)] == [], run.stdout
+    if not found:
         assert "no findings" in run.stdout
-    else:
-        top = result["findings"][0]
+    if cause is not None:
+        top = found[0]
         assert (top["cause"], top["ranks"]) == (cause, [rank]), run.stdout
-        assert len(result["findings"]) == 1, run.stdout
         assert {"cause", "ranks", "hosts", "function", "confidence", "evidence"} <= set(top)
         assert 0 < top["confidence"] <= 1
         assert f"rank {rank}" in run.stdout
