@@ -175,10 +175,11 @@ def evaluate(
     final = diagnose(data)
     timeline = Timeline.load(store, job, spool_job_dir)
     sent = timeline.steps["avail_us"] / 1e6 if not timeline.steps.empty else None
-    speed = machine.load(machine_json, sent.min(), sent.max()) if sent is not None else None
-    work = machine.work(data.steps)
-    if speed is not None and work is not None:
-        speed.update(work=work, slowdown=max(speed["slowdown"], work))
+    speed = (
+        machine.load(machine_json, sent.min(), sent.max(), machine.work(data.steps))
+        if sent is not None
+        else None
+    )
     slowed = machine.slowed(speed)
     s = scoring.score(sc.truth, final, name=sc.name, machine_slowed=slowed)
     probes = _probes(timeline, onset, probe_s) if onset else []

@@ -58,10 +58,10 @@ here it moved 0.82-1.22x. One found a job-wide slowdown: own time per step 1.22x
 
 
 def slowed(speed: dict[str, float] | None) -> bool:
-    """Whether the machine slowed down under the job (``speed``: a ``summary``)."""
-    return speed is not None and (
-        speed["reference"] >= SLOWED or speed["capacity"] >= LOST or speed.get("work", 0.0) >= WORK_SLOWED
-    )
+    """Whether the machine slowed down under the job (``speed``: a ``summary``, or those of its
+    measures that are known)."""
+    limits = {"reference": SLOWED, "capacity": LOST, "work": WORK_SLOWED}
+    return speed is not None and any((speed.get(k) or 0.0) >= v for k, v in limits.items())
 
 
 def work(steps: pd.DataFrame) -> float | None:
@@ -144,11 +144,13 @@ class MachineWatch(threading.Thread):
         path.write_text(json.dumps(self.samples))
 
 
-def summary(samples: list[Any], start: float = 0.0, end: float = float("inf")) -> dict[str, float] | None:
+def summary(
+    samples: list[Any], start: float = 0.0, end: float = float("inf"), work: float | None = None
+) -> dict[str, float] | None:
     """Over the samples from ``start`` to ``end`` (wall-clock seconds; the job's steps), last third
     against first: ``reference``, the reference work's median time; ``capacity``, the cores left
-    to the job (median), first over last; ``slowdown``, the larger (with ``work``, when the caller
-    adds it, the largest of the three). Medians: the job's own bursts (rank 0's evaluation, a
+    to the job (median), first over last; ``work``, as given (the job's ``work``, where known);
+    ``slowdown``, the largest. Medians: the job's own bursts (rank 0's evaluation, a
     profiling window) delay single samples."""
     samples = [s for s in samples if start <= s[0] <= end]
     if len(samples) < 6:
@@ -157,19 +159,22 @@ def summary(samples: list[Any], start: float = 0.0, end: float = float("inf")) -
     first, last = samples[:third], samples[-third:]
     reference = statistics.median(s[1] for s in last) / statistics.median(s[1] for s in first)
     capacity = statistics.median(s[2] for s in first) / statistics.median(s[2] for s in last)
-    return {
-        "slowdown": round(max(reference, capacity), 3),
+    out = {
+        "slowdown": round(max(reference, capacity, work or 0.0), 3),
         "reference": round(reference, 3),
         "capacity": round(capacity, 3),
         "cores_first": round(statistics.median(s[2] for s in first), 2),
         "cores_last": round(statistics.median(s[2] for s in last), 2),
     }
+    return out if work is None else {**out, "work": work}
 
 
-def load(path: Path, start: float = 0.0, end: float = float("inf")) -> dict[str, float] | None:
+def load(
+    path: Path, start: float = 0.0, end: float = float("inf"), work: float | None = None
+) -> dict[str, float] | None:
     """The ``summary`` of the samples a run kept (None for a run kept before the harness took them)."""
     try:
         samples = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    return summary(samples, start, end)
+    return summary(samples, start, end, work)

@@ -28,14 +28,15 @@ def rankscope(*args: str, check: bool = True) -> subprocess.CompletedProcess[str
 
 
 def _machine_slowed(out: Path) -> bool:
-    """The demo's steps took ``WORK_SLOWED`` x the CPU time by its end (``benchmarks.machine``)."""
+    """The demo's steps took ``WORK_SLOWED`` x the CPU time by its end (``benchmarks.machine``:
+    the demo has no harness watching the machine, only its own steps)."""
     from aggregator import Store
     from benchmarks import machine
     from diagnosis import read_job
 
     with Store.embedded(out / "store") as store:
         steps = read_job(store, store.jobs()["job"].iloc[0]).steps
-    return (machine.work(steps) or 0.0) >= machine.WORK_SLOWED
+    return machine.slowed({"work": machine.work(steps)})
 
 
 @pytest.mark.slow
