@@ -9,6 +9,9 @@
   ``signal.set_wakeup_fd``) that closes the hooks and ends the process itself (exit status 143,
   the shell's 128 + SIGTERM). Whichever comes first does it. If the script installs its own
   SIGTERM handler later, or something else owns the wakeup fd (asyncio), the signal is theirs.
+* A SIGTERM that comes while a hook is closing waits for that close (up to ``CLOSE_S``). A worker
+  whose peer died may have its collective raise, and be closing at exit when torchrun's SIGTERM
+  comes: ending it there lost a failed attempt's last steps in one CI run of the restart test.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import signal
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 CLOSE_S = 2.0
@@ -28,6 +32,11 @@ CLOSE_S = 2.0
 _open: weakref.WeakSet[Any] = weakref.WeakSet()
 _installed = False
 _dying = threading.Lock()
+_closes = threading.Condition()
+_closing: dict[int, int] = {}
+"""Closes in progress, per thread id."""
+_term_pending = False
+"""A SIGTERM came while the main thread was closing a hook: it dies once that close ends."""
 
 
 def closing_at_exit(hook: Any) -> None:
@@ -40,14 +49,32 @@ def closing_at_exit(hook: Any) -> None:
     _open.add(hook)
 
 
-def forget(hook: Any) -> None:
+@contextlib.contextmanager
+def closing(hook: Any) -> Iterator[None]:
+    """Around a hook's close: a SIGTERM meanwhile waits for it instead of cutting it short."""
     _open.discard(hook)
+    me = threading.get_ident()
+    with _closes:
+        _closing[me] = _closing.get(me, 0) + 1
+    try:
+        yield
+    finally:
+        with _closes:
+            _closing[me] -= 1
+            if not _closing[me]:
+                del _closing[me]
+            _closes.notify_all()
+        if _term_pending and me not in _closing and _dying.acquire(blocking=False):
+            _die()  # the SIGTERM the close deferred (else our thread ends the process)
 
 
 def _close_open() -> None:
     deadline = time.monotonic() + CLOSE_S
     for hook in list(_open):
         hook.close(max(0.1, deadline - time.monotonic()))
+    me = threading.get_ident()
+    with _closes:  # closes begun elsewhere (at exit, or by the script) finish first
+        _closes.wait_for(lambda: set(_closing) <= {me}, max(0.0, deadline - time.monotonic()))
 
 
 def _watch_sigterm() -> None:
@@ -77,9 +104,18 @@ def _wake_on_sigterm(r: int) -> None:
 
 
 def _on_sigterm(signum: int, frame: object) -> None:
+    global _term_pending
+    if threading.get_ident() in _closing:  # interrupted its own close: let it finish first
+        _term_pending = True
+        return
     if not _dying.acquire(blocking=False):
         return  # the thread is on it
     with contextlib.suppress(Exception):
         _close_open()
+    _die()
+
+
+def _die() -> None:
+    """End the process as SIGTERM's default action would have."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.kill(os.getpid(), signal.SIGTERM)

@@ -292,26 +292,26 @@ class Hook:
         if not self.enabled:
             return
         self.enabled = False
-        exits.forget(self)
         deadline = time.monotonic() + timeout
-        try:
-            if self._prof is not None:
-                threadstates.settle(SETTLE_S)
-                self._prof.stop()
-                self._prof = None
-            for t in self._summarizers:
-                t.join(max(0.0, deadline - time.monotonic()))
-            self._blocks.close()
-            self._wait.close()
-            self._flush_steps()
-            self.watchdog.close(max(1.0, deadline - time.monotonic()))
-            self.shipper.submit(self.watchdog.beat())
-            self.tracker.unpatch()
-            ddp.unpatch()
-            threadstates.uninstall()
-        except Exception as exc:
-            self._fail("close", exc)
-        self.shipper.close(max(0.0, deadline - time.monotonic()))
+        with exits.closing(self):
+            try:
+                self._blocks.close()  # the step rows first: what a restart's redone work is measured by
+                self._flush_steps()
+                if self._prof is not None:
+                    threadstates.settle(SETTLE_S)
+                    self._prof.stop()
+                    self._prof = None
+                for t in self._summarizers:
+                    t.join(max(0.0, deadline - time.monotonic()))
+                self._wait.close()
+                self.watchdog.close(max(1.0, deadline - time.monotonic()))
+                self.shipper.submit(self.watchdog.beat())
+                self.tracker.unpatch()
+                ddp.unpatch()
+                threadstates.uninstall()
+            except Exception as exc:
+                self._fail("close", exc)
+            self.shipper.close(max(0.0, deadline - time.monotonic()))
 
     def __enter__(self) -> Hook:
         return self

@@ -1342,10 +1342,19 @@ elif sys.argv[2] == "sigterm-in-c":  # as a worker stuck in a collective whose p
     import torch.distributed as dist
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[3], rank=0, world_size=2,
                             timeout=timedelta(seconds=120))  # the second rank never comes: blocks in C++
+elif sys.argv[2] == "sigterm-while-closing":  # the peer died: its collective raised here, the exit
+    send = hook.shipper.sink.send             # closes the hook, and torchrun's SIGTERM comes meanwhile
+    def slow_send(key, value, signalled=[]):
+        if not signalled:
+            signalled.append(os.kill(os.getpid(), signal.SIGTERM))
+        time.sleep(0.2)
+        send(key, value)
+    hook.shipper.sink.send = slow_send
+    raise RuntimeError("Connection closed by peer")
 """
 
 
-@pytest.mark.parametrize("end", ["return", "sigterm", "sigterm-in-c"])
+@pytest.mark.parametrize("end", ["return", "sigterm", "sigterm-in-c", "sigterm-while-closing"])
 def test_a_hook_never_closed_ships_its_last_steps_when_the_process_ends(tmp_path: Path, end: str) -> None:
     """torchrun stops a failed attempt's surviving workers with SIGTERM (perhaps stuck in a
     collective: they must still die at once, as without the hook); scripts forget close()."""
