@@ -36,12 +36,13 @@ def find(data: JobData, s: JobWideSettings, steps: stragglers.StragglerSettings)
     recent = data.steps[data.steps["step"] > data.steps["step"].max() - s.steps]
     if recent.empty or recent.groupby("step")["dur_us"].median().sum() < s.min_s * 1e6:
         return None
-    g = stragglers.grid(data.steps, replace(steps, last_steps=s.steps), ["dur_us", "own_us"])
+    g = stragglers.grid(data.steps, replace(steps, last_steps=s.steps), ["dur_us", "own_us", "cpu_us"])
     if g is None or len(np.unique(g.chunk)) < 3:
         return None
     last = sorted(np.unique(g.chunk))
     growth: dict[str, tuple[float, np.ndarray]] = {}
-    for col in ("dur_us", "own_us"):
+    g.values["cpu_us"][g.values["cpu_us"] <= 0] = np.nan  # not read in that block
+    for col in ("dur_us", "own_us", "cpu_us"):
         per = stragglers.chunk_medians(g, col, steps.chunks)  # rank x chunk
         with np.errstate(invalid="ignore", divide="ignore"):
             ratio = min(float(stragglers.nanmedian(per[:, c] / per[:, last[0]], axis=0)) for c in last[-2:])
@@ -76,6 +77,13 @@ def find(data: JobData, s: JobWideSettings, steps: stragglers.StragglerSettings)
             f"({waits[0]:.1f} -> {waits[1]:.1f} ms): other processes on the job's cores (external load)"
         )
         evidence.update(cpu_wait_ms_per_step_first=waits[0], cpu_wait_ms_per_step_last=waits[1])
+    elif (cpu := growth["cpu_us"][0]) - 1 >= CPU_TIME_SHARE * (ratio - 1) > 0:
+        summary += (
+            f"; every rank's steps also took {cpu:.2f}x the CPU time: more work per step, or slower "
+            "cores (a throttled CPU, or caches and memory bandwidth shared with other processes)"
+        )
+    if np.isfinite(growth["cpu_us"][0]):
+        evidence["cpu_time_ratio"] = round(growth["cpu_us"][0], 3)
     return Finding(
         cause="job_wide",
         ranks=ranks,
@@ -91,6 +99,12 @@ def find(data: JobData, s: JobWideSettings, steps: stragglers.StragglerSettings)
 EXTERNAL_LOAD_SHARE = 0.5
 """A job-wide slowdown is put down to load from outside the job when the ranks' CPU wait per step
 grew by at least this share of the step time's growth."""
+
+
+CPU_TIME_SHARE = 0.5
+"""...and to the work on the CPU, when no wait explains it and the ranks' CPU time per step grew by
+at least this share of it: more work per step, or slower cores. On a shared 2-core VM, healthy
+jobs' CPU time per step drifted up to 1.22x over tens of seconds, their own time with it."""
 
 
 def _cpu_wait_growth(data: JobData) -> tuple[float, float] | None:

@@ -853,9 +853,16 @@ def test_all_ranks_of_a_host_become_one_host_finding() -> None:
 
 
 def test_job_wide_slowdown() -> None:
-    f = only(diagnose(synthetic(steps=3000, growth=2.0)).findings)  # ~25 s of steps
+    data = synthetic(steps=3000, growth=2.0)  # ~25 s of steps, each rank's work (and CPU time) growing
+    f = only(diagnose(data).findings)
     assert (f.cause, f.scope, f.ranks) == ("job_wide", "job", list(range(8)))
-    assert f.evidence["ratio"] > 1.3
+    assert f.evidence["ratio"] > 1.3 and f.evidence["cpu_time_ratio"] > 1.3
+    assert "x the CPU time: more work per step, or slower cores" in f.summary
+    # The same slowdown off the CPU (blocking I/O, say): the CPU time per step stayed as it was.
+    steady = data.steps.assign(cpu_us=data.steps.groupby("rank")["cpu_us"].transform("first"))
+    f = only(diagnose(replace(data, steps=steady)).findings)
+    assert f.cause == "job_wide" and f.evidence["cpu_time_ratio"] == pytest.approx(1.0, abs=0.01)
+    assert "CPU time" not in f.summary
 
 
 def test_a_job_wide_slowdown_with_every_ranks_cpu_wait_grown_is_put_down_to_external_load() -> None:
@@ -869,6 +876,7 @@ def test_a_job_wide_slowdown_with_every_ranks_cpu_wait_grown_is_put_down_to_exte
     f = only(diagnose(data).findings)
     assert (f.cause, f.scope) == ("job_wide", "job") and "external load" in f.summary
     assert f.evidence["cpu_wait_ms_per_step_last"] > f.evidence["cpu_wait_ms_per_step_first"]
+    assert "CPU time" not in f.summary, "the wait explains it"
     assert "external load" not in only(diagnose(synthetic(steps=3000, growth=2.0)).findings).summary
 
 
