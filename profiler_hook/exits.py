@@ -64,8 +64,11 @@ def closing(hook: Any) -> Iterator[None]:
             if not _closing[me]:
                 del _closing[me]
             _closes.notify_all()
-        if _term_pending and me not in _closing and _dying.acquire(blocking=False):
-            _die()  # the SIGTERM the close deferred (else our thread ends the process)
+        if _term_pending and me not in _closing and me == threading.main_thread().ident:
+            # The SIGTERM this close deferred: our thread, if it woke, ends the process now that
+            # the close is done (exit status 143); else the signal's default action does.
+            _dying.acquire(timeout=CLOSE_S)
+            _die()
 
 
 def _close_open() -> None:
