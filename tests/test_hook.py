@@ -880,6 +880,28 @@ def test_a_window_records_python_functions_only_where_its_plan_asks_for_stacks()
     assert not kinds[0] & {"python", "pylib"} and kinds[1] & {"python", "pylib"}, kinds
 
 
+def test_close_ships_the_step_rows_before_it_stops_an_open_window() -> None:
+    """At SIGTERM our thread ends the process 2 s into the close: the step rows (a restart's redone
+    work is measured by them) are out before a window's stop, which can take longer, even begins."""
+    sink = _ListSink()
+    hook = Hook(Config(heartbeat_s=60), Identity(rank=0, local_rank=0, world_size=1, host="h"), sink)
+    hook.schedule.planned = 1
+    for _ in range(3):
+        with hook.step():
+            pass
+    assert hook._prof is not None, "the planned window is open"
+    stop, shipped_by_then = hook._prof.stop, []
+
+    def slow_stop() -> None:
+        time.sleep(0.5)  # the shipper thread's time to ship what was handed to it before
+        shipped_by_then.extend(r for r in map(decode, sink.got) if isinstance(r, StepBatch))
+        stop()
+
+    hook._prof.stop = slow_stop
+    hook.close(timeout=30)
+    assert sum(row.n_steps for r in shipped_by_then for row in r.rows) == 3, shipped_by_then
+
+
 def test_pausing_inside_a_window_ends_the_window() -> None:
     """A window open when the hook pauses is dropped, not left profiling (with stacks) until resume."""
     sink = _ListSink()
