@@ -50,7 +50,7 @@ def find(data: JobData, s: JobWideSettings, steps: stragglers.StragglerSettings)
     # Step time carries every slowdown but also the job's tail (each step waits for its slowest
     # rank); own time is free of that noise for compute and data slowdowns. Own time alone is not
     # enough: the job must have become measurably slower too.
-    step_ratio, own_ratio = growth["dur_us"][0], growth["own_us"][0]
+    step_ratio, own_ratio, cpu = growth["dur_us"][0], growth["own_us"][0], growth["cpu_us"][0]
     col = "dur_us"
     step_grew = step_ratio >= 1 + (s.ratio - 1) / 2
     if own_ratio > step_ratio and (step_grew or (step_ratio >= s.step_ratio and own_ratio >= s.own_ratio)):
@@ -77,13 +77,13 @@ def find(data: JobData, s: JobWideSettings, steps: stragglers.StragglerSettings)
             f"({waits[0]:.1f} -> {waits[1]:.1f} ms): other processes on the job's cores (external load)"
         )
         evidence.update(cpu_wait_ms_per_step_first=waits[0], cpu_wait_ms_per_step_last=waits[1])
-    elif (cpu := growth["cpu_us"][0]) - 1 >= CPU_TIME_SHARE * (ratio - 1) > 0:
+    elif cpu - 1 >= CPU_TIME_SHARE * (ratio - 1) > 0:
         summary += (
             f"; every rank's steps also took {cpu:.2f}x the CPU time: more work per step, or slower "
             "cores (a throttled CPU, or caches and memory bandwidth shared with other processes)"
         )
-    if np.isfinite(growth["cpu_us"][0]):
-        evidence["cpu_time_ratio"] = round(growth["cpu_us"][0], 3)
+    if np.isfinite(cpu):
+        evidence["cpu_time_ratio"] = round(cpu, 3)
     return Finding(
         cause="job_wide",
         ranks=ranks,
