@@ -880,16 +880,22 @@ def test_a_window_records_python_functions_only_where_its_plan_asks_for_stacks()
     assert not kinds[0] & {"python", "pylib"} and kinds[1] & {"python", "pylib"}, kinds
 
 
+def _in_a_window(sink: _ListSink, steps: int) -> Hook:
+    """A hook whose planned window opened at its second step, ``steps`` steps in."""
+    hook = Hook(Config(heartbeat_s=60), Identity(rank=0, local_rank=0, world_size=1, host="h"), sink)
+    hook.schedule.planned = 1
+    for _ in range(steps):
+        with hook.step():
+            pass
+    assert hook._prof is not None, "the planned window is open"
+    return hook
+
+
 def test_close_ships_the_step_rows_before_it_stops_an_open_window() -> None:
     """At SIGTERM our thread ends the process 2 s into the close: the step rows (a restart's redone
     work is measured by them) are out before a window's stop, which can take longer, even begins."""
     sink = _ListSink()
-    hook = Hook(Config(heartbeat_s=60), Identity(rank=0, local_rank=0, world_size=1, host="h"), sink)
-    hook.schedule.planned = 1
-    for _ in range(3):
-        with hook.step():
-            pass
-    assert hook._prof is not None, "the planned window is open"
+    hook = _in_a_window(sink, steps=3)
     stop, shipped_by_then = hook._prof.stop, []
 
     def slow_stop() -> None:
@@ -905,12 +911,7 @@ def test_close_ships_the_step_rows_before_it_stops_an_open_window() -> None:
 def test_pausing_inside_a_window_ends_the_window() -> None:
     """A window open when the hook pauses is dropped, not left profiling (with stacks) until resume."""
     sink = _ListSink()
-    hook = Hook(Config(heartbeat_s=60), Identity(rank=0, local_rank=0, world_size=1, host="h"), sink)
-    hook.schedule.planned = 1
-    for _ in range(2):
-        with hook.step():
-            pass
-    assert hook._prof is not None, "the planned window is open"
+    hook = _in_a_window(sink, steps=2)
     hook.pause()
     assert hook._prof is None and hook._window is None and hook.tracker.recording is None
     hook.resume()
