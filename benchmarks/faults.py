@@ -131,6 +131,7 @@ def run_scenario(sc: Scenario, store: Store, workdir: Path, probe_s: float = PRO
         seconds=sc.seconds,
         fault=sc.fault,
         loop=sc.loop,
+        attach=sc.attach,
         rank0_duties=sc.rank0_duties,
         hook={**HOOK, **sc.hook, "spool_dir": str(spool)},
         log_dir=str(logs),

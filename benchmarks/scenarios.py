@@ -8,6 +8,7 @@ Example (``compute-2x-r2.yaml``)::
     hosts: 2                 # ranks spread over node0, node1 (RANKSCOPE_HOST)
     seconds: 40              # rank 0 ends the job after this long
     loop: ddp                # ddp (default), manual (a hand-written all-reduce) or fsdp2
+    attach: start            # start (default: before the model) or loop (after DDP, at the loop)
     fault:                   # rankscope.workload.Fault fields, plus the runner's own:
       kind: compute
       rank: 2
@@ -33,7 +34,7 @@ from typing import Any
 
 import yaml
 
-from rankscope.workload import LOOPS, Fault
+from rankscope.workload import ATTACH, LOOPS, Fault
 
 from .scoring import GroundTruth
 from .torchrun_job import ScriptFault, parse_fault
@@ -52,6 +53,7 @@ _TOP_FIELDS = {
     "expect",
     "hook",
     "loop",
+    "attach",
     "script",
     "rank0_duties",
 }
@@ -82,6 +84,9 @@ class Scenario:
     """Hook settings on top of the suite's."""
     loop: str = "ddp"
     """How the job averages gradients (``rankscope.workload.LOOPS``): DDP, as most users' jobs do."""
+    attach: str = "start"
+    """Where the script attaches the hook (``rankscope.workload.ATTACH``): ``loop`` is after the
+    model is wrapped, where people add a hook to a script they have."""
     rank0_duties: bool = False
     """Rank 0 logs, evaluates and checkpoints as most scripts have it do (``JobSpec.rank0_duties``)."""
     truth: GroundTruth = field(default_factory=lambda: GroundTruth(kind="none"))
@@ -171,6 +176,7 @@ def load(path: str | Path) -> Scenario:
             observe_s=float(runner.get("observe_s", 0.0)),
             hook=dict(raw.get("hook") or {}),
             loop=str(raw.get("loop", "ddp")),
+            attach=str(raw.get("attach", "start")),
             rank0_duties=bool(raw.get("rank0_duties", False)),
             truth=truth,
             script=script,
@@ -202,6 +208,8 @@ def _check(path: Path, sc: Scenario) -> None:
     bad = [r for r in sc.faulty_ranks if not 0 <= r < sc.world_size]
     if bad:
         raise ScenarioError(f"{path}: fault ranks {bad} outside 0..{sc.world_size - 1}")
+    if sc.attach not in ATTACH:
+        raise ScenarioError(f"{path}: attach must be one of {', '.join(ATTACH)}, got {sc.attach!r}")
     if sc.loop not in LOOPS:
         raise ScenarioError(f"{path}: loop must be one of {', '.join(LOOPS)}, got {sc.loop!r}")
     if sc.loop == "fsdp2" and sc.fault.kind in ("compute", "job_wide"):

@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 markers.mkdir(parents=True)
                 spec = JobSpec(
                     job=job, world_size=sc.world_size, hosts=sc.hosts, switches=sc.switches, port=free_port(),
-                    seconds=sc.seconds, fault=sc.fault, loop=sc.loop, rank0_duties=sc.rank0_duties,
+                    seconds=sc.seconds, fault=sc.fault, loop=sc.loop, attach=sc.attach, rank0_duties=sc.rank0_duties,
                     hook={**HOOK, **sc.hook, "spool_dir": str(spool)}, log_dir=f"{tmp}/{sc.name}/logs",
                     progress=False, marker_dir=str(markers),
                     timeout_s=sc.seconds + START_S + max(sc.observe_s, 60.0),

@@ -165,6 +165,8 @@ def commands(sc: Scenario, spec: JobSpec) -> list[tuple[list[str], dict[str, str
         "--seconds",
         str(sc.seconds),
         *sc.script_fault.flags(),
+        "--attach",
+        sc.attach,
         *(["--marker-dir", spec.marker_dir] if spec.marker_dir else []),
         # beside the logs: a killed (hung) job leaves nothing behind in the machine's temp dir
         *(["--ckpt-dir", str(Path(spec.log_dir).parent / "checkpoints")] if spec.log_dir else []),

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
+from wire import records
+
 from . import communication, contention, functions, hangs, jobwide, stragglers, topology
 from .classify import CPU_WAIT, classify, wait_evidence
 from .data import JobData
@@ -240,15 +242,22 @@ def _stragglers(steps: pd.DataFrame, s: stragglers.StragglerSettings) -> list[st
     return sorted(found.values(), key=lambda st: st.rank)
 
 
-GAP_WORDS = ("not tracked", "untested", "off (")
-"""Words of a rank record's ``coverage`` that say some collectives are not seen as documented."""
-
-
 def coverage_gaps(ranks: pd.DataFrame) -> list[str]:
-    """The distinct coverage statements of ranks whose hooks do not see every collective."""
+    """What some ranks' hooks do not see, each gap once with the ranks it is on
+    (``"DDP Net on world: not tracked (...) (ranks 0, 1)"``), from the rank records' ``coverage``."""
     if "coverage" not in ranks:
         return []
-    return sorted({str(c) for c in ranks["coverage"] if any(w in str(c) for w in GAP_WORDS)})
+    on: dict[str, list[int]] = {}
+    for rank, coverage in zip(ranks["rank"], ranks["coverage"], strict=True):
+        for gap in records.coverage_gaps(str(coverage)):
+            on.setdefault(gap, []).append(int(rank))
+    return [f"{gap} ({_ranks(rs)})" for gap, rs in sorted(on.items())]
+
+
+def _ranks(ranks: list[int], most: int = 8) -> str:
+    rs = sorted(set(ranks))
+    said = ", ".join(map(str, rs[:most])) + (f" and {len(rs) - most} more" if len(rs) > most else "")
+    return f"rank{'s' if len(rs) > 1 else ''} {said}"
 
 
 def diagnose(data: JobData, settings: Settings | None = None) -> Diagnosis:

@@ -117,6 +117,18 @@ def c10d_seqs(unnumbered: set[str] | None = None) -> dict[str, int]:
     return seqs
 
 
+def process_groups() -> list[tuple[str, str]]:
+    """(name, backend) of every process group this rank belongs to, the default one first; for any
+    thread (a group made meanwhile on another is seen at the next call)."""
+    try:
+        from torch.distributed import distributed_c10d
+
+        world = distributed_c10d._world
+        return [(group_name(pg), str(world.pg_map[pg][0])) for pg in list(world.pg_names)]
+    except Exception:  # no torch.distributed, or a group changed meanwhile
+        return []
+
+
 def _position(fn: Any, name: str) -> int:
     """Index of parameter ``name`` of ``fn`` when passed positionally (-1 if it has none)."""
     try:
@@ -149,8 +161,8 @@ class CollectiveTracker:
     (never reset)."""
     _c10d: dict[str, tuple[int, int]] = field(default_factory=dict)
     """Per group, c10d's sequence number and ``counted`` at the last :meth:`catch_up` (or patch)."""
-    _unnumbered: set[str] = field(default_factory=set)
-    """Groups c10d does not number, already logged."""
+    unnumbered: set[str] = field(default_factory=set)
+    """Groups c10d does not number (found by :meth:`catch_up`, logged once)."""
     steps: int = 0
     """Steps taken (``take_step`` calls)."""
     # Per-step accumulators, reset by take_step().
@@ -217,8 +229,8 @@ class CollectiveTracker:
         Once per step block: c10d's number costs ~17 µs a read inside a training step."""
         extra, unnumbered = 0, set[str]()
         seqs = c10d_seqs(unnumbered)
-        if unnumbered - self._unnumbered:
-            self._unnumbered |= unnumbered
+        if unnumbered - self.unnumbered:
+            self.unnumbered |= unnumbered
             log.warning(
                 "rankscope: process groups %s have no sequence numbers (backend without them): "
                 "collectives launched on them from C++ are not counted",

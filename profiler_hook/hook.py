@@ -20,13 +20,22 @@ import resource
 import threading
 import time
 from collections.abc import Iterable, Iterator
+from dataclasses import replace
 from typing import Any, TypeVar
 
-from wire.records import Checkpoint, FunctionPattern, Heartbeat, RankInfo, StepBatch, WindowSummary
+from wire.records import (
+    Checkpoint,
+    FunctionPattern,
+    Heartbeat,
+    RankInfo,
+    StepBatch,
+    WindowSummary,
+    coverage_gaps,
+)
 
 from . import ddp, exits, threadstates
 from .blocks import StepBlocks
-from .collectives import CollectiveTracker
+from .collectives import CollectiveTracker, process_groups
 from .config import Config, Identity
 from .gpu import GpuSampler
 from .schedstat import ThreadWait, Waits, run_queue_wait, wait_pattern
@@ -45,6 +54,8 @@ SETTLE_S = 0.05
 the backward pass (``threadstates``): past it, the window does not start, or ends a step later."""
 MAX_POSTPONED = 20
 """Steps a window's end waits for them at most: then it ends regardless."""
+MAX_GROUPS_SAID = 8
+"""Process groups the rank record names one by one (a 3D-parallel job has hundreds)."""
 
 
 def _now_us() -> int:
@@ -110,6 +121,7 @@ class Hook:
             ready=self._warm,
         )
         self.tracker = CollectiveTracker(thread_wait=self._wait)
+        self.ddp = ddp.Watch(self.tracker)
         if not self.enabled:
             self.shipper = Shipper(NullSink(), 1)
             self.shipper.close()  # nothing will ever be shipped: end its thread now
@@ -120,28 +132,27 @@ class Hook:
             self._warm_up()
             if cfg.with_stack:
                 threadstates.install()
-        coverage = self._cover() if cfg.patch_collectives else "off (patch_collectives=False)"
-        self.shipper.submit(
-            RankInfo(
-                # Stamped with the instant the first step's clock starts: steps start at or after it.
-                **{**self._origin(), "time_us": (self._mark_ns + self._epoch_offset_ns) // 1000},
-                local_rank=ident.local_rank,
-                world_size=ident.world_size,
-                pid=ident.pid,
-                nic=ident.nic,
-                switch=ident.switch,
-                spine=ident.spine,
-                backend=_backend(),
-                device="cuda" if _cuda() else "cpu",
-                attempt=ident.attempt,
-                coverage=coverage,
-            )
+        self._calls = self._track_collectives() if cfg.patch_collectives else ""
+        self._rank_info = RankInfo(
+            # Stamped with the instant the first step's clock starts: steps start at or after it.
+            **{**self._origin(), "time_us": (self._mark_ns + self._epoch_offset_ns) // 1000},
+            local_rank=ident.local_rank,
+            world_size=ident.world_size,
+            pid=ident.pid,
+            nic=ident.nic,
+            switch=ident.switch,
+            spine=ident.spine,
+            backend=_backend(),
+            device="cuda" if _cuda() else "cpu",
+            attempt=ident.attempt,
+            coverage=self.coverage(),
         )
-        gpu = GpuSampler(_cuda_device()) if _cuda() else None
+        if gaps := coverage_gaps(self._rank_info.coverage):
+            log.warning("rankscope: collective tracking: %s", "; ".join(gaps))
+        self.shipper.submit(self._rank_info)
+        self._gpu = GpuSampler(_cuda_device()) if _cuda() else None
         self.watchdog = Watchdog(
-            make=lambda **kw: Heartbeat(
-                **self._origin(), dropped=self.shipper.dropped, **kw, **(gpu.sample() if gpu else {})
-            ),
+            make=self._heartbeat,
             submit=self.shipper.submit,
             # Paused, the hook watches no steps: it must not read its own pause as a stall.
             progress=lambda: (self._finished, time.perf_counter_ns() if self.paused else self._mark_ns),
@@ -307,7 +318,7 @@ class Hook:
                 self.watchdog.close(max(1.0, deadline - time.monotonic()))
                 self.shipper.submit(self.watchdog.beat())
                 self.tracker.unpatch()
-                ddp.unpatch()
+                self.ddp.stop()
                 threadstates.uninstall()
             except Exception as exc:
                 self._fail("close", exc)
@@ -325,25 +336,56 @@ class Hook:
         self.failures += 1
         log.warning("rankscope: %s failed (%s: %s); training continues", where, type(exc).__name__, exc)
 
-    def _cover(self) -> str:
-        """Install the collective tracking; what it covers, for the rank record (a gap is logged)."""
-        parts = []
+    def _track_collectives(self) -> str:
+        """Wrap the collectives and find every DDP model; what the wrapping covers (or why not)."""
         try:
             self.tracker.patch()
-            parts.append("torch.distributed calls")
+            calls = "torch.distributed calls (plain, FSDP, FSDP2): timed"
         except Exception as exc:  # a torch built without distributed, say: training goes on
-            parts.append(f"torch.distributed calls: not tracked ({type(exc).__name__}: {exc})")
-        parts.append("DDP per backward pass" if ddp.patch(self.tracker) else "DDP: not tracked (unavailable)")
+            calls = f"torch.distributed calls: not tracked ({type(exc).__name__}: {exc})"
+        if not self.ddp.start():
+            calls += "; DDP: not tracked (unavailable)"
+        return calls
+
+    def coverage(self) -> str:
+        """What the always-on tracking times, counts or does not see: per DDP model, per process
+        group, per backend; the parts with a gap say "not tracked", "untested" or "off (". From any
+        thread: models and groups made later change it (see :meth:`_heartbeat`)."""
+        if not self.cfg.patch_collectives:
+            return "off (patch_collectives=False)"
+        parts = [self._calls, *(self.ddp.coverage() or ["DDP: no model yet"])]
+        groups = process_groups()
+        unnumbered = self.tracker.unnumbered
         if self.tracker.active:
-            parts.append("other collectives: counted by c10d, not timed")
-        backend = _backend()
-        if backend == "nccl":
+            numbered = [f"{name} ({backend})" for name, backend in groups if name not in unnumbered]
+            if numbered:
+                more = len(numbered) - MAX_GROUPS_SAID
+                said = ", ".join(numbered[:MAX_GROUPS_SAID]) + (f" and {more} more" if more > 0 else "")
+                parts.append(f"groups {said}: collectives from C++ counted, not timed")
+            parts += [
+                f"group {name} ({backend}): not tracked (no sequence numbers: collectives from C++ uncounted)"
+                for name, backend in groups
+                if name in unnumbered
+            ]
+        backends = {backend for _, backend in groups}
+        if "nccl" in backends:
             parts.append("nccl: waits as the CPU sees them")
-        elif backend and backend != "gloo":
-            parts.append(f"backend {backend}: untested (counts and waits as the CPU sees them)")
-        if any("not tracked" in p or "untested" in p for p in parts):
-            log.warning("rankscope: collective tracking: %s", "; ".join(parts))
+        parts += [
+            f"backend {b}: untested (counts and waits as the CPU sees them)"
+            for b in sorted(backends - {"gloo", "nccl"})
+        ]
         return "; ".join(parts)
+
+    def _heartbeat(self, **fields: Any) -> Heartbeat:
+        """A heartbeat (on the watchdog's thread); first, a rank record again where what the
+        tracking covers changed since the last (a model or a process group made since), stamped
+        as the first: the store keeps one record per start of a rank, the latest one sent."""
+        with contextlib.suppress(Exception):
+            if (coverage := self.coverage()) != self._rank_info.coverage:
+                self._rank_info = replace(self._rank_info, coverage=coverage)
+                self.shipper.submit(self._rank_info)
+        gpu = self._gpu.sample() if self._gpu is not None else {}
+        return Heartbeat(**self._origin(), dropped=self.shipper.dropped, **fields, **gpu)
 
     def _step_usage(self) -> tuple[int, int, int] | None:
         """The training thread's counters, from any thread (a close at SIGTERM, or from the harness of

@@ -44,6 +44,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -52,6 +53,7 @@ from .demo import FAULTS
 SUITE_FAULTS = (*FAULTS, "callback", "grad_hook", "gc", "job_wide", "hang", "host", "nic", "switch")
 """Every fault kind; the last three are applied from outside the ranks (see the fault suite)."""
 HANG_SITES = ("collective", "dataloader", "python", "checkpoint")
+ATTACH = ("start", "loop")
 LOOPS = ("manual", "ddp", "fsdp2")
 _LOCAL_FAULTS = ("compute", "dataloader", "code_path", "callback", "grad_hook", "gc")
 """Faults that live inside one rank's code, any two of which can run at once on two ranks."""
@@ -150,9 +152,16 @@ class JobSpec:
     """How gradients are synchronized: ``ddp`` (``DistributedDataParallel``, as most jobs do),
     ``manual`` (a hand-written all-reduce) or ``fsdp2`` (``fully_shard``; no compute or job-wide faults)."""
 
+    attach: str = "start"
+    """Where the script attaches the hook: ``start`` (after the process group, before the model,
+    as the README shows) or ``loop`` (just before the training loop, after the model, DDP and the
+    optimizer are built: where people add a hook to a script they have)."""
+
     def __post_init__(self) -> None:
         if self.loop not in LOOPS:
             raise ValueError(f"JobSpec.loop must be one of {LOOPS}, got {self.loop!r}")
+        if self.attach not in ATTACH:
+            raise ValueError(f"JobSpec.attach must be one of {ATTACH}, got {self.attach!r}")
 
 
 def host_of(rank: int, spec: JobSpec) -> str:
@@ -436,28 +445,35 @@ def run_rank(rank: int, spec: JobSpec) -> dict[str, Any]:
         world_size=spec.world_size,
         **extra,
     )
-    hook = None
-    if spec.hook is not None:
+    hooks: list[Any] = []
+
+    def attach() -> Any:
+        if spec.hook is None:
+            return None
         import profiler_hook
 
-        hook = profiler_hook.attach(job=spec.job, rank=rank, world_size=spec.world_size, **spec.hook)
+        hooks.append(profiler_hook.attach(job=spec.job, rank=rank, world_size=spec.world_size, **spec.hook))
+        return hooks[-1]
+
     fault = spec.fault.on(rank)
     stats: dict[str, Any] = {"rank": rank}
     try:
-        stats.update(_train(rank, spec, hook, fault))
+        stats.update(_train(rank, spec, attach, fault))
     finally:
-        if hook is not None:
+        for hook in hooks:
             hook.close()
             stats.update(sent=hook.shipper.sent, dropped=hook.shipper.dropped)
         dist.destroy_process_group()
     return stats
 
 
-def _train(rank: int, spec: JobSpec, hook: Any, fault: str) -> dict[str, Any]:
+def _train(rank: int, spec: JobSpec, attach: Callable[[], Any], fault: str) -> dict[str, Any]:
     """The training loop; returns the step count and step times as measured outside the hook."""
     import torch
     import torch.distributed as dist
     from torch.utils.data import DataLoader, DistributedSampler
+
+    hook: Any = attach() if spec.attach == "start" else None
 
     g = torch.Generator().manual_seed(1)
     clock = FaultClock(spec.fault, fault, rank, spec.marker_dir)
@@ -482,6 +498,8 @@ def _train(rank: int, spec: JobSpec, hook: Any, fault: str) -> dict[str, Any]:
                 fully_shard(layer)
         fully_shard(plain)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    if spec.attach == "loop":
+        hook = attach()
     params = list(model.parameters())
     padding = _calibrate(plain, next(iter(loader))[0], spec, fault)
     callbacks = "callback" in (spec.fault.kind, spec.fault.also)

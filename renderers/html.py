@@ -147,6 +147,8 @@ def _header(diagnosis: Diagnosis, has_steps: bool = True) -> str:
     a = diagnosis.analyzed
     meta = ", ".join(f"{k} {_e(v)}" for k, v in a.items() if k in ("ranks", "steps", "windows"))
     out = [f"<h1>Job <code>{_e(diagnosis.job)}</code></h1>", f'<div class="meta">analyzed: {meta}</div>']
+    if gaps := a.get("coverage_gaps"):
+        out.append(f'<p class="note">Not seen by the hook: {_e("; ".join(gaps))}</p>')
     out.append("<h2>Findings</h2>")
     if not diagnosis.findings and not has_steps:
         out.append(

@@ -63,7 +63,8 @@ def format_diagnosis(d: Diagnosis) -> str:
     lines = [
         f"rankscope diagnosis of job {d.job}: {a.get('ranks', 0)} ranks, {span}, {a.get('windows', 0)} windows"
     ]
-    lines += [f"  collective tracking on some ranks: {gap}" for gap in a.get("coverage_gaps", [])]
+    if gaps := a.get("coverage_gaps"):
+        lines.append(f"  not seen by the hook: {'; '.join(gaps)}")
     if not d.findings and not steps:
         lines.append("  no findings: the job has no steps yet, so there is nothing to compare its ranks on")
     elif not d.findings:

@@ -26,14 +26,19 @@ STEPS = 150
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("loop", ["manual", "ddp", "fsdp2"])
+@pytest.mark.parametrize(
+    ("loop", "attach"),
+    [("manual", "start"), ("ddp", "start"), ("fsdp2", "start"), ("ddp", "loop"), ("fsdp2", "loop")],
+)
 def test_every_loop_shape_shows_its_collectives_and_the_wait_for_a_late_rank(
-    loop: str, tmp_path: Path
+    loop: str, attach: str, tmp_path: Path
 ) -> None:
-    """Rank 1's batches arrive 20 ms late: rank 0 waits for it inside the gradient collectives."""
+    """Rank 1's batches arrive 20 ms late: rank 0 waits for it inside the gradient collectives,
+    whether the hook was attached before the model or at the loop, after it was wrapped."""
     launch(
         JobSpec(
             job=loop,
+            attach=attach,
             world_size=2,
             hosts=1,
             port=free_port(),
@@ -56,6 +61,8 @@ def test_every_loop_shape_shows_its_collectives_and_the_wait_for_a_late_rank(
     for r in (0, 1):
         assert rows[r] and min(row.n_coll / row.n_steps for row in rows[r]) >= least, (r, rows[r][:3])
         assert all(row.first_coll_us >= 0 for row in rows[r])
+        waited = sum(row.n_steps for row in rows[r] if row.comm_us > 0) / sum(row.n_steps for row in rows[r])
+        assert waited >= 0.9, (r, waited)
     wait = {r: statistics.median(row.comm_us / row.n_steps for row in rows[r]) for r in (0, 1)}
     assert wait[0] > wait[1] + 10_000, wait  # the wait inversion: the healthy rank waits
     own = {r: statistics.median((row.dur_us - row.comm_us) / row.n_steps for row in rows[r]) for r in (0, 1)}

@@ -1011,13 +1011,22 @@ def test_recorded_runs(recorded: dict[str, JobData], job: str) -> None:
     assert len(d.findings) == 1
 
 
-def test_ranks_whose_hooks_miss_collectives_are_said_in_the_diagnosis() -> None:
+def test_what_some_ranks_hooks_do_not_see_is_said_in_one_line_with_the_ranks() -> None:
     from renderers.text import format_diagnosis
 
-    full = "torch.distributed calls; DDP per backward pass"
-    gap = full + "; backend mpi: untested (counts and waits as the CPU sees them)"
-    ranks = pd.DataFrame({"rank": [0, 1, 2], "host": ["h"] * 3, "coverage": [full, gap, gap]})
+    full = "torch.distributed calls (plain, FSDP, FSDP2): timed; DDP Net on world: timed per backward pass"
+    untested = "backend mpi: untested (counts and waits as the CPU sees them)"
+    untimed = "DDP Head on 3: not tracked (RuntimeError: no engine)"
+    ranks = pd.DataFrame(
+        {
+            "rank": [0, 1, 2],
+            "host": ["h"] * 3,
+            "coverage": [full, f"{full}; {untested}", f"{full}; {untimed}; {untested}"],
+        }
+    )
     d = diagnose(JobData(job="j", ranks=ranks))
-    assert d.analyzed["coverage_gaps"] == [gap] and d.findings == []
-    assert f"collective tracking on some ranks: {gap}" in format_diagnosis(d)
+    assert d.analyzed["coverage_gaps"] == [f"{untimed} (rank 2)", f"{untested} (ranks 1, 2)"]
+    assert d.findings == []
+    said = [line for line in format_diagnosis(d).splitlines() if "not seen" in line]
+    assert said == [f"  not seen by the hook: {untimed} (rank 2); {untested} (ranks 1, 2)"]
     assert "coverage_gaps" not in diagnose(JobData(job="j", ranks=ranks.assign(coverage=full))).analyzed

@@ -42,6 +42,7 @@ from wire.records import (
     StepBatch,
     StepRow,
     WindowSummary,
+    coverage_gaps,
     decode,
     encode,
 )
@@ -804,11 +805,49 @@ def test_the_rank_record_says_what_collective_tracking_covers() -> None:
         Hook(Config(window_s=0, heartbeat_s=60, patch_collectives=patch), ident, sink).close(timeout=30)
         got[patch] = [r.coverage for r in map(decode, sink.got) if isinstance(r, RankInfo)]
     assert got == {
-        True: [
-            "torch.distributed calls; DDP per backward pass; other collectives: counted by c10d, not timed"
-        ],
+        True: ["torch.distributed calls (plain, FSDP, FSDP2): timed; DDP: no model yet"],
         False: ["off (patch_collectives=False)"],
     }
+
+
+def test_a_ddp_model_built_before_attach_is_timed_and_the_rank_record_says_so_per_model_and_group() -> None:
+    """People add the hook where their loop is, after ``DistributedDataParallel(model)``: its
+    synchronization is timed all the same, the rank record names it, and it says again, stamped as
+    before, what changed when a second model is built later; close leaves the models untouched."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo", store=_store(), rank=0, world_size=1)
+    try:
+        net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+        model = DDP(net)
+        sink = _ListSink()
+        hook = Hook(
+            Config(window_s=0, heartbeat_s=60, step_block_s=0),
+            Identity(rank=0, local_rank=0, world_size=1, host="h"),
+            sink,
+        )
+        for _ in range(20):
+            with hook.step():
+                model(torch.randn(32, 64)).sum().backward()
+        head = DDP(torch.nn.Linear(8, 2))
+        hook.watchdog.beat()  # what a heartbeat does first: say a changed coverage
+        hook.close(timeout=30)
+        hooked_after_close = [len(p._backward_hooks or {}) for p in [*net.parameters(), *head.parameters()]]
+    finally:
+        dist.destroy_process_group()
+    infos = [r for r in map(decode, sink.got) if isinstance(r, RankInfo)]
+    calls = "torch.distributed calls (plain, FSDP, FSDP2): timed"
+    groups = "groups world (gloo): collectives from C++ counted, not timed"
+    assert [r.coverage for r in infos] == [
+        f"{calls}; DDP Sequential on world: timed per backward pass; {groups}",
+        f"{calls}; DDP Sequential on world: timed per backward pass; "
+        f"DDP Linear on world: timed per backward pass; {groups}",
+    ]
+    assert infos[0].time_us == infos[1].time_us, "one start of the rank: the store keeps the latest"
+    rows = [row for r in map(decode, sink.got) if isinstance(r, StepBatch) for row in r.rows]
+    assert len(rows) == 20 and all(row.comm_us > 0 and row.first_coll_us >= 0 for row in rows), rows[:3]
+    assert hooked_after_close == [0] * len(hooked_after_close)
 
 
 def test_an_untested_backend_is_said_once_in_the_log_and_in_the_rank_record() -> None:
@@ -836,11 +875,13 @@ print([r.coverage for r in map(decode, sink.got) if isinstance(r, RankInfo)], ho
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
     )
     said = (
-        "torch.distributed calls; DDP per backward pass; other collectives: counted by c10d, not timed; "
+        "torch.distributed calls (plain, FSDP, FSDP2): timed; DDP: no model yet; "
+        "group world (fake): not tracked (no sequence numbers: collectives from C++ uncounted); "
         "backend fake: untested (counts and waits as the CPU sees them)"
     )
     assert out.stdout.strip() == f"{[said]!r} 0", out
-    assert out.stderr.count("rankscope: collective tracking: " + said) == 1, out.stderr
+    gaps = "; ".join(coverage_gaps(said))
+    assert out.stderr.count("rankscope: collective tracking: " + gaps) == 1, out.stderr
     unnumbered = "rankscope: process groups ['world'] have no sequence numbers (backend without them)"
     assert out.stderr.count(unnumbered) == 1, out.stderr
 

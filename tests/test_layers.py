@@ -12,7 +12,7 @@ MAY_IMPORT = {
     "wire": set(),
     "profiler_hook": {"wire"},
     "aggregator": {"wire"},
-    "diagnosis": {"aggregator"},
+    "diagnosis": {"wire", "aggregator"},
     "preflight": set(),
     "renderers": {"diagnosis", "preflight"},
     "api": {"aggregator", "diagnosis", "renderers"},

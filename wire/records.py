@@ -137,8 +137,19 @@ class RankInfo(_Base):
     attempt: int = 0
     """torchrun's restart count (``$TORCHELASTIC_RESTART_COUNT``): 0 for the job's first attempt."""
     coverage: str = ""
-    """Which collectives the hook tracks, and any gap (an untested backend, tracking off), as of
-    ``attach``."""
+    """What the always-on tracking times, counts or does not see, in parts joined by ``"; "``: the
+    collective calls, each DDP model, the process groups, the backends. A rank sends its record
+    again, with its first stamp, when this changes (a model or a group made later); the parts
+    :func:`coverage_gaps` picks say what is not seen."""
+
+
+GAP_WORDS = ("not tracked", "untested", "off (")
+"""Words of a part of ``RankInfo.coverage`` that says something is not seen as documented."""
+
+
+def coverage_gaps(coverage: str) -> list[str]:
+    """The parts of a rank record's ``coverage`` that name a gap."""
+    return [p for p in coverage.split("; ") if any(w in p for w in GAP_WORDS)]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

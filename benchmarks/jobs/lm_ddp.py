@@ -7,7 +7,8 @@ A user's training script, written the way such scripts are written: a map-style 
 a tokenized corpus (synthetic here, stored compressed as it would be on disk), a ``DataLoader``
 with a ``DistributedSampler``, a two-block transformer, AdamW, and rank 0 logging the loss,
 evaluating on a held-out batch and saving a checkpoint now and then. rankscope's hook is attached
-as its README shows, at its defaults.
+at its defaults, as its README shows (``--attach start``) or where people add it to a script they
+have, after DDP and the optimizer are built (``--attach loop``).
 
 Faults, for rankscope's fault suite (each only on ``--fault-rank``, from ``--onset-s`` seconds into
 training on: rank 0 says when that time has passed through the small all-reduce every step
@@ -85,6 +86,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--fault-ms", type=float, default=15.0, help="slow_data, metrics_block: extra ms")
     ap.add_argument("--fault-factor", type=float, default=1.7, help="slow_backward: work factor")
     ap.add_argument("--marker-dir", default="", help="write the onset marker here")
+    ap.add_argument(
+        "--attach",
+        choices=("start", "loop"),
+        default="start",
+        help="attach the hook before the model (start) or after DDP and the optimizer (loop)",
+    )
     return ap.parse_args()
 
 
@@ -230,7 +237,8 @@ def main() -> None:
     args = parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    hook = profiler_hook.attach(job=args.job, spool_dir=args.spool_dir)
+    if args.attach == "start":
+        hook = profiler_hook.attach(job=args.job, spool_dir=args.spool_dir)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     fault = args.fault if rank == args.fault_rank and not (args.fault == "crash" and attempt > 0) else "none"
 
@@ -245,6 +253,8 @@ def main() -> None:
     raw_model = GPT(args.vocab, args.seq_len, args.d_model, args.n_head, args.n_layer)
     model = DistributedDataParallel(raw_model)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    if args.attach == "loop":  # where people add a hook to a script they have
+        hook = profiler_hook.attach(job=args.job, spool_dir=args.spool_dir)
     if rank == 0:
         n_params = sum(p.numel() for p in raw_model.parameters())
         print(f"rank 0: {world} ranks, {n_params / 1e3:.0f}k parameters, fault {args.fault}", flush=True)
