@@ -359,7 +359,7 @@ def components(width: int, reps: int = 5) -> dict[str, float]:
             for _ in range(steps):
                 train_step()
             prof.stop()
-            summarize(prof.profiler.kineto_results.events(), [], int(1e9), cfg.max_functions)
+            summarize(prof.profiler.kineto_results, [], int(1e9), cfg.max_functions)
             costs[stacks].append(time.perf_counter() - t0 - plain)
     return {
         "step_us": round(step_us, 2),

@@ -14,6 +14,8 @@ Every public method catches its own failures: the hook never raises into the tra
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import logging
 import os
 import resource
@@ -277,7 +279,7 @@ class Hook:
         self.schedule.pause()
         if self._prof is not None:  # a window cut short is no window: its steps would not end it
             with contextlib.suppress(Exception):
-                threadstates.settle(SETTLE_S)
+                threadstates.settle(SETTLE_S, self._no_collective_in_flight)
                 self._prof.stop()
             self._prof, self._window, self.tracker.recording = None, None, None
         with contextlib.suppress(Exception):
@@ -309,7 +311,7 @@ class Hook:
                 self._blocks.close()  # the step rows first: what a restart's redone work is measured by
                 self._flush_steps()
                 if self._prof is not None:
-                    threadstates.settle(SETTLE_S)
+                    threadstates.settle(SETTLE_S, self._no_collective_in_flight)
                     self._prof.stop()
                     self._prof = None
                 for t in self._summarizers:
@@ -387,6 +389,9 @@ class Hook:
         gpu = self._gpu.sample() if self._gpu is not None else {}
         return Heartbeat(**self._origin(), dropped=self.shipper.dropped, **fields, **gpu)
 
+    def _no_collective_in_flight(self) -> bool:
+        return self.tracker.oldest_inflight() is None
+
     def _step_usage(self) -> tuple[int, int, int] | None:
         """The training thread's counters, from any thread (a close at SIGTERM, or from the harness of
         a hung job, runs on another: its last block once got no CPU time nor run-queue wait, and
@@ -443,7 +448,9 @@ class Hook:
         if any(t.is_alive() for t in self._summarizers):
             log.warning("rankscope: the last window is still being summarized: window %d skipped", s)
             return
-        if not threadstates.settle(SETTLE_S):  # nothing is kept unless with_stack installed it
+        if not threadstates.settle(
+            SETTLE_S, self._no_collective_in_flight
+        ):  # nothing is kept unless with_stack installed it
             log.warning("rankscope: collectives of the last backward pass still held: window %d skipped", s)
             return
         cfg = self.cfg
@@ -453,7 +460,7 @@ class Hook:
         # Read before the profiler starts: its window would hold our reads.
         self._waits = run_queue_wait()
         stacks = cfg.with_stack and self.schedule.stacks
-        self._prof = profile(activities=activities, with_stack=stacks, record_shapes=False)
+        self._prof = profile(activities=activities, with_stack=stacks, record_shapes=False, **_profile_args())
         self._prof.start()
         self._window = (s, s, s + cfg.window_steps, time.time_ns())
         self.tracker.recording = []
@@ -462,7 +469,10 @@ class Hook:
         if self._prof is None or self._window is None or self.step_num + 1 < self._window[2]:
             return
         prof, (number, lo, hi, t0) = self._prof, self._window
-        if not threadstates.settle(SETTLE_S) and self.step_num + 1 < hi + MAX_POSTPONED:
+        if (
+            not threadstates.settle(SETTLE_S, self._no_collective_in_flight)
+            and self.step_num + 1 < hi + MAX_POSTPONED
+        ):
             return  # the next step's end tries again
         hi = self.step_num + 1
         prof.stop()
@@ -497,7 +507,7 @@ class Hook:
             from .summarize import summarize
 
             functions, busy, n = summarize(
-                prof.profiler.kineto_results.events(),
+                prof.profiler.kineto_results,
                 calls,
                 dur_ns,
                 self.cfg.max_functions,
@@ -533,6 +543,20 @@ class _Step:
 
     def __exit__(self, *exc: object) -> None:
         self.hook.end_step()
+
+
+@functools.cache
+def _profile_args() -> dict[str, Any]:
+    """``acc_events=True`` where ``torch.profiler.profile`` takes it: without it, 2.11 warns
+    on the job's stderr at a window's start that events are cleared at the end of each cycle; each
+    window has its own session, so there is nothing to clear."""
+    from torch.profiler import profile
+
+    try:
+        takes = "acc_events" in inspect.signature(profile).parameters
+    except (TypeError, ValueError):
+        takes = False
+    return {"acc_events": True} if takes else {}
 
 
 def _cuda_device() -> int:

@@ -21,6 +21,7 @@ from typing import Any
 
 from wire.records import CUT_KIND, FunctionPattern
 
+from . import events
 from .collectives import CollectiveCall
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
@@ -171,13 +172,14 @@ as ending then; a frame within this of the window's edges was open there."""
 
 
 def summarize(
-    events: Iterable[Any],
+    results: Any,
     calls: Iterable[CollectiveCall],
     window_ns: int,
     max_functions: int,
     epoch_offset_ns: int = 0,
 ) -> tuple[list[FunctionPattern], dict[str, float], int]:
-    """Summarize kineto events (``prof.profiler.kineto_results.events()``) and tracked collectives.
+    """Summarize a window's profiler results (``prof.profiler.kineto_results``, read by
+    :func:`events.read`) and tracked collectives.
 
     Collective calls carry ``time.perf_counter_ns`` times; ``epoch_offset_ns`` moves them onto the
     profiler's clock (nanoseconds since the epoch).
@@ -193,29 +195,23 @@ def summarize(
     threads: Counter[int] = Counter()
     cpu_events: list[tuple[str, int, int, int]] = []
     n = 0
-    for e in events:
+    for name, activity, start, dur, tid, pid, parent in events.read(results):
         n += 1
-        try:
-            name = e.name()
-        except UnicodeDecodeError:  # seen in torch 2.13 for some Python names
-            continue
-        is_python = e.is_python_function()
-        kind = _kind(name, str(e.activity_type()).rsplit(".", 1)[-1], is_python)
+        is_python = pid >= 0
+        kind = _kind(name, activity, is_python)
         if kind is None:
             continue
-        start, dur = e.start_ns(), e.duration_ns()
         name = _ADDRESS.sub("", name)
         if is_python:
-            python[e.python_id()] = (name, e.python_parent_id())
-            kind_of_python[e.python_id()] = kind
-            pending_python.append((e.python_id(), e.start_thread_id(), start, dur))
+            python[pid] = (name, parent)
+            kind_of_python[pid] = kind
+            pending_python.append((pid, tid, start, dur))
             continue
         groups[(kind, name, "")][0].append(start)
         groups[(kind, name, "")][1].append(dur)
         if kind in ("kernel", "memcpy"):
             busy["compute"].append((start, start + dur))
         else:
-            tid = e.start_thread_id()
             threads[tid] += 1
             cpu_events.append((kind, tid, start, start + dur))
 

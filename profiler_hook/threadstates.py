@@ -24,11 +24,15 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 NEEDED = sys.version_info < (3, 12)
 MAX_HELD = 64
 """Contexts kept at most (an application holding collectives' handles for long holds them too)."""
+STABLE_S = 0.005
+"""How long contexts held by live owners must stay unchanged to count as settled (see :func:`settle`):
+a collective's thread drops its reference microseconds after the collective completes."""
 
 _held: list[Any] = []
 _original: Any = None
@@ -72,6 +76,14 @@ def install() -> bool:
 
     torch._C._stash_obj_in_tls = stash
     _original = original
+    # Releases before 2.13 stash nothing in the backward pass (their collectives hold no Python
+    # object): one tiny backward pass tells, and there is then nothing to keep.
+    with torch.enable_grad():
+        torch.ones(1, requires_grad=True).sum().backward()
+    if not _held:
+        uninstall()
+        return False
+    _held.clear()
     return True
 
 
@@ -86,14 +98,29 @@ def uninstall() -> None:
     _held.clear()
 
 
-def settle(timeout_s: float) -> bool:
+def settle(timeout_s: float, quiet: Callable[[], bool] = lambda: False) -> bool:
     """True once no C++ object holds a stashed context (waiting up to ``timeout_s``, asleep so that
-    the thread that holds one can take the GIL and drop it); then none is kept any more."""
-    deadline = time.monotonic() + timeout_s
+    the thread that holds one can take the GIL and drop it); then none is kept any more.
+
+    Also True once those that still hold one have held it unchanged (the same contexts, the same
+    reference counts) for ``STABLE_S`` while ``quiet()`` says no collective is in flight: their
+    owners live on, and no collective's thread is about to drop one. DDP built with
+    ``find_unused_parameters=True`` (as the Hugging Face Trainer builds it) keeps the last backward
+    pass's all-reduce of its used-parameter map until the next backward pass, which frees it on
+    the training thread: with no such exception, no window of such a job ever started."""
+    start = time.monotonic()
+    seen: list[tuple[int, int]] = []
+    since = start
     while True:
         _held[:] = _shared()
         if not _held:
             return True
-        if time.monotonic() >= deadline:
+        now = time.monotonic()
+        held = [(id(c), sys.getrefcount(c)) for c in _held]
+        if held != seen:
+            seen, since = held, now
+        elif now - since >= STABLE_S and quiet():
+            return True
+        if now - start >= timeout_s:
             return False
         time.sleep(0.0005)
