@@ -56,6 +56,8 @@ SETTLE_S = 0.05
 the backward pass (``threadstates``): past it, the window does not start, or ends a step later."""
 MAX_POSTPONED = 20
 """Steps a window's end waits for them at most: then it ends regardless."""
+SUPPORTED_TORCH = ((2, 8), (2, 15))
+"""The oldest and newest torch releases (major, minor) the hook is tested on (``./dev test``)."""
 MAX_GROUPS_SAID = 8
 """Process groups the rank record names one by one (a 3D-parallel job has hundreds)."""
 
@@ -130,6 +132,7 @@ class Hook:
             self._wait.close()
             return
         self.shipper = Shipper(sink or make_sink(cfg, ident), cfg.queue_size)
+        _check_release()
         if cfg.window_s:
             self._warm_up()
             if cfg.with_stack:
@@ -543,6 +546,28 @@ class _Step:
 
     def __exit__(self, *exc: object) -> None:
         self.hook.end_step()
+
+
+@functools.cache
+def _check_release() -> None:
+    """Say once, in one line, when this torch is outside the releases the hook is tested on: it
+    keeps what it can (a window it cannot read is logged and skipped; the steps go on)."""
+    import torch
+
+    version = str(torch.__version__)
+    try:
+        release = tuple(int(x) for x in version.split("+")[0].split(".")[:2])
+    except ValueError:
+        release = ()
+    lo, hi = SUPPORTED_TORCH
+    if not lo <= release <= hi:
+        log.warning(
+            "rankscope: torch %s is outside the releases the hook is tested on (%d.%d to %d.%d): "
+            "it keeps what it can",
+            version,
+            *lo,
+            *hi,
+        )
 
 
 @functools.cache

@@ -278,6 +278,7 @@ def audit(model: torch.nn.Module) -> float:
     return sum(float(p.detach().norm()) for p in model.parameters())
 
 
+@pytest.mark.releases
 def test_summary_of_real_profiler_output() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
     data = torch.utils.data.TensorDataset(torch.randn(256, 32), torch.randint(0, 4, (256,)))
@@ -320,6 +321,7 @@ def pause_for_garbage_collection() -> None:
     time.sleep(0.15)
 
 
+@pytest.mark.releases
 def test_a_call_that_holds_most_of_a_window_is_an_execution_but_the_loop_around_it_is_not() -> None:
     """The frames open when the window starts and ends (the loop, its callers) are left out; a long
     call inside it — a garbage-collection pause taking most of a 5-step window — is kept."""
@@ -723,6 +725,7 @@ def read_from_storage(seconds: float) -> None:
     time.sleep(seconds)  # a slow read: the thread waits in no Python frame of its own
 
 
+@pytest.mark.releases
 def test_heartbeats_carry_the_function_of_the_jobs_code_each_stack_sample_found_the_thread_in() -> None:
     """The watchdog samples the innermost function of the job's own code the training thread is in,
     named as torch's profiler names it, so that samples and windows name a function alike."""
@@ -772,6 +775,7 @@ def test_a_paused_hook_is_not_a_stalled_rank() -> None:
     assert beat.progress_age_s < 0.05 and beat.stack == ""
 
 
+@pytest.mark.releases
 def test_a_window_writes_nothing_to_the_training_scripts_stderr(tmp_path: Path) -> None:
     """torch's kineto prints a line at every profiler start and stop; a window must not (a fresh
     process: the quieting applies before kineto's first use)."""
@@ -797,6 +801,7 @@ hook.close(timeout=30)
     assert len(wins) == 1
 
 
+@pytest.mark.releases
 def test_the_rank_record_says_what_collective_tracking_covers() -> None:
     ident = Identity(rank=0, local_rank=0, world_size=1, host="h")
     got = {}
@@ -810,6 +815,7 @@ def test_the_rank_record_says_what_collective_tracking_covers() -> None:
     }
 
 
+@pytest.mark.releases
 def test_a_ddp_model_built_before_attach_is_timed_and_the_rank_record_says_so_per_model_and_group() -> None:
     """People add the hook where their loop is, after ``DistributedDataParallel(model)``: its
     synchronization is timed all the same, the rank record names it, and it says again, stamped as
@@ -903,6 +909,7 @@ def test_a_window_holds_none_of_the_hooks_own_reads() -> None:
     assert not [n for n in names if "readlink" in n or "listdir" in n], names
 
 
+@pytest.mark.releases
 def test_a_window_records_python_functions_only_where_its_plan_asks_for_stacks() -> None:
     sink = _ListSink()
     hook = Hook(Config(heartbeat_s=60), Identity(rank=0, local_rank=0, world_size=1, host="h"), sink)
@@ -1001,6 +1008,7 @@ threadstates.uninstall()
 pass, and Python 3.11 and older link a thread state before making it."""
 
 
+@pytest.mark.releases
 @pytest.mark.skipif(not _STASHES, reason="Python 3.12+, or a torch that stashes no context (before 2.13)")
 def test_a_window_waits_for_a_collective_in_flight_but_not_for_a_context_a_live_owner_holds(
     monkeypatch: pytest.MonkeyPatch,
@@ -1047,6 +1055,7 @@ def test_a_window_waits_for_a_collective_in_flight_but_not_for_a_context_a_live_
     assert (win.step_lo, win.step_hi) == (1, 3)
 
 
+@pytest.mark.releases
 @pytest.mark.skipif(not _STASHES, reason="Python 3.12+, or a torch that stashes no context (before 2.13)")
 def test_ddp_with_unused_parameters_found_gets_its_windows() -> None:
     """The Hugging Face Trainer builds DDP with ``find_unused_parameters=True``: its reducer holds a
@@ -1107,6 +1116,7 @@ def _records(spool: Path, job: str) -> dict[int, list]:
     return out
 
 
+@pytest.mark.releases
 @pytest.mark.slow
 def test_hook_in_spawned_gloo_ranks(tmp_path: Path) -> None:
     hook = {"spool_dir": str(tmp_path), "window_s": 0.5, "window_steps": 4, "flush_s": 0.5}
@@ -1564,3 +1574,24 @@ def test_close_waits_for_the_watchdog_thread_inside_a_slow_call_of_the_jobs_stor
     assert inside.wait(5)
     hook.close(timeout=5)
     assert not hook.watchdog._thread.is_alive()
+
+
+@pytest.mark.parametrize(
+    ("version", "said"), [("2.7.1+cpu", True), ("2.8.0", False), ("2.15.0", False), ("2.16.0", True)]
+)
+def test_a_torch_outside_the_tested_releases_is_said_once_in_one_line(
+    version: str, said: bool, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from profiler_hook import hook as hook_module
+
+    monkeypatch.setattr(torch, "__version__", version)
+    with caplog.at_level(logging.WARNING, logger="profiler_hook.hook"):
+        hook_module._check_release.__wrapped__()
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == (
+        [
+            f"rankscope: torch {version} is outside the releases the hook is tested on (2.8 to 2.15): it keeps what it can"
+        ]
+        if said
+        else []
+    )
