@@ -28,7 +28,13 @@ STEPS = 150
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("loop", "attach"),
-    [("manual", "start"), ("ddp", "start"), ("fsdp2", "start"), ("ddp", "loop"), ("fsdp2", "loop")],
+    [
+        ("manual", "start"),
+        ("ddp", "start"),
+        ("fsdp2", "start"),
+        pytest.param("ddp", "loop", marks=pytest.mark.releases),
+        pytest.param("fsdp2", "loop", marks=pytest.mark.releases),
+    ],
 )
 def test_every_loop_shape_shows_its_collectives_and_the_wait_for_a_late_rank(
     loop: str, attach: str, tmp_path: Path
