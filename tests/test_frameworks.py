@@ -38,7 +38,7 @@ def _records(spool: Path, job: str) -> list[dict]:
     return [json.loads(line) for p in (spool / job).glob("*.jsonl") for line in p.read_text().splitlines()]
 
 
-def _check(recs: list[dict], steps: int) -> None:
+def _check(recs: list[dict], steps: int, saves: tuple[int, ...] = (20, 40, 60)) -> None:
     """Both ranks shipped every step with DDP's all-reduce timed, and rank 0's checkpoints."""
     for rank in (0, 1):
         rows = [row for r in recs if r["type"] == "steps" and r["rank"] == rank for row in r["rows"]]
@@ -46,8 +46,8 @@ def _check(recs: list[dict], steps: int) -> None:
         assert {row[0] for row in rows} >= {0}, "steps numbered by the framework's global step from 0"
         assert sum(row[4] for row in rows) > 0 and sum(row[5] for row in rows) >= steps, "comm_us, n_coll"
         assert sum(row[3] for row in rows) > 0, "data_us: the time between steps the loop fetched batches"
-    saves = [r for r in recs if r["type"] == "checkpoint" and r["rank"] == 0]
-    assert [s["step"] for s in saves] == [20, 40, 60] and all(s["dur_us"] > 0 for s in saves), saves
+    saved = [r for r in recs if r["type"] == "checkpoint" and r["rank"] == 0]
+    assert [s["step"] for s in saved] == list(saves) and all(s["dur_us"] > 0 for s in saved), saved
     assert {r["rank"] for r in recs if r["type"] == "rank"} == {0, 1}
 
 
@@ -70,5 +70,9 @@ def test_the_hugging_face_callback_in_a_two_process_trainer_under_torchrun(tmp_p
         "--nproc-per-node=2",
         f"--master-port={free_port()}",
     ]
-    _run([*torchrun, str(JOBS / "hf_trainer.py"), str(spool), str(tmp_path / "out")], tmp_path)
-    _check(_records(spool, "hf-job"), 60)
+    _run([*torchrun, str(JOBS / "hf_trainer.py"), str(spool), str(tmp_path / "out"), "1.0"], tmp_path)
+    recs = _records(spool, "hf-job")
+    _check(recs, 1200, saves=(400, 800, 1200))
+    # Its DDP holds a collective of each backward pass until the next: windows start all the same.
+    windows = {r: [w["window"] for w in recs if w["type"] == "window" and w["rank"] == r] for r in (0, 1)}
+    assert len(windows[0]) >= 2 and windows[0] == windows[1], windows

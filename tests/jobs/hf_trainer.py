@@ -1,7 +1,10 @@
 """A user's Hugging Face Trainer script, run by torchrun on 2 CPU processes (gloo), saving a
-checkpoint every 20 steps, with rankscope as a callback.
+checkpoint every 400 steps, with rankscope as a callback. The Trainer builds DDP with
+``find_unused_parameters=True`` for a model that is not a ``PreTrainedModel``.
 
-    torchrun --nproc-per-node 2 tests/jobs/hf_trainer.py SPOOL_DIR OUT_DIR
+    torchrun --nproc-per-node 2 tests/jobs/hf_trainer.py SPOOL_DIR OUT_DIR [WINDOW_S]
+
+WINDOW_S: the hook's ``window_s`` (its default, 30 s, is longer than this job).
 """
 
 from __future__ import annotations
@@ -40,9 +43,9 @@ def main() -> None:
     spool, out = sys.argv[1], sys.argv[2]
     args = TrainingArguments(
         output_dir=out,
-        max_steps=60,
+        max_steps=1200,
         per_device_train_batch_size=32,
-        save_steps=20,
+        save_steps=400,
         logging_steps=10,
         use_cpu=True,
         ddp_backend="gloo",
@@ -54,7 +57,7 @@ def main() -> None:
         model=Regressor(),
         args=args,
         train_dataset=Samples(4096),
-        callbacks=[RankscopeCallback(job="hf-job", spool_dir=spool)],
+        callbacks=[RankscopeCallback(job="hf-job", spool_dir=spool, window_s=float(sys.argv[3]))],
     )
     trainer.train()
 
