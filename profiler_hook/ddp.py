@@ -155,6 +155,7 @@ class Sync:
         if not params:
             return
         self.tracker = tracker
+        self.model = weakref.ref(model)
         self.group = group_name(model.process_group)
         self.nbytes = sum(p.numel() * p.element_size() for p in params)
         self.engine = torch.autograd.Variable._execution_engine
@@ -172,6 +173,9 @@ class Sync:
 
     def _grad_ready(self, grad: Any) -> None:
         if self.armed == self.tracker.steps or not self.tracker.active:
+            return
+        model = self.model()
+        if model is None or not model.require_backward_grad_sync:  # no_sync(): gradient accumulation
             return
         try:
             self.armed = self.tracker.steps

@@ -76,3 +76,34 @@ def test_the_hugging_face_callback_in_a_two_process_trainer_under_torchrun(tmp_p
     # Its DDP holds a collective of each backward pass until the next: windows start all the same.
     windows = {r: [w["window"] for w in recs if w["type"] == "window" and w["rank"] == r] for r in (0, 1)}
     assert len(windows[0]) >= 2 and windows[0] == windows[1], windows
+
+
+@pytest.mark.slow
+def test_a_nanogpt_like_script_with_the_hook_added_at_its_loop_gets_its_straggler_found(
+    tmp_path: Path,
+) -> None:
+    """nanoGPT's train.py wraps its model in DDP at module level, long before a user adds a hook at
+    the loop; rank 1 sleeps 40 ms before each backward pass. The hook finds the model all the same:
+    its peers wait in DDP's all-reduce for rank 1 in its step rows, and the diagnosis names rank 1."""
+    spool, store = tmp_path / "spool", tmp_path / "store"
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=4",
+        f"--master-port={free_port()}",
+    ]
+    _run([*torchrun, str(JOBS / "nanogpt_like.py"), str(spool), "80", "1"], tmp_path)
+    recs = _records(spool, "nanogpt-like")
+    ranks = [r for r in recs if r["type"] == "rank"]
+    assert {r["rank"] for r in ranks} == {0, 1, 2, 3}
+    assert all("DDP GPT on world: timed per backward pass" in r["coverage"] for r in ranks), ranks
+    wait = {}
+    for rank in (0, 1, 2, 3):
+        rows = [row for r in recs if r["type"] == "steps" and r["rank"] == rank for row in r["rows"]]
+        wait[rank] = sum(row[4] for row in rows) / sum(row[STEP_COLUMNS.index("n_steps")] for row in rows)
+    assert min(wait[r] for r in (0, 2, 3)) > wait[1] + 30_000, wait  # µs a step: the others wait for rank 1
+    rankscope = [sys.executable, "-m", "rankscope.cli"]
+    _run([*rankscope, "ingest", "--spool", str(spool), "--store", str(store)], tmp_path)
+    diagnosis = json.loads(_run([*rankscope, "diagnose", "--store", str(store), "--json"], tmp_path))
+    assert diagnosis["findings"] and diagnosis["findings"][0]["ranks"] == [1], diagnosis["findings"]
