@@ -19,12 +19,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import tempfile
 import threading
 import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+import pandas as pd
 
 from aggregator import Store, ingest
 from diagnosis import diagnose, read_job
@@ -198,8 +201,27 @@ def evaluate(
             {"after_s": p.after_s, "after_steps": p.after_steps, "top": _top(p.diagnosis)} for p in probes
         ],
         "healthy_probe_findings": healthy_probe_findings,
+        "windows": windows(data, spool_job_dir.parents[1] / "logs"),
         "machine": speed,
         "diagnosis": final.to_dict(),
+    }
+
+
+def windows(data: Any, logs: Path) -> dict[str, int]:
+    """The profiling windows the job planned (any rank stored one, or logged it skipped), how
+    many its ranks stored (the fewest of any rank) and how many a rank skipped (its log says so)."""
+    skipped: set[int] = set()
+    for log in logs.glob("*.log"):
+        skipped |= {
+            int(n) for n in re.findall(r"rankscope: .*window (\d+) skipped", log.read_text(errors="replace"))
+        }
+    f = data.functions
+    stored = f.groupby("rank")["window"].nunique() if not f.empty else pd.Series(dtype=int)
+    ranks = data.ranks["rank"] if not data.ranks.empty else stored.index
+    return {
+        "planned": len(set(f["window"].unique() if not f.empty else ()) | skipped),
+        "stored_min": int(stored.reindex(ranks, fill_value=0).min()) if len(ranks) else 0,
+        "skipped": len(skipped),
     }
 
 
@@ -238,12 +260,12 @@ def _fmt_delay(s: float | None, steps: int | None) -> str:
 def report(results: list[dict[str, Any]]) -> str:
     """The markdown tables: one row per scenario, then one per fault kind."""
     lines = [
-        "| scenario | ground truth | top finding | function named | conf | top ok | detect (steps) | localize (steps) | findings |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| scenario | ground truth | top finding | function named | conf | top ok | detect (steps) | localize (steps) | findings | windows stored/planned |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         if "skipped" in r:
-            lines.append(f"| {r['name']} | skipped: {r['skipped']} | | | | | | | |")
+            lines.append(f"| {r['name']} | skipped: {r['skipped']} | | | | | | | | |")
             continue
         s, d = r["score"], r["delays"]
         ok = (
@@ -260,7 +282,7 @@ def report(results: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['name']} | {r['ground_truth']} | {s['top'] or '—'} | {fn or '—'} | {s['confidence']:.2f} | {ok} | "
             f"{_fmt_delay(d['detect_s'], d['detect_steps'])} | "
-            f"{_fmt_delay(d['localize_s'], d['localize_steps'])} | {s['findings']}{extra} |"
+            f"{_fmt_delay(d['localize_s'], d['localize_steps'])} | {s['findings']}{extra} | {_fmt_windows(r)} |"
         )
     lines += [
         "",
@@ -275,6 +297,11 @@ def report(results: list[dict[str, Any]]) -> str:
             f"{k['median_localize_s'] if k['median_localize_s'] is not None else '—'} |"
         )
     return "\n".join(lines)
+
+
+def _fmt_windows(r: dict[str, Any]) -> str:
+    w = r.get("windows")  # absent from reports written before it was measured
+    return f"{w['stored_min']}/{w['planned']}" if w else "—"
 
 
 def _short(function: str, width: int = 48) -> str:
@@ -331,7 +358,8 @@ def run_suite(
                 took = "" if r["run_s"] is None else f" in {r['run_s']} s"
                 print(
                     f"      {r['steps']} steps{took}; expected {r['ground_truth']}; "
-                    f"top: {s['top'] or 'no finding'}; localized after {r['delays']['localize_s']} s"
+                    f"top: {s['top'] or 'no finding'}; localized after {r['delays']['localize_s']} s; "
+                    f"windows stored {r['windows']['stored_min']} of {r['windows']['planned']} planned"
                     + (f"; machine {r['machine']['slowdown']:.2f}x slower" if r.get("machine") else "")
                     + (f"; ERROR {r['error']}" if r["error"] else ""),
                     flush=True,

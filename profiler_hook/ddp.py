@@ -62,8 +62,9 @@ class Watch:
         self.tracker = tracker
         self._syncs: dict[int, Sync] = {}
         """By model ``id``, while the model lives."""
-        self._said: dict[int, str] = {}
-        """By model ``id``: what is timed of it (``"DDP GPT on world: timed per backward pass"``)."""
+        self._said: list[str] = []
+        """What is timed of each model found (``"DDP GPT on world: timed per backward pass"``),
+        each statement once; a model freed stays said (the store keeps a rank's latest record)."""
         self._lock = threading.Lock()
         self._patched = False
 
@@ -104,25 +105,27 @@ class Watch:
         try:
             sync = Sync(model, self.tracker)
         except Exception as exc:  # the model trains as it would without us
-            self._said[key] = f"{label}: not tracked ({type(exc).__name__}: {exc})"
-            log.warning("rankscope: %s", self._said[key])
+            self._say(f"{label}: not tracked ({type(exc).__name__}: {exc})")
+            log.warning("rankscope: %s: not tracked (%s: %s)", label, type(exc).__name__, exc)
             return
         with self._lock:
             self._syncs[key] = sync
-            self._said[key] = (
-                f"{label}: timed per backward pass" if sync.handles else f"{label}: no gradients"
-            )
+        self._say(f"{label}: timed per backward pass" if sync.handles else f"{label}: no gradients")
         weakref.finalize(model, self._forget, key)
+
+    def _say(self, statement: str) -> None:
+        with self._lock:
+            if statement not in self._said:
+                self._said.append(statement)
 
     def _forget(self, key: int) -> None:
         with self._lock:
             self._syncs.pop(key, None)
-            self._said.pop(key, None)
 
     def coverage(self) -> list[str]:
-        """One statement per live DDP model, in the order they were found (any thread)."""
+        """What is timed of each DDP model found, in the order they were found (any thread)."""
         with self._lock:
-            return list(self._said.values())
+            return list(self._said)
 
     def stop(self) -> None:
         """Unwrap DDP's constructor and remove our hooks from every model: they train on untouched."""

@@ -372,7 +372,8 @@ class Hook:
                 for name, backend in groups
                 if name in unnumbered
             ]
-        backends = {backend for _, backend in groups}
+        # A group may name a backend per device: "cpu:gloo,cuda:nccl".
+        backends = {b.rsplit(":", 1)[-1] for _, backend in groups for b in backend.split(",")}
         if "nccl" in backends:
             parts.append("nccl: waits as the CPU sees them")
         parts += [

@@ -1595,3 +1595,27 @@ def test_a_torch_outside_the_tested_releases_is_said_once_in_one_line(
         if said
         else []
     )
+
+
+def test_a_ddp_model_on_another_process_group_is_named_with_its_group() -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo", store=_store(), rank=0, world_size=1)
+    try:
+        sub = dist.new_group([0])
+        _model = DDP(torch.nn.Linear(8, 2), process_group=sub)  # built before attach
+        hook = Hook(
+            Config(window_s=0, heartbeat_s=60),
+            Identity(rank=0, local_rank=0, world_size=1, host="h"),
+            _ListSink(),
+        )
+        coverage = hook.coverage()
+        hook.close(timeout=30)
+    finally:
+        dist.destroy_process_group()
+    name = str(sub.group_name)
+    assert f"DDP Linear on {name}: timed per backward pass" in coverage, coverage
+    assert f"groups world (gloo), {name} (gloo): collectives from C++ counted, not timed" in coverage, (
+        coverage
+    )

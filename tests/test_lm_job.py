@@ -160,7 +160,11 @@ def test_a_rank_killed_under_torchrun_restarts_the_job_and_reliability_measures_
 
 def test_lm_scenarios_load_and_map_onto_the_suites_fault_families() -> None:
     lm = {s.name: s for s in load_all("full", ["lm-"])}
-    assert len(lm) == 5 and all(s.script == "lm_ddp" and not s.ci for s in lm.values())
+    assert len(lm) == 7 and all(s.script == "lm_ddp" and not s.ci for s in lm.values())
+    assert {n for n, s in lm.items() if s.attach == "loop"} == {
+        "lm-attach_at_loop-metrics_block-15ms-r3",
+        "lm-attach_at_loop-slow_backward-1.7x-r1",
+    }
     kinds = {s.kind for s in lm.values()}
     assert kinds == {"healthy", "dataloader", "compute", "code_path", "hang-checkpoint"}
     hang = lm["lm-hang_checkpoint-r2"]
@@ -169,6 +173,7 @@ def test_lm_scenarios_load_and_map_onto_the_suites_fault_families() -> None:
 
 def test_a_script_scenario_runs_one_torchrun_per_simulated_host(tmp_path: Path) -> None:
     sc = load(SCENARIO_DIR / "lm-slow_data-15ms-r2.yaml")
+    assert sc.attach == "start"
     spec = JobSpec(job="j1", world_size=4, hosts=2, hook={"spool_dir": "/s"}, marker_dir="/m")
     cmds = commands(sc, spec)
     assert [env["RANKSCOPE_HOST"] for _, env in cmds] == ["node0", "node1"]
