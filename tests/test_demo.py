@@ -11,10 +11,11 @@ import pytest
 
 CASES = [
     ("compute", 2, "compute"),
-    ("dataloader", 1, "dataloader"),
     ("code_path", 3, "code_path"),
     ("none", 0, None),
 ]
+"""The demo's faults run as a user runs them; its dataloader fault, the same workload's, is the CI
+fault suite's ``dataloader-15ms-r1`` (tests/test_faults.py), not run twice."""
 
 
 def rankscope(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
