@@ -79,7 +79,10 @@ class Watch:
 
             def __init__(model: Any, *args: Any, **kwargs: Any) -> None:
                 init(model, *args, **kwargs)
-                watch.add(model)
+                try:
+                    watch.add(model)
+                except Exception as exc:  # the model trains as it would without us
+                    log.warning("rankscope: a DDP model is not tracked (%s: %s)", type(exc).__name__, exc)
 
             __init__.__rankscope_original__ = init  # type: ignore[attr-defined]
             __init__.__doc__, __init__.__wrapped__ = init.__doc__, init  # type: ignore[attr-defined]
@@ -97,7 +100,7 @@ class Watch:
         return True
 
     def add(self, model: Any) -> None:
-        """Time ``model``'s synchronization (once however often it is added); never raises."""
+        """Time ``model``'s synchronization (once however often it is added)."""
         key = id(model)
         if key in self._syncs:
             return
