@@ -79,10 +79,7 @@ class Watch:
 
             def __init__(model: Any, *args: Any, **kwargs: Any) -> None:
                 init(model, *args, **kwargs)
-                try:
-                    watch.add(model)
-                except Exception as exc:  # the model trains as it would without us
-                    log.warning("rankscope: a DDP model is not tracked (%s: %s)", type(exc).__name__, exc)
+                watch.add(model)
 
             __init__.__rankscope_original__ = init  # type: ignore[attr-defined]
             __init__.__doc__, __init__.__wrapped__ = init.__doc__, init  # type: ignore[attr-defined]
@@ -100,12 +97,13 @@ class Watch:
         return True
 
     def add(self, model: Any) -> None:
-        """Time ``model``'s synchronization (once however often it is added)."""
+        """Time ``model``'s synchronization (once however often it is added); never raises."""
         key = id(model)
         if key in self._syncs:
             return
-        label = _label(model)
+        label = "DDP"
         try:
+            label = _label(model)
             sync = Sync(model, self.tracker)
         except Exception as exc:  # the model trains as it would without us
             self._say(f"{label}: not tracked ({type(exc).__name__}: {exc})")
