@@ -78,8 +78,11 @@ def install() -> bool:
     _original = original
     # Releases before 2.13 stash nothing in the backward pass (their collectives hold no Python
     # object): one tiny backward pass tells, and there is then nothing to keep.
-    with torch.enable_grad():
-        torch.ones(1, requires_grad=True).sum().backward()
+    try:
+        with torch.enable_grad():
+            torch.ones(1, requires_grad=True, device="cpu").sum().backward()
+    except Exception:  # no backward pass here (inference mode, say): keep what may be stashed
+        return True
     if not _held:
         uninstall()
         return False
