@@ -48,35 +48,23 @@ def read(results: Any) -> Iterator[Event]:
     cannot be decoded (seen in torch 2.13 for some Python functions) is left out."""
     events = results.events()
     probe = next(iter(events), None)
-    if probe is not None and hasattr(probe, "python_id") and hasattr(probe, "activity_type"):
-        yield from _with_python(events)
-    else:
-        yield from _without_python(events)
-        yield from _python_calls(results)
-
-
-def _with_python(events: Any) -> Iterator[Event]:
+    typed = probe is not None and hasattr(probe, "python_id") and hasattr(probe, "activity_type")
     for e in events:
         try:
             name = e.name()
         except UnicodeDecodeError:
             continue
-        activity = str(e.activity_type()).rsplit(".", 1)[-1]
         start, dur, tid = e.start_ns(), e.duration_ns(), e.start_thread_id()
+        if not typed:
+            yield Event(name, _activity(name, str(e.device_type()), e.is_user_annotation()), start, dur, tid)
+            continue
+        activity = str(e.activity_type()).rsplit(".", 1)[-1]
         if e.is_python_function():
             yield Event(name, activity, start, dur, tid, e.python_id(), e.python_parent_id())
         else:
             yield Event(name, activity, start, dur, tid)
-
-
-def _without_python(events: Any) -> Iterator[Event]:
-    for e in events:
-        try:
-            name = e.name()
-        except UnicodeDecodeError:
-            continue
-        activity = _activity(name, str(e.device_type()), e.is_user_annotation())
-        yield Event(name, activity, e.start_ns(), e.duration_ns(), e.start_thread_id())
+    if not typed:
+        yield from _python_calls(results)
 
 
 def _activity(name: str, device: str, annotation: bool) -> str:

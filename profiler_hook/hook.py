@@ -282,7 +282,7 @@ class Hook:
         self.schedule.pause()
         if self._prof is not None:  # a window cut short is no window: its steps would not end it
             with contextlib.suppress(Exception):
-                threadstates.settle(SETTLE_S, self._no_collective_in_flight)
+                self._settled()
                 self._prof.stop()
             self._prof, self._window, self.tracker.recording = None, None, None
         with contextlib.suppress(Exception):
@@ -314,7 +314,7 @@ class Hook:
                 self._blocks.close()  # the step rows first: what a restart's redone work is measured by
                 self._flush_steps()
                 if self._prof is not None:
-                    threadstates.settle(SETTLE_S, self._no_collective_in_flight)
+                    self._settled()
                     self._prof.stop()
                     self._prof = None
                 for t in self._summarizers:
@@ -393,8 +393,10 @@ class Hook:
         gpu = self._gpu.sample() if self._gpu is not None else {}
         return Heartbeat(**self._origin(), dropped=self.shipper.dropped, **fields, **gpu)
 
-    def _no_collective_in_flight(self) -> bool:
-        return self.tracker.oldest_inflight() is None
+    def _settled(self) -> bool:
+        """Whether a window may start or stop now (``threadstates.settle``: no collective's thread
+        can still drop a context of the backward pass), waiting up to ``SETTLE_S``."""
+        return threadstates.settle(SETTLE_S, lambda: self.tracker.oldest_inflight() is None)
 
     def _step_usage(self) -> tuple[int, int, int] | None:
         """The training thread's counters, from any thread (a close at SIGTERM, or from the harness of
@@ -452,9 +454,7 @@ class Hook:
         if any(t.is_alive() for t in self._summarizers):
             log.warning("rankscope: the last window is still being summarized: window %d skipped", s)
             return
-        if not threadstates.settle(
-            SETTLE_S, self._no_collective_in_flight
-        ):  # nothing is kept unless with_stack installed it
+        if not self._settled():  # nothing is kept unless with_stack installed it
             log.warning("rankscope: collectives of the last backward pass still held: window %d skipped", s)
             return
         cfg = self.cfg
@@ -473,10 +473,7 @@ class Hook:
         if self._prof is None or self._window is None or self.step_num + 1 < self._window[2]:
             return
         prof, (number, lo, hi, t0) = self._prof, self._window
-        if (
-            not threadstates.settle(SETTLE_S, self._no_collective_in_flight)
-            and self.step_num + 1 < hi + MAX_POSTPONED
-        ):
+        if not self._settled() and self.step_num + 1 < hi + MAX_POSTPONED:
             return  # the next step's end tries again
         hi = self.step_num + 1
         prof.stop()
