@@ -260,12 +260,12 @@ def _fmt_delay(s: float | None, steps: int | None) -> str:
 def report(results: list[dict[str, Any]]) -> str:
     """The markdown tables: one row per scenario, then one per fault kind."""
     lines = [
-        "| scenario | ground truth | top finding | function named | conf | top ok | detect (steps) | localize (steps) | findings | windows stored/planned |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| scenario | ground truth | top finding | function named | conf | top ok | detect (steps) | localize (steps) | findings | false extra | windows stored/planned |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         if "skipped" in r:
-            lines.append(f"| {r['name']} | skipped: {r['skipped']} | | | | | | | | |")
+            lines.append(f"| {r['name']} | skipped: {r['skipped']} | | | | | | | | | |")
             continue
         s, d = r["score"], r["delays"]
         ok = (
@@ -282,17 +282,19 @@ def report(results: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['name']} | {r['ground_truth']} | {s['top'] or '—'} | {fn or '—'} | {s['confidence']:.2f} | {ok} | "
             f"{_fmt_delay(d['detect_s'], d['detect_steps'])} | "
-            f"{_fmt_delay(d['localize_s'], d['localize_steps'])} | {s['findings']}{extra} | {_fmt_windows(r)} |"
+            f"{_fmt_delay(d['localize_s'], d['localize_steps'])} | {s['findings']}{extra} | {s.get('companions', '—')} | "
+            f"{_fmt_windows(r)} |"
         )
     lines += [
         "",
-        "| fault kind | runs | top correct | ranks right | function right | false findings | median detect s | median localize s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| fault kind | runs | top correct | ranks right | function right | false findings | false extra | median detect s | median localize s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for kind, k in _by_kind(results).items():
         named = f"{k['function_ok']}/{k['function_expected']}" if k["function_expected"] else "—"
         lines.append(
             f"| {kind} | {k['runs']} | {k['top_correct']} | {k['top_located']} | {named} | {k['false_findings']} | "
+            f"{k['companions']} | "
             f"{k['median_detect_s'] if k['median_detect_s'] is not None else '—'} | "
             f"{k['median_localize_s'] if k['median_localize_s'] is not None else '—'} |"
         )

@@ -81,6 +81,18 @@ def correct(truth: GroundTruth, f: Finding) -> bool:
     return located(replace(truth, also=None), f) and f.cause == truth.cause
 
 
+def companion(truth: GroundTruth, f: Finding) -> bool:
+    """A false extra finding: it names a rank (a host, a link: the ranks behind them) that is no
+    culprit, or the whole job where the fault is not job-wide. A finding on a culprit that gets its
+    cause wrong is wrong, but no companion; on a healthy run every finding is one."""
+    if truth.healthy:
+        return True
+    truths = [t for t in (truth, truth.also) if t is not None]
+    if f.scope == "job":
+        return not any(t.scope == "job" for t in truths)
+    return not set(f.ranks) <= {r for t in truths for r in t.ranks}
+
+
 def function_ok(truth: GroundTruth, f: Finding | None) -> bool | None:
     """The finding is right and names the expected function (None: the scenario expects none, or
     the fault it names is the one of two that expects none)."""
@@ -115,6 +127,8 @@ class Score:
     ``explained``)."""
     explained: int = 0
     """Healthy run on a machine that slowed down: its findings, which the slowdown explains."""
+    companions: int = 0
+    """False extra findings (:func:`companion`), less those ``explained``."""
     function: str = ""
     """The function the top finding names."""
     function_ok: bool | None = None
@@ -164,6 +178,7 @@ def score(truth: GroundTruth, diagnosis: Diagnosis, *, name: str = "", machine_s
         correct_findings=sum(ok),
         false_findings=len(fs) - sum(ok) - explained,
         explained=explained,
+        companions=sum(companion(truth, f) for f in fs) - explained,
         function=top.function if top else "",
         function_ok=function_ok(truth, top),
         both_found=(
@@ -240,7 +255,8 @@ def totals(scores: Sequence[Score], timings: Sequence[Delays] | None = None) -> 
     """Suite totals: ``top1_accuracy`` (fault runs whose top finding is right), ``precision`` (right
     findings / all findings, healthy runs included), ``recall`` (fault runs with a right finding
     anywhere in the list), ``healthy_false_findings`` (findings on healthy runs, all wrong but
-    those the machine's own slowdown explains)."""
+    those the machine's own slowdown explains), ``false_extra_findings`` (findings on a rank, host
+    or link that is no culprit, healthy runs included: the target is 0)."""
     faults = [s for s in scores if not s.healthy]
     healthy = [s for s in scores if s.healthy]
     all_findings = sum(s.findings - s.explained for s in scores)
@@ -253,6 +269,7 @@ def totals(scores: Sequence[Score], timings: Sequence[Delays] | None = None) -> 
         "precision": _ratio(sum(s.correct_findings for s in scores), all_findings),
         "recall": _ratio(sum(s.any_correct for s in faults), len(faults)),
         "healthy_false_findings": sum(s.false_findings for s in healthy),
+        "false_extra_findings": sum(s.companions for s in scores),
         "healthy_explained_findings": sum(s.explained for s in healthy),
     }
     named = [s.function_ok for s in faults if s.function_ok is not None]
@@ -292,6 +309,7 @@ def by_kind(scores: Sequence[Score], timings: Sequence[Delays]) -> dict[str, dic
             "top_correct": sum(s.top_correct for s, _ in g),
             "top_located": sum(s.top_located for s, _ in g),
             "false_findings": sum(s.false_findings for s, _ in g),
+            "companions": sum(s.companions for s, _ in g),
             "function_ok": sum(bool(s.function_ok) for s, _ in g),
             "function_expected": sum(s.function_ok is not None for s, _ in g),
             "median_detect_s": _median(t.detect_s for _, t in g),

@@ -2,10 +2,29 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from . import contention, functions, stragglers
 from .findings import Cause, ms
+
+
+@dataclass(frozen=True, slots=True)
+class Attribution:
+    cause: Cause
+    function: str
+    cause_share: float
+    """The share of the culprit's excess time the cause accounts for."""
+    function_share: float
+    """The share of it ``function`` holds (the time no operator or function could be named for
+    is ``UNATTRIBUTED``'s)."""
+    evidence: dict[str, Any]
+
+
+ATTRIBUTED = 0.5
+"""The share of a culprit's excess that what is named for it must hold: the operators that got
+slower, for a slower device; else a function of the job's code the stack samples found it in."""
+UNATTRIBUTED = "(unattributed: no profiled operator or function, and no stack sample, holds it)"
 
 
 def classify(
@@ -13,9 +32,9 @@ def classify(
     excess: list[functions.FunctionExcess],
     waits: contention.Contended | None,
     sampled: functions.Sampled | None = None,
-) -> tuple[Cause, str, float, dict[str, Any]]:
-    """(cause, function, share of the excess it explains, evidence) for one straggler; ``sampled``:
-    where its stack samples put it beyond its peers, for time no window caught."""
+) -> Attribution:
+    """Cause, function and evidence of one straggler's extra time; ``sampled``: where its stack
+    samples put it beyond its peers, for time no window caught."""
     total = max(st.excess_us, 1.0)
     # Starved: the rank got a smaller share of the CPU for its own time than its peers. (A rank with
     # more work queues longer on a busy host too, behind its own threads, at the same share.) Own
@@ -50,28 +69,23 @@ def classify(
             "cpu_share_of_own_time_less_data_wait": round(own_eff, 3),
             "peer_cpu_share_of_own_time_less_data_wait": round(peer_eff, 3),
         }
-        return "host_contention", CPU_WAIT, 1.0, ev
+        return Attribution("host_contention", CPU_WAIT, 1.0, waited / total, ev)
+    # The time a sampled function holds beyond the peers' share of it: that share of the rank's steps.
+    sampled_us = sampled.excess * (st.own_us + st.comm_us) if sampled is not None else 0.0
     data_excess = st.data_us - st.peer_data_us
     if data_excess >= 0.5 * total:
         fn = functions.top_of_kind(excess, "dataloader")
         loader = fn.name if fn else "DataLoader.__next__"
         ev = {"data_wait_ms": ms(st.data_us), "peer_data_wait_ms": ms(st.peer_data_us)}
+        share = data_excess / total
         code = functions.innermost_code(excess, 0.3 * data_excess)  # a window sees most fetches, not all
         if code is not None:
-            return (
-                "dataloader",
-                code.name,
-                data_excess / total,
-                {**ev, **code_evidence(code), "loader": loader},
-            )
+            ev = {**ev, **code_evidence(code), "loader": loader}
+            return Attribution("dataloader", code.name, share, code.excess_us / total, ev)
         if sampled is not None:
-            return (
-                "dataloader",
-                sampled.name,
-                data_excess / total,
-                {**ev, **sampled_evidence(sampled), "loader": loader},
-            )
-        return "dataloader", loader, data_excess / total, ev
+            ev = {**ev, **sampled_evidence(sampled), "loader": loader}
+            return Attribution("dataloader", sampled.name, share, sampled_us / total, ev)
+        return Attribution("dataloader", loader, share, share, ev)
     if extra is not None:
         code = functions.innermost_code(excess, 0.5 * extra.excess_us) or extra
         ev = {
@@ -84,14 +98,17 @@ def classify(
         op = functions.top_of_kinds(excess, functions.WORK_KINDS)
         if op is not None:
             ev["operator"] = op.name
-        return "code_path", code.name, extra.excess_us / total, ev
+        share = extra.excess_us / total
+        return Attribution("code_path", code.name, share, code.excess_us / total, ev)
     slower = functions.top_slower(excess)
     slow_code = functions.innermost_code(excess, 0.5 * total)
-    if slow_code is not None and functions.work_excess(excess) < 0.5 * slow_code.excess_us:
+    work = functions.work_excess(excess)
+    if slow_code is not None and work < 0.5 * slow_code.excess_us:
         # The job's own function takes longer on this rank, but not in operators: it blocks or
         # waits (a synchronous upload, a lock, I/O). A slower device slows the operators under it.
         ev = {**code_evidence(slow_code), "calls_per_step": round(slow_code.rank_count, 2)}
-        return "code_path", slow_code.name, slow_code.excess_us / total, ev
+        share = slow_code.excess_us / total
+        return Attribution("code_path", slow_code.name, share, share, ev)
     if starved and st.nivcsw >= 2 * st.peer_nivcsw + 5:
         ev = {
             "involuntary_switches_per_step": st.nivcsw,
@@ -99,7 +116,7 @@ def classify(
             "cpu_share_of_own_time_less_data_wait": round(own_eff, 3),
             "peer_cpu_share_of_own_time_less_data_wait": round(peer_eff, 3),
         }
-        return "host_contention", "(whole process)", 1.0, ev
+        return Attribution("host_contention", "(whole process)", 1.0, 1.0, ev)
     ev = {}
     if slower is not None:
         ev = {
@@ -109,15 +126,28 @@ def classify(
             "calls_per_step": round(slower.rank_count, 2),
         }
     compute_excess = (st.own_us - st.data_us) - (st.peer_own_us - st.peer_data_us)
-    name = slower.name if slower else "compute (no profiling window covered it)"
+    if work < ATTRIBUTED * compute_excess:
+        # The operators that got slower do not hold the time (a rank sleeping 40 ms a step in its
+        # loop ran its forward 1.1 ms slower, on a shared core): where its stack samples put it,
+        # a line of a loop at module level included, or where its CPU time went.
+        if sampled is not None and sampled_us >= ATTRIBUTED * total:
+            ev = {**sampled_evidence(sampled), **ev}
+            return Attribution("code_path", sampled.name, sampled_us / total, sampled_us / total, ev)
+        cpu_excess = st.cpu_us - st.peer_cpu_us
+        ev = {**ev, "cpu_ms_per_step": ms(st.cpu_us), "peer_cpu_ms_per_step": ms(st.peer_cpu_us)}
+        if cpu_excess < ATTRIBUTED * compute_excess:
+            # Neither more work in operators nor more CPU time: it sleeps or blocks, outside them.
+            return Attribution("code_path", UNATTRIBUTED, compute_excess / total, 0.0, ev)
+    name = slower.name if slower else UNATTRIBUTED
+    share = slower.excess_us / total if slower else 0.0
     # Forward runs in the job's code, backward mostly in the autograd engine: with forward about a
     # third of the FLOPs, its share of a uniformly slower device's excess is about a third, so a
     # quarter: the forward of a device 2x slower in bursts held 26% of the excess while it was slow.
     code = functions.innermost_code(excess, 0.25 * compute_excess) if slower else None
     if code is not None:  # the job's own function whose operators got slower, and the operator
         ev = {**ev, **code_evidence(code), "operator": name}
-        name = code.name
-    return "compute", name, compute_excess / total, ev
+        name, share = code.name, code.excess_us / total
+    return Attribution("compute", name, compute_excess / total, share, ev)
 
 
 def code_evidence(code: functions.FunctionExcess) -> dict[str, Any]:
@@ -131,6 +161,7 @@ def code_evidence(code: functions.FunctionExcess) -> dict[str, Any]:
 def sampled_evidence(s: functions.Sampled) -> dict[str, Any]:
     return {
         "stack_samples_in_function": f"{s.samples}/{s.of}",
+        **({"line": s.line} if s.line is not None else {}),
         "share_of_stack_samples": round(s.share, 3),
         "peer_share_of_stack_samples": round(s.peer_share, 3),
     }

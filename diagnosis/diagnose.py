@@ -13,7 +13,7 @@ import pandas as pd
 from wire import records
 
 from . import communication, contention, functions, hangs, jobwide, stragglers, topology
-from .classify import CPU_WAIT, classify, wait_evidence
+from .classify import CPU_WAIT, UNATTRIBUTED, classify, wait_evidence
 from .data import JobData
 from .findings import Diagnosis, Finding, effect, ms
 
@@ -101,7 +101,9 @@ def _straggler_finding(
     # A tenth of the rank's time in one function of its code beyond its peers' share: a stall
     # that took that much of the job is no sampling noise (±3 samples in the 60 of 30 s).
     sampled = functions.top_sampled(samples, st.rank, peers, min_share=0.1)
-    cause, fn, explained, ev = classify(st, excess, waits, sampled)
+    why = classify(st, excess, waits, sampled)
+    cause, fn, explained = why.cause, why.function, why.cause_share
+    held = min(max(why.function_share, 0.0), 1.0)
     windows = int(fs.loc[fs["rank"] == st.rank, "window"].nunique()) if not fs.empty else 0
     confidence = round(effect(st.growth) * st.persistence * min(1.0, max(0.5, explained)), 3)
     host = hosts.get(st.rank, "")
@@ -119,12 +121,18 @@ def _straggler_finding(
         "collective_wait_ms": ms(st.comm_us),
         "peer_collective_wait_ms": ms(st.peer_comm_us),
         "explained_share": round(min(explained, 1.0), 3),
-        **ev,
+        "function_share": round(held, 3),
+        **why.evidence,
     }
     summary = (
         f"rank {st.rank}{f' ({host})' if host else ''}: {cause} straggler — it works "
         f"{st.ratio:.2f}x as long per step as its peers ({ms(st.own_us)} vs {ms(st.peer_own_us)} ms), "
-        f"most of the extra time in {fn}; peers wait {ms(st.peer_comm_us - st.comm_us)} ms "
+        + (
+            f"{held:.0%} of the extra time in {fn}"
+            if fn != UNATTRIBUTED
+            else "no profiled operator or function, and no stack sample, holds the extra time"
+        )
+        + f"; peers wait {ms(st.peer_comm_us - st.comm_us)} ms "
         f"longer in collectives for it"
         + (f" (it was {st.before_ratio:.2f}x until step {st.since_step})" if st.before_ratio else "")
         + (

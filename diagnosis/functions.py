@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from wire import records
+
 from .contention import WAIT_KIND
 
 CUT_KIND = "cut"
@@ -80,43 +82,89 @@ class Sampled:
     """The peers' median share."""
     samples: int
     of: int
+    line: int | None = None
+    """The line of it the culprit's samples found it at most often (``None``: not sampled)."""
+
+    @property
+    def excess(self) -> float:
+        return self.share - self.peer_share
 
 
 MIN_SAMPLES = 10
 """Samples a culprit needs before they name anything (5 s of the watchdog's 2 a second)."""
+
+_FUNCTION = re.compile(r"^(.*)\((\d+)\): (.*)$")
 
 
 def top_sampled(samples: pd.DataFrame, rank: int, peers: list[int], min_share: float) -> Sampled | None:
     """The function of the job's own code that the culprit's stack samples found it in most often
     beyond its peers' share, if by ``min_share`` of its samples at least. Windows profile a few
     steps now and then; samples come every 0.5 s whatever the step, so they see where a rare stall
-    (one batch in 20 read slowly) puts the culprit's time when no window caught one."""
+    (one batch in 20 read slowly) puts the culprit's time when no window caught one.
+
+    Functions first, as windows name them. A loop written at module level (nanoGPT's) or in one
+    long function puts every rank's samples in that one function, the culprit's stall and its
+    peers' wait for it alike: then its lines, each named as the profiler names a frame it finds
+    running, at the line it is at (``"train.py(57): <module>"``)."""
     if samples.empty or not peers:
         return None
     s = samples[samples["rank"].isin([rank, *pick_peers(sorted(peers))])]
     totals = s.groupby("rank")["samples"].sum()
     if totals.get(rank, 0) < MIN_SAMPLES or len(totals) < 2:
         return None
-    share = (
-        s.assign(share=s["samples"] / s["rank"].map(totals))
-        .pivot_table(index="function", columns="rank", values="share", aggfunc="sum", fill_value=0.0)
-        .drop(index="", errors="ignore")  # samples with none of the job's code on the stack
+    keys = [records.split_sample_key(k) for k in s["function"]]
+    s = s.assign(
+        function=[fn for fn, _ in keys],
+        line=[-1 if line is None else line for _, line in keys],
+        share=s["samples"] / s["rank"].map(totals),
     )
-    if share.empty:
+    s = s[s["function"] != ""]  # samples with none of the job's code on the stack
+    ranks = list(totals.index)
+    best = _beyond_peers(s, "function", rank, ranks, min_share)
+    if best is None:
+        at = s[s["line"] >= 0]
+        at = at.assign(at=[_at_line(fn, line) for fn, line in zip(at["function"], at["line"], strict=True)])
+        best = _beyond_peers(at, "at", rank, ranks, min_share)
+        key = "at"
+    else:
+        at, key = s, "function"
+    if best is None:
         return None
+    name, share, peer_share = best
+    mine = at[(at["rank"] == rank) & (at[key] == name)]
+    lines = mine[mine["line"] >= 0].groupby("line")["samples"].sum()
+    return Sampled(
+        name=name,
+        share=share,
+        peer_share=peer_share,
+        samples=int(mine["samples"].sum()),
+        of=int(totals[rank]),
+        line=int(lines.idxmax()) if not lines.empty else None,
+    )
+
+
+def _beyond_peers(
+    s: pd.DataFrame, by: str, rank: int, ranks: list[int], min_share: float
+) -> tuple[str, float, float] | None:
+    """The ``by`` value whose share of the culprit's samples exceeds the peers' median share the
+    most, if by ``min_share``: (it, the culprit's share, the peers' median share; ``ranks``: the
+    culprit and the peers, a peer without such samples counting 0)."""
+    if s.empty:
+        return None
+    share = s.pivot_table(index=by, columns="rank", values="share", aggfunc="sum", fill_value=0.0)
+    share = share.reindex(columns=ranks, fill_value=0.0)
     peer = share[[p for p in share.columns if p != rank]].median(axis=1)
     excess = share[rank] - peer
     best = str(excess.idxmax())
     if excess[best] < min_share:
         return None
-    mine = s[(s["rank"] == rank) & (s["function"] == best)]["samples"].sum()
-    return Sampled(
-        name=best,
-        share=float(share.at[best, rank]),
-        peer_share=float(peer[best]),
-        samples=int(mine),
-        of=int(totals[rank]),
-    )
+    return best, float(share.at[best, rank]), float(peer[best])
+
+
+def _at_line(function: str, line: int) -> str:
+    """``function`` named at ``line`` (``"train.py(1): <module>"``, 57 → ``"train.py(57): <module>"``)."""
+    m = _FUNCTION.match(function)
+    return f"{m[1]}({line}): {m[3]}" if m else f"{function} @{line}"
 
 
 def pick_peers(peers: list[int]) -> list[int]:

@@ -22,7 +22,7 @@ from collections import Counter
 from collections.abc import Callable
 from types import CodeType
 
-from wire.records import Heartbeat
+from wire.records import Heartbeat, sample_key
 
 from .collectives import CollectiveTracker
 from .netstat import LinkMeter
@@ -51,13 +51,15 @@ def _path_prefixes() -> tuple[str, ...]:
 
 
 class StackSampler:
-    """Counts, per sample, the innermost function of the job's own code on a thread's stack.
+    """Counts, per sample, the innermost function of the job's own code on a thread's stack, and
+    the line it is at (``wire.records.sample_key``).
 
     Functions are named as torch's profiler names Python functions (``"train.py(40): load"``: the
     file relative to its ``sys.path`` entry, the line its definition starts on), so samples and
     windows name a function alike; ``""`` counts samples with none of the job's code on the stack.
-    A sample holds the GIL for about 1 µs (measured): a look-up per frame, from innermost out to
-    the first of the job's code.
+    The line tells apart where a loop written at module level, or in one long function, spends
+    its time: there every rank's samples fall in the same function. A sample holds the GIL for
+    about 1 µs (measured): a look-up per frame, from innermost out to the first of the job's code.
     """
 
     def __init__(self, thread_id: int) -> None:
@@ -83,7 +85,7 @@ class StackSampler:
         frame = sys._current_frames().get(self._thread)
         while frame is not None and not (name := self._name(frame.f_code)):
             frame = frame.f_back
-        self.counts[name if frame is not None else ""] += 1
+        self.counts[sample_key(name, frame.f_lineno or 0) if frame is not None else ""] += 1
 
     def take(self) -> dict[str, int]:
         """The counts since the last ``take``."""

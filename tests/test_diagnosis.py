@@ -14,8 +14,10 @@ import pytest
 
 from aggregator import Store, ingest
 from diagnosis import CAUSES, Finding, JobData, Settings, diagnose, read_job, stragglers
+from diagnosis.classify import UNATTRIBUTED
 from diagnosis.data import STEP_FIELDS
 from diagnosis.findings import effect
+from wire.records import sample_key
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -629,6 +631,54 @@ def test_a_stall_no_window_caught_is_named_by_the_function_the_stack_samples_fou
     f = only(diagnose(replace(data, samples=samples(0.1))).findings)
     assert (f.cause, f.ranks) == ("dataloader", [2]) and f.function != read
     assert f.function == only(diagnose(data).findings).function
+
+
+def _samples(per_rank: dict[int, dict[str, int]]) -> pd.DataFrame:
+    rows = [(r, key, n) for r, keys in per_rank.items() for key, n in keys.items()]
+    return pd.DataFrame(rows, columns=["rank", "function", "samples"])
+
+
+def test_a_stall_in_a_loop_at_module_level_is_named_by_its_line_not_by_a_slightly_slower_operator() -> None:
+    """nanoGPT's loop runs at module level: there every rank's samples fall in ``<module>``, the
+    culprit's sleep and its peers' wait in the backward pass for it alike. Its lines tell them
+    apart. The operator that ran a little slower on the culprit's shared core holds a tenth of
+    its extra time: no compute finding."""
+    # Rank 2 sleeps 2 ms a step: its own time grows, its CPU time does not.
+    data = synthetic(slow={2: {"compute_us": 2000, "cpu": 5000 / 7000}})
+    ops = [("op", "DistributedDataParallel.forward", 5, 9_000.0), ("op", "aten::addmm", 40, 6_000.0)]
+    slower = [("op", "DistributedDataParallel.forward", 5, 10_000.0), ("op", "aten::addmm", 40, 6_100.0)]
+    data = replace(data, functions=functions_frame({r: slower if r == 2 else ops for r in range(8)}))
+    module = "train.py(1): <module>"
+    samples = _samples(
+        {r: {sample_key(module, 70): 6, sample_key(module, 71): 2, "": 2} for r in range(8) if r != 2}
+        | {2: {sample_key(module, 70): 3, sample_key(module, 68): 4, sample_key(module, 71): 1, "": 2}}
+    )
+    f = only(diagnose(replace(data, samples=samples)).findings)
+    assert (f.cause, f.ranks, f.function) == ("code_path", [2], "train.py(68): <module>")
+    assert f.evidence["stack_samples_in_function"] == "4/10"
+    assert f.evidence["function_share"] >= 0.5 and "of the extra time in train.py(68)" in f.summary
+    # Without the samples no function holds it, and the CPU time did not grow: it is unattributed,
+    # a code path (sleeping or blocked), never compute in the operator.
+    f = only(diagnose(data).findings)
+    assert (f.cause, f.function, f.evidence["function_share"]) == ("code_path", UNATTRIBUTED, 0.0)
+    assert "no stack sample" in f.summary
+
+
+def test_a_stall_no_window_saw_at_all_is_named_from_the_samples_of_the_function_it_is_in() -> None:
+    """Windows lost (a release whose events the hook cannot read, a GPU whose windows failed): a
+    callback sleeping on one rank is named from its heartbeats' samples, by its function."""
+    data = synthetic(slow={5: {"compute_us": 2000, "cpu": 5000 / 7000}})
+    loop, callback = "trainer.py(2200): _inner_training_loop", "train.py(30): on_step_end"
+    samples = _samples(
+        {r: {sample_key(loop, 2300): 16, sample_key(callback, 31): 0} for r in range(8) if r != 5}
+        | {5: {sample_key(loop, 2300): 10, sample_key(callback, 31): 6, sample_key(callback, 33): 2}}
+    )
+    f = only(diagnose(replace(data, samples=samples)).findings)
+    assert (f.cause, f.ranks, f.function) == ("code_path", [5], callback)
+    assert f.evidence["stack_samples_in_function"] == "8/18" and f.evidence["line"] == 31
+    # A device that got slower adds CPU time: compute, though nothing names where.
+    f = only(diagnose(synthetic(slow={5: {"compute_us": 2000}})).findings)
+    assert (f.cause, f.function) == ("compute", UNATTRIBUTED)
 
 
 def test_intermittent_stalls_and_bursts_are_stragglers_though_their_median_step_is_healthy() -> None:

@@ -36,6 +36,29 @@ def test_score_names_right_and_wrong_findings() -> None:
     assert not missed.top_correct and missed.confidence == 0.0
 
 
+def test_a_finding_on_a_rank_or_host_that_is_no_culprit_is_a_false_extra_finding() -> None:
+    """The host hog's companion: the right host named, and a second finding on the healthy host's
+    ranks, who only waited. A wrong cause on the culprit is wrong, but no companion."""
+    truth = scoring.GroundTruth(
+        kind="host", cause="host_contention", ranks=(2, 3), scope="host", where="hostB"
+    )
+    findings = [
+        _finding("host_contention", [2, 3], scope="host"),
+        _finding("compute", [0, 1], scope="host"),
+        _finding("compute", [3]),
+        _finding("job_wide", [0, 1, 2, 3], scope="job"),
+    ]
+    s = scoring.score(truth, Diagnosis(job="j", findings=findings))
+    assert s.top_correct and (s.false_findings, s.companions) == (3, 2)
+    two = replace(truth, also=scoring.GroundTruth(kind="compute", cause="compute", ranks=(0,)))
+    assert scoring.score(two, Diagnosis(job="j", findings=findings)).companions == 2  # [0, 1]: 1 is none
+    job_wide = scoring.GroundTruth(kind="job_wide", cause="job_wide", scope="job", ranks=(0, 1, 2, 3))
+    assert scoring.score(job_wide, Diagnosis(job="j", findings=findings)).companions == 0
+    healthy = scoring.score(scoring.GroundTruth(kind="healthy"), Diagnosis(job="j", findings=findings[:2]))
+    assert healthy.companions == 2
+    assert scoring.totals([s, healthy])["false_extra_findings"] == 4
+
+
 def test_job_wide_and_healthy_truths() -> None:
     job_wide = scoring.GroundTruth(kind="job_wide", cause="job_wide", scope="job")
     s = scoring.score(

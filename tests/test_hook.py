@@ -45,6 +45,7 @@ from wire.records import (
     coverage_gaps,
     decode,
     encode,
+    sample_key,
 )
 
 
@@ -728,7 +729,8 @@ def read_from_storage(seconds: float) -> None:
 @pytest.mark.releases
 def test_heartbeats_carry_the_function_of_the_jobs_code_each_stack_sample_found_the_thread_in() -> None:
     """The watchdog samples the innermost function of the job's own code the training thread is in,
-    named as torch's profiler names it, so that samples and windows name a function alike."""
+    named as torch's profiler names it, so that samples and windows name a function alike, and the
+    line it is at."""
     hook = Hook(
         Config(window_s=0, heartbeat_s=60),
         Identity(rank=0, local_rank=0, world_size=1, host="h"),
@@ -754,7 +756,8 @@ def test_heartbeats_carry_the_function_of_the_jobs_code_each_stack_sample_found_
         e.name for e in events.read(prof.profiler.kineto_results) if e.name.endswith(": read_from_storage")
     }
     assert len(profiled) == 1
-    assert beat.samples.get(profiled.pop(), 0) >= 5, (beat.samples, profiled)
+    sleep_line = read_from_storage.__code__.co_firstlineno + 1
+    assert beat.samples.get(sample_key(profiled.pop(), sleep_line), 0) >= 5, (beat.samples, profiled)
     assert not [f for f in beat.samples if f.startswith(("torch/", "threading.py", "profiler_hook"))]
 
 

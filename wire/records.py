@@ -147,6 +147,22 @@ GAP_WORDS = ("not tracked", "untested", "off (")
 """Words of a part of ``RankInfo.coverage`` that says something is not seen as documented."""
 
 
+_AT_LINE = " @"
+
+
+def sample_key(function: str, line: int) -> str:
+    """A stack sample's key: the function as the profiler names Python functions
+    (``"train.py(40): load"``, the line its definition starts on) and the line it was at
+    (``"train.py(40): load @57"``). Keys of older hooks carry no line."""
+    return f"{function}{_AT_LINE}{line}"
+
+
+def split_sample_key(key: str) -> tuple[str, int | None]:
+    """(function, line) of a :func:`sample_key` (line ``None`` where the key has none)."""
+    function, at, line = key.rpartition(_AT_LINE)
+    return (function, int(line)) if at and line.isdigit() else (key, None)
+
+
 def coverage_gaps(coverage: str) -> list[str]:
     """The parts of a rank record's ``coverage`` that name a gap."""
     return [p for p in coverage.split("; ") if any(w in p for w in GAP_WORDS)]
@@ -176,7 +192,7 @@ class Heartbeat(_Base):
     """The main thread's Python stack, filled in when the rank is stalled."""
     samples: dict[str, int] = field(default_factory=dict)
     """Since the previous heartbeat, every 0.5 s: the innermost function of the job's own code the
-    training thread was in (named as the profiler names Python functions; ``""``: none) → samples."""
+    training thread was in and the line it was at (:func:`sample_key`; ``""``: none) → samples."""
     sends: dict[str, tuple[int, int]] = field(default_factory=dict)
     """Since the previous heartbeat, per network link ``"<local IP>><peer IP>"`` of the rank's bulk
     TCP connections: (bytes the peer acknowledged, µs the kernel spent sending them: ``TCP_INFO``
