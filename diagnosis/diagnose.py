@@ -235,6 +235,33 @@ def _waited_for(
     return {r: c for r, c in out.items() if waited_for(r)}
 
 
+def _not_waiting(
+    sts: list[stragglers.Straggler],
+    contended: dict[int, contention.Contended],
+    steps: pd.DataFrame,
+    s: contention.ContentionSettings,
+) -> list[stragglers.Straggler]:
+    """The stragglers, less those waiting for a contended rank: the rank the job waits for waits
+    in the collectives the least (the wait inversion), and a straggler whose collective wait per
+    step is over a contended rank's by ``waited_for`` is a peer that waits, whatever part of its
+    wait the hook could not tell from its own time (with one host of two hogged, the other host's
+    ranks were named ``compute`` beside the right ``host_contention`` finding). The other side of
+    :func:`_waited_for`, on the same steps: those since both held."""
+    if not contended or not sts or steps.empty:
+        return sts
+    first = max(min(c.since_step for c in contended.values()), min(st.since_step for st in sts))
+    since = steps[steps["step"] >= first]
+    comm = (
+        since[since["rank"].isin([*contended, *(st.rank for st in sts)])].groupby("rank")["comm_us"].median()
+    )
+    least = min((comm[r] for r in contended if r in comm), default=math.inf)
+    return [
+        st
+        for st in sts
+        if st.rank in contended or st.rank not in comm or comm[st.rank] <= s.waited_for * least
+    ]
+
+
 def _stragglers(steps: pd.DataFrame, s: stragglers.StragglerSettings) -> list[stragglers.Straggler]:
     """The peer rule's stragglers, then the change-point rule's; a rank both find is described by
     the surer of the two (slow since step N in every chunk since, rather than in half of the last
@@ -276,9 +303,12 @@ def diagnose(data: JobData, settings: Settings | None = None) -> Diagnosis:
     hang = hangs.find(data.heartbeats, s.hangs)
     sts = _stragglers(data.steps, s.steps)
     links = communication.find(data.functions, s.comm, data.ranks, data.links)
+    # Precedence between the two accounts of who holds the job back: a contended rank that waits
+    # for a straggler is none, and then a straggler that waits for a contended rank is none.
     waits = _waited_for(
         contention.find(data.functions, data.steps, s.contention), sts, data.steps, s.contention
     )
+    sts = _not_waiting(sts, waits, data.steps, s.contention)
     # Host names of the culprits only: a dict of every rank costs 0.1 s at 100,000 ranks.
     culprits = [
         *(hang.ranks if hang else []),

@@ -800,6 +800,28 @@ def test_both_ranks_of_a_contended_host_of_two_are_named_though_they_lift_the_me
     assert (f.cause, f.ranks) == ("host_contention", [1])
 
 
+def test_the_ranks_that_wait_for_a_contended_host_are_no_straggler_of_their_own() -> None:
+    """Hogs on node1's core: its ranks' threads queue for a CPU, and every rank waits for them.
+    node0's ranks arrive first and wait in the collectives longest, though part of their wait
+    shows as own time (1.5 ms a step more than node1's): no compute finding beside node1's."""
+    data = synthetic(ranks=4, hosts_of=2)
+    st = data.steps.copy()
+    late = st["step"] >= 50
+    hogged, waiting = late & st["rank"].isin([2, 3]), late & st["rank"].isin([0, 1])
+    st.loc[late, "dur_us"] += 3000
+    st.loc[hogged, "wait_us"] += 2000
+    st.loc[hogged, "comm_us"] += 1000
+    st.loc[waiting, "comm_us"] += 1500
+    waits = sched_windows({2: 3.4, 3: 3.2}, base_ms=1.4, ranks=4)
+    data = replace(data, steps=st, functions=waits)
+    assert {r.rank for r in stragglers.find(st)} == {0, 1}  # their own time alone would name them
+    f = only(diagnose(data).findings)
+    assert (f.cause, f.ranks, f.hosts) == ("host_contention", [2, 3], ["node1"])
+    # Ranks that wait the least hold the job back, whoever else queues: node0's, now arriving last.
+    st.loc[waiting, "comm_us"] -= 2500
+    assert [f.ranks for f in diagnose(replace(data, steps=st)).findings] == [[0, 1]]
+
+
 LINK_T0 = 1_795_000_000_000_000
 """When the ring's heartbeats start (µs since the epoch)."""
 
