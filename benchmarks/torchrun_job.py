@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from .scenarios import Scenario
 
 JOBS_DIR = Path(__file__).parent / "jobs"
-SCRIPTS = {"lm_ddp": JOBS_DIR / "lm_ddp.py"}
+SCRIPTS = {"lm_ddp": JOBS_DIR / "lm_ddp.py", "nanogpt_like": JOBS_DIR / "nanogpt_like.py"}
 """Scenario ``script:`` name -> the training script."""
 
 LM_FAULTS: dict[str, tuple[str, str]] = {
@@ -50,7 +50,12 @@ LM_FAULTS: dict[str, tuple[str, str]] = {
     "metrics_block": ("code_path", "code_path"),
     "hang_checkpoint": ("hang", "hang-checkpoint"),
 }
-"""The script's fault -> (the demo workload's fault of the same family, the report's fault kind)."""
+"""lm_ddp's fault -> (the demo workload's fault of the same family, the report's fault kind)."""
+FAULTS = {
+    "lm_ddp": LM_FAULTS,
+    "nanogpt_like": {"none": ("none", "healthy"), "stall": ("code_path", "code_path")},
+}
+"""Per script, its faults (as ``LM_FAULTS``)."""
 _FAULT_FIELDS = {"kind", "rank", "onset_s", "delay_ms", "factor"}
 _OWN_ENV = ("RANKSCOPE_JOB", "RANKSCOPE_HOST", "RANKSCOPE_NIC", "RANKSCOPE_SWITCH", "RANKSCOPE_SPOOL")
 """Hook settings from the suite's own environment that must not reach the job's ranks."""
@@ -60,6 +65,7 @@ _OWN_ENV = ("RANKSCOPE_JOB", "RANKSCOPE_HOST", "RANKSCOPE_NIC", "RANKSCOPE_SWITC
 class ScriptFault:
     """A fault the script injects itself (its ``--fault`` flags)."""
 
+    script: str = "lm_ddp"
     kind: str = "none"
     rank: int = 1
     onset_s: float = 10.0
@@ -70,9 +76,9 @@ class ScriptFault:
     """slow_backward: how many times the work the rank's forward and backward do."""
 
     def __post_init__(self) -> None:
-        if self.kind not in LM_FAULTS:
+        if self.kind not in FAULTS[self.script]:
             raise ValueError(
-                f"unknown fault {self.kind!r} for the script; choose one of {', '.join(LM_FAULTS)}"
+                f"unknown fault {self.kind!r} for {self.script}; choose one of {', '.join(FAULTS[self.script])}"
             )
         if self.factor <= 1 or self.delay_ms <= 0 or self.onset_s < 0:
             raise ValueError("fault.factor must be > 1, fault.delay_ms > 0 and fault.onset_s >= 0")
@@ -97,7 +103,7 @@ class ScriptFault:
         """The demo workload's fault of the same family: what the suite's bookkeeping reads
         (faulty ranks, onset, whether it is a hang)."""
         return Fault(
-            kind=LM_FAULTS[self.kind][0],
+            kind=FAULTS[self.script][self.kind][0],
             rank=self.rank,
             onset_s=self.onset_s,
             factor=self.factor,
@@ -106,7 +112,7 @@ class ScriptFault:
 
     @property
     def report_kind(self) -> str:
-        return LM_FAULTS[self.kind][1]
+        return FAULTS[self.script][self.kind][1]
 
 
 def parse_fault(script: str, raw: Mapping[str, Any]) -> ScriptFault:
@@ -119,7 +125,7 @@ def parse_fault(script: str, raw: Mapping[str, Any]) -> ScriptFault:
     fields: dict[str, Any] = {
         k: float(v) if k in ("onset_s", "delay_ms", "factor") else v for k, v in raw.items()
     }
-    return ScriptFault(**fields)
+    return ScriptFault(script=script, **fields)
 
 
 def _children(pid: int) -> list[int]:

@@ -18,11 +18,12 @@ from rankscope.workload import free_port
 from wire.records import STEP_COLUMNS
 
 JOBS = Path(__file__).parent / "jobs"
+BENCH_JOBS = Path(__file__).parents[1] / "benchmarks" / "jobs"
 
 
-def _run(cmd: list[str], cwd: Path) -> str:
+def _run(cmd: list[str], cwd: Path, env: dict[str, str] | None = None) -> str:
     """Run a training job in its own session (no process outlives it); its output."""
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), **(env or {})}
     with subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           start_new_session=True) as job:  # fmt: skip
         try:
@@ -79,13 +80,16 @@ def test_the_hugging_face_callback_in_a_two_process_trainer_under_torchrun(tmp_p
 
 
 @pytest.mark.slow
-def test_a_nanogpt_like_script_with_the_hook_added_at_its_loop_gets_its_straggler_found(
+def test_a_nanogpt_like_script_with_the_hook_added_at_its_loop_gets_its_stall_named_by_its_line(
     tmp_path: Path,
 ) -> None:
     """nanoGPT's train.py wraps its model in DDP at module level, long before a user adds a hook at
-    the loop; rank 1 sleeps 40 ms before each backward pass. The hook finds the model all the same:
-    its peers wait in DDP's all-reduce for rank 1 in its step rows, and the diagnosis names rank 1."""
+    the loop; rank 1 sleeps 40 ms before each backward pass, in that loop. The hook finds the model
+    all the same: its peers wait in DDP's all-reduce for rank 1 in its step rows. The diagnosis
+    names rank 1, and the line of the module-level loop it sleeps at: a code path, not compute in
+    an operator that ran a little slower beside it."""
     spool, store = tmp_path / "spool", tmp_path / "store"
+    script = BENCH_JOBS / "nanogpt_like.py"
     torchrun = [
         sys.executable,
         "-m",
@@ -93,8 +97,13 @@ def test_a_nanogpt_like_script_with_the_hook_added_at_its_loop_gets_its_straggle
         "--nproc-per-node=4",
         f"--master-port={free_port()}",
     ]
-    _run([*torchrun, str(JOBS / "nanogpt_like.py"), str(spool), "80", "1"], tmp_path)
-    recs = _records(spool, "nanogpt-like")
+    stall = ["--seconds", "12", "--fault", "stall", "--fault-rank", "1", "--fault-ms", "40", "--onset-s", "0"]
+    _run(
+        [*torchrun, str(script), *stall],
+        tmp_path,
+        {"RANKSCOPE_SPOOL": str(spool), "RANKSCOPE_JOB": "nanogpt"},
+    )
+    recs = _records(spool, "nanogpt")
     ranks = [r for r in recs if r["type"] == "rank"]
     assert {r["rank"] for r in ranks} == {0, 1, 2, 3}
     assert all("DDP GPT on world: timed per backward pass" in r["coverage"] for r in ranks), ranks
@@ -106,4 +115,7 @@ def test_a_nanogpt_like_script_with_the_hook_added_at_its_loop_gets_its_straggle
     rankscope = [sys.executable, "-m", "rankscope.cli"]
     _run([*rankscope, "ingest", "--spool", str(spool), "--store", str(store)], tmp_path)
     diagnosis = json.loads(_run([*rankscope, "diagnose", "--store", str(store), "--json"], tmp_path))
-    assert diagnosis["findings"] and diagnosis["findings"][0]["ranks"] == [1], diagnosis["findings"]
+    sleep_line = next(i for i, ln in enumerate(script.read_text().splitlines(), 1) if "time.sleep(" in ln)
+    assert [(f["cause"], f["ranks"], f["function"]) for f in diagnosis["findings"]] == [
+        ("code_path", [1], f"nanogpt_like.py({sleep_line}): <module>")
+    ], diagnosis["findings"]
