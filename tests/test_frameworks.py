@@ -97,7 +97,7 @@ def test_a_nanogpt_like_script_with_the_hook_added_at_its_loop_gets_its_stall_na
         "--nproc-per-node=4",
         f"--master-port={free_port()}",
     ]
-    stall = ["--seconds", "12", "--fault", "stall", "--fault-rank", "1", "--fault-ms", "40", "--onset-s", "0"]
+    stall = ["--seconds", "25", "--fault", "stall", "--fault-rank", "1", "--fault-ms", "40", "--onset-s", "0"]
     _run(
         [*torchrun, str(script), *stall],
         tmp_path,
