@@ -24,6 +24,9 @@ class Attribution:
 ATTRIBUTED = 0.5
 """The share of a culprit's excess that what is named for it must hold: the operators that got
 slower, for a slower device; else a function of the job's code the stack samples found it in."""
+WORKING = 0.25
+"""A rank whose CPU time grew by this share of its excess works more (a slower device); one whose
+CPU time grew less, and whose kernels did not hold it, sleeps or blocks (a code path)."""
 UNATTRIBUTED = "(unattributed: no profiled operator or function, and no stack sample, holds it)"
 
 
@@ -126,17 +129,29 @@ def classify(
             "calls_per_step": round(slower.rank_count, 2),
         }
     compute_excess = (st.own_us - st.data_us) - (st.peer_own_us - st.peer_data_us)
-    if work < ATTRIBUTED * compute_excess:
-        # The operators that got slower do not hold the time (a rank sleeping 40 ms a step in its
-        # loop ran its forward 1.1 ms slower, on a shared core): where its stack samples put it,
-        # a line of a loop at module level included, or where its CPU time went.
+    cpu_excess = st.cpu_us - st.peer_cpu_us
+    # Work is CPU time on the training thread, or a device's: its kernels and copies. A rank whose
+    # own time grew with neither sleeps or blocks, outside any operator: a rank sleeping 40 ms a
+    # step in its loop kept its CPU time (68.8 ms a step, its peers' 68.9) while its operators
+    # summed to 20 ms a step more in the one window since, nested in each other and slowed on the
+    # shared cores while it slept and its peers ran. A slower device's CPU time grows by a good
+    # part of its excess: by 35% in a recorded run whose own time still held its run-queue wait
+    # (an older hook). (Records without CPU time tell nothing.)
+    working = (
+        (st.cpu_us <= 0 and st.peer_cpu_us <= 0)
+        or cpu_excess >= WORKING * compute_excess
+        or functions.work_excess(excess, functions.DEVICE_KINDS) >= ATTRIBUTED * compute_excess
+    )
+    if not working or work < ATTRIBUTED * compute_excess:
+        # Or the operators that got slower do not hold the time: where its stack samples put it,
+        # a line of a loop at module level included.
+        # Not working, all its excess is the code path's, whatever share the samples name.
+        share = compute_excess / total if not working else sampled_us / total
         if sampled is not None and sampled_us >= ATTRIBUTED * total:
             ev = {**sampled_evidence(sampled), **ev}
-            return Attribution("code_path", sampled.name, sampled_us / total, sampled_us / total, ev)
-        cpu_excess = st.cpu_us - st.peer_cpu_us
-        ev = {**ev, "cpu_ms_per_step": ms(st.cpu_us), "peer_cpu_ms_per_step": ms(st.peer_cpu_us)}
-        if cpu_excess < ATTRIBUTED * compute_excess:
-            # Neither more work in operators nor more CPU time: it sleeps or blocks, outside them.
+            return Attribution("code_path", sampled.name, share, sampled_us / total, ev)
+        if not working:
+            ev = {**ev, "cpu_ms_per_step": ms(st.cpu_us), "peer_cpu_ms_per_step": ms(st.peer_cpu_us)}
             return Attribution("code_path", UNATTRIBUTED, compute_excess / total, 0.0, ev)
     name = slower.name if slower else UNATTRIBUTED
     share = slower.excess_us / total if slower else 0.0

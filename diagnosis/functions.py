@@ -30,6 +30,8 @@ may be slower than the peers'). The largest left out took 10-15 µs in the demo'
 MAX_PEERS = 32
 """Peers compared against (evenly spread over the rest): enough for a stable median at any scale."""
 WORK_KINDS = ("op", "kernel", "memcpy")
+DEVICE_KINDS = ("kernel", "memcpy")
+"""A device's work: its time is not the training thread's CPU time."""
 PYTHON_KINDS = ("python", "pylib")
 """Python functions: the job's own code, and libraries' (recorded in windows with stacks only)."""
 
@@ -364,10 +366,10 @@ def top_slower(excess: list[FunctionExcess], kinds: tuple[str, ...] = WORK_KINDS
     return same[0] if same else None
 
 
-def work_excess(excess: list[FunctionExcess]) -> float:
-    """The culprit's excess per step in operators, kernels and copies it runs as often as its peers
-    (an upper bound: CPU operators nest, and the parent's time includes the child's)."""
-    return sum(e.excess_us for e in excess if e.kind in WORK_KINDS and not e.extra)
+def work_excess(excess: list[FunctionExcess], kinds: tuple[str, ...] = WORK_KINDS) -> float:
+    """The culprit's excess per step in operators, kernels and copies (``kinds``) it runs as often
+    as its peers (an upper bound: CPU operators nest, and the parent's time includes the child's)."""
+    return sum(e.excess_us for e in excess if e.kind in kinds and not e.extra)
 
 
 def top_of_kind(excess: list[FunctionExcess], kind: str) -> FunctionExcess | None:

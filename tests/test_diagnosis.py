@@ -662,6 +662,12 @@ def test_a_stall_in_a_loop_at_module_level_is_named_by_its_line_not_by_a_slightl
     f = only(diagnose(data).findings)
     assert (f.cause, f.function, f.evidence["function_share"]) == ("code_path", UNATTRIBUTED, 0.0)
     assert "no stack sample" in f.summary
+    # Its operators slowed on the shared cores while it slept may sum to half its excess (they
+    # nest): with its CPU time flat, it still did no more work.
+    slowed = [("op", "DistributedDataParallel.forward", 5, 15_000.0), ("op", "aten::addmm", 40, 6_100.0)]
+    data = replace(data, functions=functions_frame({r: slowed if r == 2 else ops for r in range(8)}))
+    f = only(diagnose(replace(data, samples=samples)).findings)
+    assert (f.cause, f.function) == ("code_path", "train.py(68): <module>")
 
 
 def test_a_stall_no_window_saw_at_all_is_named_from_the_samples_of_the_function_it_is_in() -> None:
