@@ -143,9 +143,9 @@ def classify(
         or functions.work_excess(excess, functions.DEVICE_KINDS) >= ATTRIBUTED * compute_excess
     )
     if not working or work < ATTRIBUTED * compute_excess:
-        # Or the operators that got slower do not hold the time: where its stack samples put it,
-        # a line of a loop at module level included.
-        # Not working, all its excess is the code path's, whatever share the samples name.
+        # Not working, or working outside the operators (they do not hold the time): a code path,
+        # where its stack samples put it, a line of a loop at module level included. Not working,
+        # all its excess is the code path's, whatever share of it the samples name.
         share = compute_excess / total if not working else sampled_us / total
         if sampled is not None and sampled_us >= ATTRIBUTED * total:
             ev = {**sampled_evidence(sampled), **ev}

@@ -166,7 +166,7 @@ def _beyond_peers(
 def _at_line(function: str, line: int) -> str:
     """``function`` named at ``line`` (``"train.py(1): <module>"``, 57 → ``"train.py(57): <module>"``)."""
     m = _FUNCTION.match(function)
-    return f"{m[1]}({line}): {m[3]}" if m else f"{function} @{line}"
+    return f"{m[1]}({line}): {m[3]}" if m else records.sample_key(function, line)
 
 
 def pick_peers(peers: list[int]) -> list[int]:
