@@ -49,14 +49,14 @@ def classify(
     peer_eff = st.peer_cpu_us / max(st.peer_own_us - st.peer_data_us, 1.0)
     starved = own_eff <= 0.8 * peer_eff
     extra = functions.top_extra(excess)
+    work = functions.work_excess(excess)
     # A code path the culprit alone runs: it holds a third of the excess, or, where the windows
     # caught fewer of its (rare) calls than the steps paid for, a tenth and at least twice the
     # excess of all the operators that got slower (a garbage collection every 5 steps: 24% of the
     # excess in 4 windows, with no operator slower).
     if extra is not None and (
         not (
-            extra.excess_us >= 0.3 * total
-            or (extra.excess_us >= 0.1 * total and extra.excess_us >= 2 * functions.work_excess(excess))
+            extra.excess_us >= 0.3 * total or (extra.excess_us >= 0.1 * total and extra.excess_us >= 2 * work)
         )
         or functions.stray_builtin(excess, extra)
     ):
@@ -105,7 +105,6 @@ def classify(
         return Attribution("code_path", code.name, share, code.excess_us / total, ev)
     slower = functions.top_slower(excess)
     slow_code = functions.innermost_code(excess, 0.5 * total)
-    work = functions.work_excess(excess)
     if slow_code is not None and work < 0.5 * slow_code.excess_us:
         # The job's own function takes longer on this rank, but not in operators: it blocks or
         # waits (a synchronous upload, a lock, I/O). A slower device slows the operators under it.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import re
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -205,6 +206,18 @@ def _hang_finding(h: hangs.Hang, hosts: dict[int, str]) -> Finding:
     )
 
 
+def _collective_waits(
+    contended: Iterable[contention.Contended], sts: list[stragglers.Straggler], steps: pd.DataFrame
+) -> pd.Series:
+    """The median collective wait per step of the contended ranks and the stragglers, by rank, over
+    the steps since both held: before a fault began nobody waited for its rank."""
+    contended = list(contended)
+    first = max(min(c.since_step for c in contended), min(st.since_step for st in sts))
+    since = steps[steps["step"] >= first]
+    ranks = [*(c.rank for c in contended), *(st.rank for st in sts)]
+    return since[since["rank"].isin(ranks)].groupby("rank")["comm_us"].median()
+
+
 def _waited_for(
     found: list[contention.Contended],
     sts: list[stragglers.Straggler],
@@ -224,9 +237,7 @@ def _waited_for(
     out = {c.rank: c for c in found}
     if not found or not sts or steps.empty:
         return out
-    first = max(min(c.since_step for c in found), min(st.since_step for st in sts))
-    since = steps[steps["step"] >= first]
-    comm = since[since["rank"].isin([*out, *(st.rank for st in sts)])].groupby("rank")["comm_us"].median()
+    comm = _collective_waits(found, sts, steps)
 
     def waited_for(rank: int) -> bool:
         least = min((comm[st.rank] for st in sts if st.rank != rank and st.rank in comm), default=math.inf)
@@ -249,11 +260,7 @@ def _not_waiting(
     :func:`_waited_for`, on the same steps: those since both held."""
     if not contended or not sts or steps.empty:
         return sts
-    first = max(min(c.since_step for c in contended.values()), min(st.since_step for st in sts))
-    since = steps[steps["step"] >= first]
-    comm = (
-        since[since["rank"].isin([*contended, *(st.rank for st in sts)])].groupby("rank")["comm_us"].median()
-    )
+    comm = _collective_waits(contended.values(), sts, steps)
     least = min((comm[r] for r in contended if r in comm), default=math.inf)
     return [
         st
