@@ -97,6 +97,10 @@ class KafkaSettings:
         return kw
 
 
+POLL_STALL_S = 2.0
+"""A poll of at most 200 ms that takes longer hung on an away broker (or a rebalance): while idle
+exit is on, quiet starts over after it."""
+
 _TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 
 
@@ -328,14 +332,17 @@ class Aggregator:
         """The loop of :meth:`run`: poll, batch, store, commit; until stopped or idle."""
         from kafka.errors import KafkaError
 
-        last_message = time.monotonic()
-        away = False  # the last idle check found the broker away
+        quiet_since = next_check = time.monotonic()
         while not self._stop.is_set():
+            polled_at = time.monotonic()
             try:
                 polled = self._consumer.poll(timeout_ms=self._poll_ms(), max_records=self.batching.records)
+                if time.monotonic() - polled_at > POLL_STALL_S:  # it hung: no broker answered
+                    quiet_since = time.monotonic()
             except KafkaError as exc:  # the broker is away: keep the batch, wait, poll again
                 log.warning("Kafka poll failed; retrying: %s", exc)
                 polled = {}
+                quiet_since = time.monotonic()
                 self._stop.wait(self.batching.retry_s)
             n = 0
             for messages in polled.values():
@@ -343,21 +350,28 @@ class Aggregator:
                     self._take(m)
                 n += len(messages)
             if n:
-                last_message = time.monotonic()
+                quiet_since = time.monotonic()
                 self._update_lag()
             if self._due():
                 self._flush()
             else:
                 self._finish(wait=False)  # commit what is stored already
-            if idle_exit_s is not None and time.monotonic() - last_message >= idle_exit_s:
-                drained = self._drained()
-                if drained and not away:
-                    log.info("no messages for %.1f s and the group has read the topic; stopping", idle_exit_s)
-                    break
-                # Ask again in a second; but once the broker is back from an outage the quiet
-                # starts over, as producers need a moment to send what they held.
-                last_message = time.monotonic() - (0.0 if drained else idle_exit_s - 1.0)
-                away = drained is None
+            if idle_exit_s is None:
+                continue
+            # Quiet counts from the broker's last answer as well as the last message: producers
+            # need a moment after an outage to send what they held. So while quiet, the broker is
+            # asked every second, and an outage shorter than the idle time is seen all the same.
+            now = time.monotonic()
+            if now - quiet_since < 1.0 or now < next_check:
+                continue
+            drained = self._drained()
+            now = next_check = time.monotonic()
+            next_check += 1.0
+            if drained is None:
+                quiet_since = now
+            elif drained and now - quiet_since >= idle_exit_s:
+                log.info("no messages for %.1f s and the group has read the topic; stopping", idle_exit_s)
+                break
 
     def _poll_ms(self) -> int:
         if not len(self._batch):

@@ -88,4 +88,8 @@ while True:
         break
 
 hook.close()
+# The model goes before its process group: a DDP model left to the interpreter's exit frees gloo's
+# group during finalization, which can abort the process (pytorch/pytorch#179291). nanoGPT's
+# train.py leaves it; seen once here, as "terminate called without an active exception" on exit.
+del model, optimizer
 destroy_process_group()
