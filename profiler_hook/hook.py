@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import logging
 import os
 import resource
 import threading
 import time
+import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from typing import Any, TypeVar
@@ -464,8 +464,13 @@ class Hook:
         # Read before the profiler starts: its window would hold our reads.
         self._waits = run_queue_wait()
         stacks = cfg.with_stack and self.schedule.stacks
-        self._prof = profile(activities=activities, with_stack=stacks, record_shapes=False, **_profile_args())
-        self._prof.start()
+        self._prof = profile(activities=activities, with_stack=stacks, record_shapes=False)
+        with warnings.catch_warnings():
+            # Some releases (2.10, 2.11) say that events are cleared at the end of each cycle, for
+            # sessions that have one cycle (pytorch/pytorch#180387). Their remedy, ``acc_events``,
+            # turns every event into a Python object at stop(): 0.5-1 s on the training thread.
+            warnings.filterwarnings("ignore", message=".*clears events at the end of each cycle")
+            self._prof.start()
         self._window = (s, s, s + cfg.window_steps, time.time_ns())
         self.tracker.recording = []
 
@@ -476,8 +481,8 @@ class Hook:
         if not self._settled() and self.step_num + 1 < hi + MAX_POSTPONED:
             return  # the next step's end tries again
         hi = self.step_num + 1
+        dur_ns = time.time_ns() - t0  # the steps' time, stop() not included
         prof.stop()
-        dur_ns = time.time_ns() - t0
         waits = wait_pattern(self._waits, run_queue_wait())
         extra = [waits] if waits is not None else []
         calls, self.tracker.recording = self.tracker.recording or [], None
@@ -569,19 +574,6 @@ def _check_release() -> None:
 
 
 @functools.cache
-def _profile_args() -> dict[str, Any]:
-    """``acc_events=True`` where ``torch.profiler.profile`` takes it: without it, 2.11 warns
-    on the job's stderr at a window's start that events are cleared at the end of each cycle; each
-    window has its own session, so there is nothing to clear."""
-    from torch.profiler import profile
-
-    try:
-        takes = "acc_events" in inspect.signature(profile).parameters
-    except (TypeError, ValueError):
-        takes = False
-    return {"acc_events": True} if takes else {}
-
-
 def _cuda_device() -> int:
     import torch
 
