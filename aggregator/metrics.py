@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from .errors import RankscopeError
+from .errors import UnavailableError
 
 _PREFIX = "rankscope_aggregator"
 
@@ -57,12 +57,12 @@ class Metrics:
         )
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> None:
-        """Serve ``/metrics`` over HTTP on a daemon thread; RankscopeError if the port cannot be had."""
+        """Serve ``/metrics`` over HTTP on a daemon thread; UnavailableError if the port cannot be had."""
         try:
             start_http_server(port, addr=addr, registry=self.registry)
         except (OSError, OverflowError) as exc:  # in use, privileged, or not a port number
             why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-            raise RankscopeError(f"cannot serve metrics on {addr}:{port}: {why}") from None
+            raise UnavailableError(f"cannot serve metrics on {addr}:{port}: {why}") from None
 
     def value(self, name: str, **labels: str) -> float:
         """The current value of one sample, e.g. ``value("stored_total")`` (0 if never set)."""

@@ -20,7 +20,7 @@ from typing import Any
 
 from wire.records import WIRE_VERSION
 
-from .errors import RankscopeError
+from .errors import UnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ _COMMENT = f"rankscope schema {STORE_VERSION}"
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
-class SchemaError(RankscopeError, RuntimeError):
+class SchemaError(UnavailableError):
     """The database holds tables this version cannot use, or its name is not a plain identifier."""
 
 

@@ -1,7 +1,8 @@
 """The FastAPI application: the diagnosis API under ``/api/v1``, the web page, health and metrics.
 
-Errors are one line each: an unknown job or ticket is 404, a bad parameter 422, a store that cannot
-be read 503 with the reason; anything else 500 with its one-line cause, never a traceback.
+Errors are one line each, ``{"detail": ...}``, with the status :data:`STATUS` gives their kind of
+:class:`wire.errors.RankscopeError` (a parameter FastAPI refuses is 422); anything else is 500 with
+its one-line cause, never a traceback.
 """
 
 from __future__ import annotations
@@ -11,15 +12,28 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from aggregator import RankscopeError
-from aggregator.errors import one_line
+from wire.errors import NotFoundError, RankscopeError, UnavailableError, UsageError, one_line
 
 from . import pages
-from .auth import Tokens
+from .auth import Forbidden, Tokens, Unauthenticated
 from .routes import jobs, ops, tickets
 from .service import Service
 
 log = logging.getLogger(__name__)
+
+STATUS: dict[type[RankscopeError], int] = {
+    UsageError: 400,
+    Unauthenticated: 401,
+    Forbidden: 403,
+    NotFoundError: 404,
+    UnavailableError: 503,
+    RankscopeError: 503,  # another kind: the service cannot answer it now
+}
+"""The HTTP status of each kind of error, the first of the error's classes (its MRO) listed."""
+
+
+def status_of(exc: RankscopeError) -> int:
+    return next(STATUS[k] for k in type(exc).__mro__ if k in STATUS)
 
 
 def create_app(service: Service, tokens: Tokens | None = None) -> FastAPI:
@@ -34,8 +48,10 @@ def create_app(service: Service, tokens: Tokens | None = None) -> FastAPI:
         app.include_router(router)
 
     @app.exception_handler(RankscopeError)
-    def store_problem(request: Request, exc: RankscopeError) -> JSONResponse:
-        return JSONResponse({"detail": one_line(str(exc))}, status_code=503)
+    def answer(request: Request, exc: RankscopeError) -> JSONResponse:
+        status = status_of(exc)
+        headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+        return JSONResponse({"detail": one_line(str(exc))}, status_code=status, headers=headers)
 
     @app.exception_handler(Exception)
     def unexpected(request: Request, exc: Exception) -> JSONResponse:

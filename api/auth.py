@@ -13,9 +13,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
-from fastapi import HTTPException, Request
+from fastapi import Request
 
-from aggregator import UsageError
+from wire.errors import RankscopeError, UsageError
+
+
+class Unauthenticated(RankscopeError):
+    """No token, or one that is not known (401)."""
+
+
+class Forbidden(RankscopeError):
+    """A token whose scope is too small for what it asked (403)."""
+
 
 Scope = Literal["read", "write"]
 SCOPES: tuple[Scope, ...] = ("read", "write")
@@ -71,9 +80,9 @@ class Tokens:
             presented = presented or request.cookies.get("rankscope_token", "")
             scope = self.scope_of(presented) if presented else None
             if scope is None:
-                raise HTTPException(401, "a bearer token is required", {"WWW-Authenticate": "Bearer"})
+                raise Unauthenticated("a bearer token is required")
             if needed == "write" and scope != "write":
-                raise HTTPException(403, "this token has the read scope; this needs write")
+                raise Forbidden("this token has the read scope; this needs write")
 
         return check
 

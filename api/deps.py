@@ -1,10 +1,12 @@
-"""What the routers and pages share: the service of the app, and the 404 of an unknown job or ticket."""
+"""What the routers and pages share: the service of the app, and an unknown job or ticket (404)."""
 
 from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import Depends, HTTPException, Request
+from fastapi import Depends, Request
+
+from wire.errors import NotFoundError
 
 from .service import JobState, Service
 from .tickets import Ticket
@@ -21,12 +23,12 @@ Svc = Annotated[Service, Depends(_service)]
 def known_job(svc: Service, job: str) -> JobState:
     js = svc.jobs.get(job)
     if js is None:
-        raise HTTPException(404, f"no job {job!r}")
+        raise NotFoundError(f"no job {job!r}")
     return js
 
 
 def known_ticket(svc: Service, ticket_id: str) -> Ticket:
     t = svc.tickets.get(ticket_id)
     if t is None:
-        raise HTTPException(404, f"no ticket {ticket_id!r}")
+        raise NotFoundError(f"no ticket {ticket_id!r}")
     return t

@@ -21,6 +21,8 @@ from typing import Any, Protocol
 import numpy as np
 import pandas as pd
 
+from wire.errors import NotFoundError
+
 from .robust import dense_index
 
 PARTS = ("compute", "comm_wait", "data_wait", "overhead")
@@ -100,7 +102,7 @@ def measure(
     ``windows`` (``rank, busy``), ``ranks`` (``rank, host, device``) and ``gpu`` (``rank, gpu_util,
     gpu_mem_mb``: NVML's samples, where the heartbeats carried them)."""
     if steps.empty:
-        raise ValueError(f"job {job!r} has no steps: nothing to measure")
+        raise NotFoundError(f"job {job!r} has no steps: nothing to measure")
     per = per_rank(steps)
     compute_share: dict[int, float] = {}
     n_windows: dict[int, int] = {}

@@ -34,6 +34,8 @@ from typing import Any, Protocol
 import numpy as np
 import pandas as pd
 
+from wire.errors import NotFoundError
+
 from . import reliability
 
 CAUSES = ("startup", "slowdown", "hang", "checkpoint", "restart", "redo", "other")
@@ -162,7 +164,7 @@ def measure(
     notes: list[str] = []
     steps = run.steps.sort_values("start_us")
     if steps.empty:
-        raise ValueError(f"job {run.job!r} has no steps of rank {run.rank}: nothing to measure")
+        raise NotFoundError(f"job {run.job!r} has no steps of rank {run.rank}: nothing to measure")
     mine = run.attempts[run.attempts["rank"] == run.rank]
     starts = np.sort(mine["time_us"].to_numpy(dtype=np.float64)) if not mine.empty else np.zeros(0)
     first_us = float(steps["start_us"].min())

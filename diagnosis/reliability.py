@@ -24,6 +24,8 @@ import math
 import random
 from dataclasses import dataclass
 
+from wire.errors import UsageError
+
 DAY_S = 86_400.0
 
 FAILURES_PER_NODE_DAY = 6.5e-3
@@ -45,11 +47,11 @@ class JobShape:
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
-            raise ValueError(f"JobShape.nodes must be >= 1, got {self.nodes}")
+            raise UsageError(f"JobShape.nodes must be >= 1, got {self.nodes}")
         if self.interval_s <= 0 or self.restart_s < 0 or self.write_s < 0:
-            raise ValueError("JobShape needs interval_s > 0, restart_s >= 0 and write_s >= 0")
+            raise UsageError("JobShape needs interval_s > 0, restart_s >= 0 and write_s >= 0")
         if self.failures_per_node_day <= 0:
-            raise ValueError("JobShape.failures_per_node_day must be > 0")
+            raise UsageError("JobShape.failures_per_node_day must be > 0")
 
     @property
     def failure_rate_per_s(self) -> float:

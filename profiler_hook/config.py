@@ -8,6 +8,8 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any
 
+from wire.errors import UsageError
+
 from .labels import topology
 
 log = logging.getLogger(__name__)
@@ -83,18 +85,18 @@ class Config:
     def __post_init__(self) -> None:
         for name in ("queue_size", "window_steps", "max_functions"):
             if getattr(self, name) < 1:
-                raise ValueError(f"Config.{name} must be >= 1, got {getattr(self, name)}")
+                raise UsageError(f"Config.{name} must be >= 1, got {getattr(self, name)}")
         if self.step_block_s < 0:
-            raise ValueError(f"Config.step_block_s must be >= 0, got {self.step_block_s}")
+            raise UsageError(f"Config.step_block_s must be >= 0, got {self.step_block_s}")
         for name in ("flush_s", "heartbeat_s", "stall_s"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"Config.{name} must be > 0, got {getattr(self, name)}")
+                raise UsageError(f"Config.{name} must be > 0, got {getattr(self, name)}")
         if self.window_s < 0:
-            raise ValueError(f"Config.window_s must be >= 0, got {self.window_s}")
+            raise UsageError(f"Config.window_s must be >= 0, got {self.window_s}")
         if self.trigger_ratio and self.trigger_ratio <= 1:
-            raise ValueError(f"Config.trigger_ratio must be 0 or > 1, got {self.trigger_ratio}")
+            raise UsageError(f"Config.trigger_ratio must be 0 or > 1, got {self.trigger_ratio}")
         if self.sink not in ("spool", "kafka", "none"):
-            raise ValueError(f"Config.sink must be 'spool', 'kafka' or 'none', got {self.sink!r}")
+            raise UsageError(f"Config.sink must be 'spool', 'kafka' or 'none', got {self.sink!r}")
         if not self.job and not os.environ.get("RANKSCOPE_JOB"):
             _warn_shared_job(os.environ.get("TORCHELASTIC_RUN_ID", ""))
         self.job = (
@@ -103,7 +105,7 @@ class Config:
         self.spool_dir = self.spool_dir or os.environ.get("RANKSCOPE_SPOOL", "rankscope-spool")
         self.kafka_bootstrap = self.kafka_bootstrap or os.environ.get("RANKSCOPE_KAFKA", "")
         if self.sink == "kafka" and not self.kafka_bootstrap:
-            raise ValueError("Config.kafka_bootstrap (or $RANKSCOPE_KAFKA) is required with sink='kafka'")
+            raise UsageError("Config.kafka_bootstrap (or $RANKSCOPE_KAFKA) is required with sink='kafka'")
 
 
 def _warn_shared_job(run_id: str) -> None:

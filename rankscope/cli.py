@@ -12,6 +12,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from wire.errors import NotFoundError, RankscopeError, UsageError, one_line
+
 from .demo import FAULTS
 
 
@@ -23,10 +25,10 @@ def _demo(a: argparse.Namespace) -> int:
 
 
 def _ingest(a: argparse.Namespace) -> int:
-    from aggregator import Store, UsageError, ingest
+    from aggregator import Store, ingest
 
     if not Path(a.spool).is_dir():
-        raise UsageError(f"spool directory {a.spool} does not exist")
+        raise NotFoundError(f"spool directory {a.spool} does not exist")
     with Store.embedded(a.store) as store:
         st = ingest(a.spool, store)
     print(
@@ -46,7 +48,6 @@ def _option(kv: str) -> tuple[str, Any]:
 
 
 def _clickhouse_address(address: str) -> tuple[str, int | None]:
-    from aggregator import UsageError
 
     host, sep, port = address.partition(":")
     if not host:
@@ -93,7 +94,6 @@ def _kafka_settings(a: argparse.Namespace) -> Any:
 
 
 def _aggregate(a: argparse.Namespace) -> int:
-    from aggregator import UsageError
     from aggregator.consumer import Aggregator, BatchSettings
     from aggregator.metrics import Metrics
     from aggregator.schema import check_identifier
@@ -123,26 +123,24 @@ def _aggregate(a: argparse.Namespace) -> int:
 
 def _pick_job(a: argparse.Namespace, store: Any) -> str:
     """``--job``, or the most recent job of the store; a one-line error for none."""
-    from aggregator import UsageError
 
     where = a.store or a.clickhouse
     jobs = store.jobs()
     if jobs.empty:
-        raise UsageError(f"no jobs in {where}")
+        raise NotFoundError(f"no jobs in {where}")
     job = a.job if a.job is not None else str(jobs.sort_values(by="last_us")["job"].iloc[-1])
     if job not in set(jobs["job"]):
-        raise UsageError(f"no job {job!r} in {where}; jobs: {', '.join(map(repr, jobs['job']))}")
+        raise NotFoundError(f"no job {job!r} in {where}; jobs: {', '.join(map(repr, jobs['job']))}")
     return job
 
 
 def _reading(a: argparse.Namespace) -> Any:
     """The store a reading command names, opened without creating anything."""
-    from aggregator import UsageError
 
     if a.job == "":
         raise UsageError("--job is empty: give a job id, or leave --job out for the most recent job")
     if a.store and not os.path.lexists(a.store):
-        raise UsageError(f"store directory {a.store} does not exist; run `rankscope ingest` first")
+        raise NotFoundError(f"store directory {a.store} does not exist; run `rankscope ingest` first")
     return _open_store(a, create=False)  # a directory that is no store stays untouched
 
 
@@ -161,7 +159,6 @@ def _diagnose(a: argparse.Namespace) -> int:
 
 
 def _reliability(a: argparse.Namespace) -> int:
-    from aggregator import UsageError
     from diagnosis.ettr import measure, observed_failure_rate, read_run
     from renderers.text import format_reliability, printable
 
@@ -173,7 +170,7 @@ def _reliability(a: argparse.Namespace) -> int:
             else []
         )
     if run.steps.empty:
-        raise UsageError(f"job {printable(job)!r} has no steps yet: nothing to measure")
+        raise NotFoundError(f"job {printable(job)!r} has no steps yet: nothing to measure")
     rate, note = 6.5e-3, ""
     if others:  # the store's own jobs: their restarts over their node-days
         observed, failures, node_days = observed_failure_rate(
@@ -196,14 +193,13 @@ def _reliability(a: argparse.Namespace) -> int:
 
 
 def _efficiency(a: argparse.Namespace) -> int:
-    from aggregator import UsageError
     from diagnosis.efficiency import read
     from renderers.text import format_efficiency, format_fleet, printable
 
     with _reading(a) as store:
         if not a.fleet:
             if (e := read(store, job := _pick_job(a, store))) is None:
-                raise UsageError(f"job {printable(job)!r} has no steps yet: nothing to measure")
+                raise NotFoundError(f"job {printable(job)!r} has no steps yet: nothing to measure")
             print(json.dumps(e.to_dict(), indent=2) if a.json else format_efficiency(e), flush=True)
             return 0
         fleet = [e for job in store.jobs()["job"] if (e := read(store, str(job))) is not None]
@@ -213,7 +209,6 @@ def _efficiency(a: argparse.Namespace) -> int:
 
 
 def _preflight(a: argparse.Namespace) -> int:
-    from aggregator import UsageError
     from preflight.run import baseline_of, run
     from renderers.text import format_preflight
 
@@ -245,7 +240,6 @@ def _serve(a: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from aggregator import UsageError
     from api import ServeSettings, Service, create_app
     from api.auth import Tokens
     from api.notify import Webhook
@@ -262,7 +256,7 @@ def _serve(a: argparse.Namespace) -> int:
             "or $RANKSCOPE_TOKENS, or --insecure to serve without authentication"
         )
     if a.spool and not Path(a.spool).is_dir():
-        raise UsageError(f"spool directory {a.spool} does not exist")
+        raise NotFoundError(f"spool directory {a.spool} does not exist")
     kafka = _kafka_settings(a) if a.kafka else None
     settings = ServeSettings(
         spool=a.spool,
@@ -484,7 +478,6 @@ def main(argv: list[str] | None = None) -> int:
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter() if a.log_format == "json" else TextFormatter())
     logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING, handlers=[handler])
-    from aggregator.errors import RankscopeError, one_line
 
     try:
         return int(a.func(a))

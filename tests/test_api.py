@@ -25,9 +25,9 @@ import pytest
 import uvicorn
 from fastapi.testclient import TestClient
 
-from aggregator import Store, ingest
+from aggregator import SchemaError, Store, StoreError, ingest
 from api import ServeSettings, Service, create_app, storage
-from api.auth import Tokens
+from api.auth import Forbidden, Tokens, Unauthenticated
 from api.notify import Webhook
 from api.service import VIEWS
 from api.tickets import Rules, Ticket, fingerprint, reconcile
@@ -35,6 +35,7 @@ from diagnosis import Finding, diagnose, read_job
 from diagnosis.ettr import measure, read_run
 from rankscope.cli import main
 from rankscope.workload import free_port
+from wire.errors import NotFoundError, RankscopeError, UsageError
 from wire.records import StepBatch, StepRow
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -429,6 +430,35 @@ def test_errors_are_one_line_with_their_status(
     assert r.status_code == status and "detail" in r.json()
 
 
+@pytest.mark.parametrize(
+    ("error", "status"),
+    [
+        (UsageError, 400),
+        (Unauthenticated, 401),
+        (Forbidden, 403),
+        (NotFoundError, 404),
+        (StoreError, 503),
+        (SchemaError, 503),
+        (RankscopeError, 503),
+    ],
+)
+def test_each_kind_of_error_has_its_status_from_one_table(
+    served: tuple[Service, TestClient], error: type[RankscopeError], status: int
+) -> None:
+    """Whatever route raises it, a kind of the error tree gets the status ``api.app.STATUS`` gives it,
+    with its message on one line (ClickHouse's stack trace cut off)."""
+    svc, _ = served
+    app = create_app(svc)
+
+    @app.get("/raise")
+    def raise_it() -> None:
+        raise error("what went wrong,\n Stack trace: (frames)")
+
+    r = TestClient(app).get("/raise")
+    assert (r.status_code, r.json()) == (status, {"detail": "what went wrong"})
+    assert (r.headers.get("www-authenticate") == "Bearer") == (status == 401)
+
+
 def test_a_store_that_cannot_be_read_is_503_with_the_reason(served: tuple[Service, TestClient]) -> None:
     svc, client = served
     now = _running(svc)
@@ -595,8 +625,6 @@ def test_serve_refuses_an_open_address_without_tokens(
 
 
 def test_tokens_must_be_long_and_scoped(tmp_path: Path) -> None:
-    from aggregator import UsageError
-
     (tmp_path / "t").write_text(f"# ops\n{WRITE} write\n{READ} read\n")
     assert Tokens.load(str(tmp_path / "t"), env="").scope_of(WRITE) == "write"
     with pytest.raises(UsageError, match="16"):

@@ -6,6 +6,7 @@ import pandas as pd
 import pytest
 
 from diagnosis.efficiency import measure
+from wire.errors import NotFoundError
 
 
 def _steps(rank: int, n: int = 100, dur: float = 100_000, data: float = 10_000, comm: float = 30_000) -> list:
@@ -35,5 +36,5 @@ def test_steps_and_windows_split_each_ranks_time() -> None:
 
     blind = measure("j", steps, windows.iloc[:0], ranks)
     assert blind.shares["compute"] is None and blind.idle_device_hours is None
-    with pytest.raises(ValueError, match="no steps"):
+    with pytest.raises(NotFoundError, match="no steps"):
         measure("j", steps.iloc[:0], windows, ranks)

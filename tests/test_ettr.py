@@ -8,6 +8,7 @@ import pandas as pd
 import pytest
 
 from diagnosis.ettr import CAUSES, RunRecords, measure, observed_failure_rate
+from wire.errors import NotFoundError
 
 S = 1_000_000  # µs
 
@@ -94,7 +95,7 @@ def test_a_job_without_checkpoints_or_restarts_says_so() -> None:
     assert r.ettr == pytest.approx(1.0) and set(r.lost_s) == set(CAUSES)
     assert any("no checkpoints seen" in n for n in r.notes) and any("no restarts seen" in n for n in r.notes)
     assert r.expected_ettr is None and r.mttf_s == pytest.approx(86_400 / (2 * 6.5e-3))
-    with pytest.raises(ValueError, match="no steps"):
+    with pytest.raises(NotFoundError, match="no steps"):
         measure(
             RunRecords(
                 job="j",

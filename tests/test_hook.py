@@ -34,6 +34,7 @@ from profiler_hook.schedule import LEAD_S, Schedule
 from profiler_hook.shipper import Shipper
 from profiler_hook.summarize import library_frame, summarize
 from rankscope.workload import Fault, JobSpec, free_port, launch
+from wire.errors import UsageError
 from wire.records import (
     STEP_COLUMNS,
     Heartbeat,
@@ -263,15 +264,15 @@ def test_the_wait_inside_collectives_is_read_once_in_100_ms_and_counted_at_that_
 
 
 def test_config_rejects_bad_settings_naming_the_field() -> None:
-    with pytest.raises(ValueError, match="window_steps"):
+    with pytest.raises(UsageError, match="window_steps"):
         Config(window_steps=0)
-    with pytest.raises(ValueError, match="window_s"):
+    with pytest.raises(UsageError, match="window_s"):
         Config(window_s=-1)
-    with pytest.raises(ValueError, match="sink"):
+    with pytest.raises(UsageError, match="sink"):
         Config(sink="carrier-pigeon")
-    with pytest.raises(ValueError, match="queue_size"):
+    with pytest.raises(UsageError, match="queue_size"):
         Config(queue_size=0)
-    with pytest.raises(ValueError, match="trigger_ratio"):
+    with pytest.raises(UsageError, match="trigger_ratio"):
         Config(trigger_ratio=0.9)
 
 

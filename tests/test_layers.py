@@ -12,10 +12,10 @@ MAY_IMPORT = {
     "wire": set(),
     "profiler_hook": {"wire"},
     "aggregator": {"wire"},
-    "diagnosis": {"wire", "aggregator"},
+    "diagnosis": {"wire"},
     "preflight": set(),
     "renderers": {"diagnosis", "preflight"},
-    "api": {"aggregator", "diagnosis", "renderers"},
+    "api": {"wire", "aggregator", "diagnosis", "renderers"},
     "rankscope": {"wire", "profiler_hook", "aggregator", "diagnosis", "renderers", "api", "preflight"},
 }
 

@@ -33,16 +33,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar, NamedTuple
 
+from .errors import RecordError
+
 WIRE_VERSION = 3
 """Version 2 added ``StepRow.n_steps``, version 3 ``StepRow.wait_us``; older values are still read
 (their step rows as ``n_steps=1`` and ``wait_us=0``: no wait known)."""
 READ_VERSIONS = (1, 2, WIRE_VERSION)
 MAX_VALUE_BYTES = 1 << 20
 """A value larger than this is refused by decode() (and dead-lettered by the aggregator)."""
-
-
-class RecordError(ValueError):
-    """A value that is not a valid record; the message is the reason kept with the dead letter."""
 
 
 class StepRow(NamedTuple):

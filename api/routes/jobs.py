@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, HTTPException, Query
+from fastapi import APIRouter, Depends, Query
 
 from diagnosis.efficiency import Efficiency
 from diagnosis.ettr import Reliability
 from renderers.html import MAX_POINTS, culprit_ranks, step_series
+from wire.errors import NotFoundError
 
 from ..auth import need_read
 from ..deps import Svc, known_job
@@ -49,7 +50,7 @@ def get_diagnosis(job: str, svc: Svc) -> dict[str, Any]:
     """The latest diagnosis, in the shape ``rankscope diagnose --json`` prints."""
     d = svc.diagnosis(known_job(svc, job).job)
     if d is None:
-        raise HTTPException(404, f"job {job!r} has not been diagnosed yet")
+        raise NotFoundError(f"job {job!r} has not been diagnosed yet")
     return d.to_dict()
 
 
@@ -75,7 +76,7 @@ def get_efficiency(job: str, svc: Svc) -> dict[str, Any]:
 
 def _measured(m: Reliability | Efficiency | None, job: str) -> dict[str, Any]:
     if m is None:  # the measurements need steps
-        raise HTTPException(404, f"job {job!r} has no steps yet")
+        raise NotFoundError(f"job {job!r} has no steps yet")
     return m.to_dict()
 
 
