@@ -1,0 +1,153 @@
+"""``benchmarks/results/RESULTS.md`` from the ``--json`` files kept beside it: one table per
+benchmark, one row per run, newest first. The README and docs quote the newest row.
+
+    python -m benchmarks.results           # rewrite RESULTS.md
+    python -m benchmarks.results --check   # exit 1 if RESULTS.md is not what the files make
+
+A run is kept as ``<benchmark>-<label>-<YYYY-MM-DD>.json`` (``faults-full-2026-11-27.json``) or
+``<benchmark>-<YYYY-MM-DD>.json``: the JSON its benchmark wrote with ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).parent
+OUT = HERE / "RESULTS.md"
+_NAME = re.compile(r"(?P<bench>[a-z_]+?)(?:-(?P<label>[a-z0-9_]+))?-(?P<date>\d{4}-\d{2}-\d{2})\.json")
+
+
+def _pct(x: float | None) -> str:
+    return "—" if x is None else f"{x:+.2f}%"
+
+
+def _interval(pair: list[float] | None) -> str:
+    return "—" if not pair else f"{pair[0]:+.2f} … {pair[1]:+.2f}%"
+
+
+def _s(x: float | None) -> str:
+    return "—" if x is None else f"{x:g} s"
+
+
+def _faults(run: dict[str, Any]) -> list[str]:
+    t = run["totals"]
+    faults = t["fault_scenarios"]
+    named = [s["score"]["function_ok"] for s in run["scenarios"] if s["score"].get("function_ok") is not None]
+    return [
+        f"{t['scenarios']} ({faults} faults, {t['healthy_scenarios']} healthy)",
+        f"{round(t['top1_accuracy'] * faults)}/{faults}",
+        f"{sum(named)}/{len(named)}" if named else "—",
+        f"{t['precision']:.2f}",
+        str(t["healthy_false_findings"]),
+        str(t.get("false_extra_findings", "—")),
+        _s(t["median_detect_s"]),
+        _s(t["median_localize_s"]),
+        _s(t["p90_localize_slowdowns_s"]),
+        _s(t["max_localize_hangs_s"]),
+    ]
+
+
+def _overhead(run: dict[str, Any]) -> list[str]:
+    rows = [r for r in run["rows"] if r["loop"] == "ddp"] or run["rows"]
+    r = rows[0]
+    return [
+        f"{r['loop']}, width {r['width']}",
+        str(r["pairs"]),
+        f"{r['off_ms_per_step']:.2f}",
+        f"{r['on_ms_per_step']:.2f}",
+        _pct(r["overhead_pct"]),
+        _interval(r.get("ci95_pct")),
+        _pct(r.get("median_pair_pct")),
+        f"{r['windows']} ({r.get('stacked_windows', '—')})",
+        f"{r['window_job_ms']:.0f} ms",
+        f"{run['step_us']:.2f} µs",
+    ]
+
+
+TABLES: dict[str, tuple[str, list[str], Callable[[dict[str, Any]], list[str]]]] = {
+    "faults": (
+        "Fault suite (`python -m benchmarks.faults`)",
+        [
+            "scenarios",
+            "top-1",
+            "function right",
+            "precision",
+            "healthy runs with a finding",
+            "false extra findings",
+            "median detect",
+            "median localize",
+            "slowdowns' p90 localize",
+            "hangs: slowest",
+        ],
+        _faults,
+    ),
+    "hook_overhead": (
+        "Hook overhead (`python -m benchmarks.hook_overhead`): in-run A/B, working vs. paused",
+        [
+            "loop",
+            "pairs",
+            "ms/step paused",
+            "ms/step working",
+            "overhead",
+            "95% interval",
+            "median pair",
+            "windows (with stacks)",
+            "one window in the job",
+            "always-on per step",
+        ],
+        _overhead,
+    ),
+}
+
+
+def render(folder: Path = HERE) -> str:
+    runs: dict[str, list[tuple[str, str, dict[str, Any]]]] = {}
+    for path in sorted(folder.glob("*.json")):
+        m = _NAME.fullmatch(path.name)
+        if m is None or m["bench"] not in TABLES:
+            raise SystemExit(f"{path.name}: not <benchmark>[-<label>]-<YYYY-MM-DD>.json of {sorted(TABLES)}")
+        runs.setdefault(m["bench"], []).append((m["date"], m["label"] or "", json.loads(path.read_text())))
+    out = [
+        "# Benchmark results",
+        "",
+        f"Made by `python -m benchmarks.results` from the JSON files here. {__doc__.splitlines()[1].strip()}",
+        "",
+    ]
+    for bench, (title, columns, row) in TABLES.items():
+        out += [f"## {title}", "", "| run | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+        for date, label, run in sorted(runs.get(bench, []), key=lambda r: (r[0], r[1]), reverse=True):
+            name = f"{bench}-{label + '-' if label else ''}{date}.json"
+            out.append(f"| [{date}{' ' + label if label else ''}]({name}) | " + " | ".join(row(run)) + " |")
+        notes = [
+            f"- {date}{' ' + label if label else ''}: {run['about']}"
+            for date, label, run in runs.get(bench, [])
+            if run.get("about")
+        ]
+        out += ["", *notes, ""] if notes else [""]
+    return "\n".join(out).rstrip("\n") + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 if RESULTS.md is out of date")
+    a = ap.parse_args(argv)
+    text = render()
+    if a.check:
+        same = OUT.exists() and OUT.read_text() == text
+        print(
+            "RESULTS.md is up to date" if same else "RESULTS.md is out of date: python -m benchmarks.results"
+        )
+        return 0 if same else 1
+    OUT.write_text(text)
+    print(f"wrote {OUT}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
