@@ -5,7 +5,7 @@ The store fills these (``aggregator.Store.job_data``); tests and the simulator b
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -74,6 +74,14 @@ class JobData:
 
     def hosts(self) -> dict[int, str]:
         return dict(zip(self.ranks["rank"].astype(int), self.ranks["host"].astype(str), strict=False))
+
+    def hosts_of(self, ranks: Iterable[int]) -> dict[int, str]:
+        """The hosts of ``ranks`` only: a dict of every rank costs 0.1 s at 100,000 ranks."""
+        wanted = list(ranks)
+        if not wanted or "rank" not in self.ranks:
+            return {}
+        mine = self.ranks[self.ranks["rank"].isin(wanted)]
+        return dict(zip(mine["rank"].astype(int), mine["host"].astype(str), strict=False))
 
 
 class StoreReader(Protocol):

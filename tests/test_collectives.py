@@ -17,7 +17,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import profiler_hook
-from diagnosis.hangs import HangSettings, find
+from diagnosis.detectors.hang import Settings as HangSettings
+from diagnosis.detectors.hang import locate
 from rankscope.workload import Fault, JobSpec, free_port, launch
 from tests.test_hook import _records
 from wire.records import Heartbeat, StepBatch
@@ -220,7 +221,7 @@ def test_collectives_launched_from_cxx_are_counted_numbered_and_name_the_rank_a_
     # Until it wakes up and launches it (its last heartbeats of the step may come after that).
     stuck = [x for x in stalled(1) if x.last_seq["world"] == seqs[1][STUCK_AT]]
     assert stuck and stuck[-1].progress_age_s >= 2.0 and stuck[-1].coll_seq == -1, stalled(1)
-    hang = find(
+    hang = locate(
         pd.DataFrame([dataclasses.asdict(x) for x in (waiting[-1], stuck[-1])]), HangSettings(stall_s=1.0)
     )
     assert hang is not None and (hang.ranks, hang.seq) == ([1], seqs[0][STUCK_AT] + 1), hang

@@ -15,124 +15,17 @@ import pytest
 from aggregator import Store, ingest
 from diagnosis import CAUSES, Finding, JobData, Settings, diagnose, read_job, stragglers
 from diagnosis.classify import UNATTRIBUTED
-from diagnosis.data import STEP_FIELDS
+from diagnosis.detectors import straggler
 from diagnosis.findings import effect
+from tests.jobdata import LINK_T0, functions_frame, only, ring_links, sched_windows, synthetic
 from wire.records import sample_key
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
 
-def synthetic(
-    ranks: int = 8,
-    steps: int = 300,
-    *,
-    slow: dict[int, dict[str, float]] | None = None,
-    hosts_of: int = 4,
-    seed: int = 0,
-    growth: float = 1.0,
-    bias: dict[int, float] | None = None,
-) -> JobData:
-    """A synchronous job: each step every rank does its own work, then all wait for the slowest.
-
-    ``slow[rank]`` adds to that rank's ``compute_us``, ``data_us``, ``nivcsw`` or scales ``cpu``;
-    with ``on`` and ``off`` (steps), only in bursts: ``on`` steps slow, then ``off`` steps not;
-    with ``from``, from that step on. ``growth`` makes every rank's work grow linearly to that
-    factor by the last step (job-wide). ``bias[rank]`` scales a rank's compute throughout (its
-    steady offset: its cores, its NUMA node).
-    """
-    rng = np.random.default_rng(seed)
-    slow = slow or {}
-    rows = []
-    for s in range(steps):
-        scale = 1 + (growth - 1) * s / steps
-        base = 5000 * scale * rng.lognormal(0, 0.05)  # machine-wide noise, the same for all ranks
-        work = {}
-        for r in range(ranks):
-            extra = slow.get(r, {})
-            if "on" in extra and s % (extra["on"] + extra["off"]) >= extra["on"]:
-                extra = {}
-            if s < extra.get("from", 0):
-                extra = {}
-            data = 300 * rng.lognormal(0, 0.1) + extra.get("data_us", 0)
-            compute = base * (bias or {}).get(r, 1.0) * rng.lognormal(0, 0.04) + extra.get("compute_us", 0)
-            work[r] = (data, compute, extra)
-        end = max(d + c for d, c, _ in work.values()) + 100
-        for r, (data, compute, extra) in work.items():
-            own = data + compute
-            rows.append(
-                {
-                    "rank": r,
-                    "step": s,
-                    "dur_us": end + 50,
-                    "data_us": data,
-                    "comm_us": end - own,
-                    "n_coll": 1,
-                    "first_coll_us": own,
-                    "cpu_us": compute * extra.get("cpu", 0.98),
-                    "nivcsw": 2 + extra.get("nivcsw", 0),
-                    "wait_us": extra.get("wait", 0),
-                }
-            )
-    per_host = max(1, ranks // hosts_of)
-    return JobData(
-        job="synthetic",
-        ranks=pd.DataFrame(
-            {
-                "rank": range(ranks),
-                "host": [f"node{r // per_host}" for r in range(ranks)],
-                "nic": "",
-                "switch": "",
-            }
-        ),
-        steps=pd.DataFrame(rows)[STEP_FIELDS],
-    )
-
-
-def functions_frame(per_rank: dict[int, list[tuple]]) -> pd.DataFrame:
-    """Window rows: (kind, name, count, total_us[, stack]) per rank, one window of 5 steps."""
-    rows = [
-        {
-            "rank": r,
-            "window": 0,
-            "step_lo": 100,
-            "step_hi": 105,
-            "kind": k,
-            "name": n,
-            "stack": stack[0] if stack else "",
-            "count": c,
-            "total_us": t,
-            "mean_us": t / c,
-            "p50_us": t / c,
-            "max_us": t / c,
-        }
-        for r, fs in per_rank.items()
-        for k, n, c, t, *stack in fs
-    ]
-    return pd.DataFrame(rows)
-
-
-def only(findings: list[Finding]) -> Finding:
-    assert len(findings) == 1, [f.summary for f in findings]
-    return findings[0]
-
-
 def test_healthy_synthetic_job_has_no_findings() -> None:
     for seed in range(5):
         assert diagnose(synthetic(seed=seed)).findings == []
-
-
-def test_compute_straggler_is_named_not_the_ranks_that_wait_for_it() -> None:
-    data = synthetic(slow={5: {"compute_us": 1500}})
-    ops = [("op", "aten::addmm", 15, 10_000.0), ("op", "aten::relu", 10, 2_000.0)]
-    slow_ops = [("op", "aten::addmm", 15, 20_000.0), ("op", "aten::relu", 10, 2_100.0)]
-    data = replace(data, functions=functions_frame({r: slow_ops if r == 5 else ops for r in range(8)}))
-    f = only(diagnose(data).findings)
-    assert (f.cause, f.ranks, f.hosts, f.function) == ("compute", [5], ["node2"], "aten::addmm")
-    # The wait inversion: the culprit waits least in the collective.
-    assert f.evidence["collective_wait_ms"] < f.evidence["peer_collective_wait_ms"]
-    assert f.evidence["ratio"] > 1.2
-    assert f.evidence["operator_ratio"] == pytest.approx(2.0)
-    assert 0.5 < f.confidence <= 1
 
 
 def test_a_mild_slowdown_within_the_ranks_spread_is_found_against_the_ranks_own_past() -> None:
@@ -286,7 +179,8 @@ def test_a_straggler_in_short_rare_bursts_is_found_in_fine_chunks_where_half_the
     healthy job has at most 1 or 2 by chance. Own time waits in waves of +-10% (8 ranks on shared
     cores)."""
     found = coarse_found = 0
-    coarse = replace(Settings(), steps=replace(stragglers.StragglerSettings(), burst_min_chunks=25))
+    chunks = replace(stragglers.StragglerSettings(), burst_min_chunks=25)
+    coarse = replace(Settings(), straggler=replace(straggler.Settings(), steps=chunks))
     for seed in range(6):
         bursts = {6: {"compute_us": 900, "cpu": 1.18, "on": 100, "off": 200}}
         data = _queue_waves(synthetic(ranks=8, steps=1000, seed=seed, slow=bursts), seed, 0.1)
@@ -698,32 +592,6 @@ def test_intermittent_stalls_and_bursts_are_stragglers_though_their_median_step_
     assert f.evidence["ratio"] == pytest.approx(1.23, abs=0.05)
 
 
-def sched_windows(
-    wait_ms: dict[int, float], base_ms: float = 1.0, ranks: int = 8, windows: int = 4
-) -> pd.DataFrame:
-    """``cpu_wait@sched`` window rows: ~``base_ms`` of CPU wait per step, or ``wait_ms[rank]``."""
-    return pd.DataFrame(
-        [
-            {
-                "rank": r,
-                "window": w,
-                "step_lo": 50 + 50 * w,
-                "step_hi": 60 + 50 * w,
-                "kind": "sched",
-                "name": "cpu_wait@sched",
-                "stack": "",
-                "count": 12,
-                "total_us": 10 * 1000 * wait_ms.get(r, base_ms * (1.0 + 0.02 * r)),
-                "mean_us": 0.0,
-                "p50_us": 0.0,
-                "max_us": 0.0,
-            }
-            for w in range(windows)
-            for r in range(ranks)
-        ]
-    )
-
-
 def test_a_rank_whose_threads_queue_for_the_cpu_is_named_though_it_works_no_longer() -> None:
     data = synthetic()  # no rank works longer: the contended rank's collective threads fall behind
     f = only(diagnose(replace(data, functions=sched_windows({3: 4.0}))).findings)
@@ -756,17 +624,6 @@ def test_a_rank_whose_threads_queue_for_the_cpu_is_named_though_it_works_no_long
     reads = synthetic(slow={5: {"data_us": 10_000}})
     f = only(diagnose(replace(reads, functions=sched_windows({5: 9.0}))).findings)
     assert (f.cause, f.ranks) == ("dataloader", [5])
-
-
-def test_threads_that_queue_on_a_rank_the_job_does_not_wait_for_are_no_finding() -> None:
-    """Every rank waits for rank 1's slower device; rank 5's threads queue 4 ms a step for a CPU
-    (shared cores), but it waits in the collectives as long as the others: it holds no one back."""
-    data = synthetic(slow={1: {"compute_us": 1500}})
-    f = only(diagnose(replace(data, functions=sched_windows({5: 4.0}))).findings)
-    assert (f.cause, f.ranks) == ("compute", [1])
-    # With no straggler to wait for, the same queueing is what the job waits for.
-    f = only(diagnose(replace(synthetic(), functions=sched_windows({5: 4.0}))).findings)
-    assert (f.cause, f.ranks) == ("host_contention", [5])
 
 
 def test_a_rank_that_sleeps_in_its_own_code_is_that_code_path_though_its_threads_queue_too() -> None:
@@ -804,75 +661,6 @@ def test_both_ranks_of_a_contended_host_of_two_are_named_though_they_lift_the_me
     # One contended rank of four: the others are not measured against each other and named.
     f = only(diagnose(replace(data, functions=sched_windows({1: 3.4}, base_ms=1.4, ranks=4))).findings)
     assert (f.cause, f.ranks) == ("host_contention", [1])
-
-
-def test_the_ranks_that_wait_for_a_contended_host_are_no_straggler_of_their_own() -> None:
-    """Hogs on node1's core: its ranks' threads queue for a CPU, and every rank waits for them.
-    node0's ranks arrive first and wait in the collectives longest, though part of their wait
-    shows as own time (1.5 ms a step more than node1's): no compute finding beside node1's."""
-    data = synthetic(ranks=4, hosts_of=2)
-    st = data.steps.copy()
-    late = st["step"] >= 50
-    hogged, waiting = late & st["rank"].isin([2, 3]), late & st["rank"].isin([0, 1])
-    st.loc[late, "dur_us"] += 3000
-    st.loc[hogged, "wait_us"] += 2000
-    st.loc[hogged, "comm_us"] += 1000
-    st.loc[waiting, "comm_us"] += 1500
-    waits = sched_windows({2: 3.4, 3: 3.2}, base_ms=1.4, ranks=4)
-    data = replace(data, steps=st, functions=waits)
-    assert {r.rank for r in stragglers.find(st)} == {0, 1}  # their own time alone would name them
-    f = only(diagnose(data).findings)
-    assert (f.cause, f.ranks, f.hosts) == ("host_contention", [2, 3], ["node1"])
-    # Ranks that wait the least hold the job back, whoever else queues: node0's, now arriving last.
-    st.loc[waiting, "comm_us"] -= 2500
-    assert [f.ranks for f in diagnose(replace(data, steps=st)).findings] == [[0, 1]]
-
-
-LINK_T0 = 1_795_000_000_000_000
-"""When the ring's heartbeats start (µs since the epoch)."""
-
-
-def ring_links(hosts: int, slow_ms_per_mb: dict[tuple[int, int], float], spans: int = 6) -> pd.DataFrame:
-    """Heartbeats' link sends of a ring over ``hosts`` hosts (one rank each, address 10.0.0.<rank>):
-    every 5 s each rank has sent 40 MB to the next, 1 ms per MB, or ``slow_ms_per_mb[(src, dst)]``;
-    and, as gloo's ranks do, 0.1 MB of small messages to the one before, 3 s per MB (their latency)."""
-    rows = []
-    for span in range(spans):
-        for r in range(hosts):
-            nxt, prev = (r + 1) % hosts, (r - 1) % hosts
-            ms = slow_ms_per_mb.get((r, nxt), 1.0 + 0.03 * ((r + span) % 3))
-            t = LINK_T0 + (span + 1) * 5_000_000 + r * 1_000
-            rows += [
-                {"rank": r, "time_us": t, "link": f"10.0.0.{r}>10.0.0.{nxt}", "nbytes": 40 << 20, "send_us": int(40 * ms * 1000)},
-                {"rank": r, "time_us": t, "link": f"10.0.0.{r}>10.0.0.{prev}", "nbytes": 100 << 10, "send_us": 300_000},
-            ]  # fmt: skip
-    return pd.DataFrame(rows)
-
-
-def test_a_slow_nic_is_the_endpoint_its_slow_links_share_not_the_rank_sending_into_it() -> None:
-    # Rank 3's NIC is slow both ways: its link out (3 -> 0) and the link into it (2 -> 3) are slow.
-    links = ring_links(4, {(2, 3): 6.0, (3, 0): 6.0})
-    data = replace(synthetic(ranks=4, hosts_of=4), links=links)
-    f = only(diagnose(data).findings)
-    assert (f.cause, f.ranks, f.hosts) == ("communication", [3], ["node3"])
-    assert f.evidence["spans_flagged"] == "6/6" and f.evidence["span_s"] == 5.0 and f.evidence["ratio"] > 4
-    # Healthy links: nothing.
-    assert diagnose(replace(data, links=ring_links(4, {}))).findings == []
-    # A milder one, and the link before it backed up: the healthy baseline is still a healthy
-    # link's rate (a quartile interpolated towards the backed-up link left the slow ones short).
-    links = ring_links(4, {(2, 3): 4.0, (3, 0): 4.5, (1, 2): 1.8})
-    f = only(diagnose(replace(data, links=links)).findings)
-    assert (f.cause, f.ranks) == ("communication", [3])
-
-
-def test_a_slow_nic_is_named_from_when_it_slowed_and_a_burst_is_not() -> None:
-    data = synthetic(ranks=4, hosts_of=4)
-    healthy, slow = ring_links(4, {}, spans=8), ring_links(4, {(2, 3): 6.0, (3, 0): 6.0}, spans=8)
-    late = slow["time_us"] >= LINK_T0 + 25_000_000  # from the fifth span on
-    f = only(diagnose(replace(data, links=healthy.where(~late, slow))).findings)
-    assert (f.ranks, f.evidence["spans_flagged"]) == ([3], "4/4")
-    burst = slow["time_us"] // 5_000_000 == (LINK_T0 + 20_000_000) // 5_000_000  # one span of eight
-    assert diagnose(replace(data, links=healthy.where(~burst, slow))).findings == []
 
 
 def test_an_older_hooks_windows_with_their_link_sends_still_name_the_slow_nic() -> None:
@@ -928,107 +716,6 @@ def test_all_ranks_of_a_host_become_one_host_finding() -> None:
     data = synthetic(slow={2: {"compute_us": 1500}, 3: {"compute_us": 1500}})
     f = only(diagnose(data).findings)
     assert (f.cause, f.ranks, f.hosts, f.scope) == ("compute", [2, 3], ["node1"], "host")
-
-
-def test_job_wide_slowdown() -> None:
-    data = synthetic(steps=3000, growth=2.0)  # ~25 s of steps, each rank's work (and CPU time) growing
-    f = only(diagnose(data).findings)
-    assert (f.cause, f.scope, f.ranks) == ("job_wide", "job", list(range(8)))
-    assert f.evidence["ratio"] > 1.3 and f.evidence["cpu_time_ratio"] > 1.3
-    assert "x the CPU time: more work per step, or slower cores" in f.summary
-    # The same slowdown off the CPU (blocking I/O, say): the CPU time per step stayed as it was.
-    steady = data.steps.assign(cpu_us=data.steps.groupby("rank")["cpu_us"].transform("first"))
-    f = only(diagnose(replace(data, steps=steady)).findings)
-    assert f.cause == "job_wide" and f.evidence["cpu_time_ratio"] == pytest.approx(1.0, abs=0.01)
-    assert "CPU time" not in f.summary
-
-
-def test_a_job_wide_slowdown_with_every_ranks_cpu_wait_grown_is_put_down_to_external_load() -> None:
-    """Other processes on every rank's cores: all ranks slow alike (no rank stands out), and the
-    threads' run-queue wait per step grew with the step time."""
-    data = synthetic(steps=3000, growth=2.0)
-    first = sched_windows({}, base_ms=0.5, windows=1)
-    later = sched_windows({}, base_ms=4.0, windows=3)
-    later["window"] += 1
-    data = replace(data, functions=pd.concat([first, later], ignore_index=True))
-    f = only(diagnose(data).findings)
-    assert (f.cause, f.scope) == ("job_wide", "job") and "external load" in f.summary
-    assert f.evidence["cpu_wait_ms_per_step_last"] > f.evidence["cpu_wait_ms_per_step_first"]
-    assert "CPU time" not in f.summary, "the wait explains it"
-    assert "external load" not in only(diagnose(synthetic(steps=3000, growth=2.0)).findings).summary
-
-
-def test_a_jobs_first_seconds_are_no_baseline() -> None:
-    """The same growth over the first 300 steps (~2 s): start-up, not a job-wide slowdown yet."""
-    assert diagnose(synthetic(steps=300, growth=2.0)).findings == []
-
-
-def test_hang_names_the_rank_that_never_entered_the_collective() -> None:
-    hb = pd.DataFrame(
-        [
-            {
-                "rank": r,
-                "time_us": 1_000_000_000,
-                "step": 41,
-                "progress_age_s": 45.0,
-                "coll_group": "world",
-                "coll_op": "all_reduce",
-                "coll_seq": 42,
-                "last_seq": {"world": 42},
-                "stack": "",
-            }
-            for r in (0, 1, 3)
-        ]
-        + [
-            {
-                "rank": 2,
-                "time_us": 1_000_000_000,
-                "step": 41,
-                "progress_age_s": 45.0,
-                "coll_group": "",
-                "coll_op": "",
-                "coll_seq": -1,
-                "last_seq": {"world": 41},
-                "stack": (
-                    '  File "/job/train.py", line 30, in main\n    save_checkpoint(model)\n'
-                    '  File "/job/ckpt.py", line 7, in save_checkpoint\n    done.wait()\n'
-                    '  File "/usr/lib/python3.11/threading.py", line 629, in wait\n    signaled = ...\n'
-                    '  File "/venv/lib/python3.11/site-packages/x/y.py", line 3, in z\n    ...\n'
-                ),
-            }
-        ]
-    )
-    data = JobData(
-        job="hung",
-        ranks=pd.DataFrame({"rank": range(4), "host": ["a", "a", "b", "b"], "nic": "", "switch": ""}),
-        heartbeats=hb,
-    )
-    f = only(diagnose(data).findings)
-    assert (f.cause, f.ranks, f.hosts) == ("hang", [2], ["b"])
-    # The innermost frame of the job's own code, not the standard library's or a package's under it.
-    assert f.function == 'File "/job/ckpt.py", line 7, in save_checkpoint'
-    assert f.evidence["waiting_in"] == {"group": "world", "seq": 42}
-    assert f.confidence >= 0.9
-
-
-def test_running_job_is_not_a_hang() -> None:
-    hb = pd.DataFrame(
-        [
-            {
-                "rank": r,
-                "time_us": 10**9,
-                "step": 5,
-                "progress_age_s": 0.1,
-                "coll_group": "",
-                "coll_op": "",
-                "coll_seq": -1,
-                "last_seq": {"world": 5},
-                "stack": "",
-            }
-            for r in range(4)
-        ]
-    )
-    assert diagnose(JobData(job="ok", heartbeats=hb)).findings == []
 
 
 def test_findings_validate_their_contract() -> None:

@@ -1,4 +1,5 @@
-"""Hang localization from the latest heartbeats, in seconds rather than at the watchdog timeout.
+"""``hang``: a job that stopped making progress, and the ranks it waits for — from the latest
+heartbeats, in seconds rather than at the watchdog timeout.
 
 Every rank's heartbeat carries, per process group, the sequence number of the last collective it
 entered (as Flight Recorder does). When the job stops making progress, the ranks that never
@@ -8,17 +9,21 @@ rank whose heartbeats stopped altogether is dead or frozen. The culprit's stack 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
 import pandas as pd
+
+from ..data import JobData
+from ..findings import Finding
 
 MAX_LISTED = 64
 """Up to this many ranks, the evidence lists every rank's last sequence number and step."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class HangSettings:
+class Settings:
     stall_s: float = 30.0
     """The job is hung when some rank made no progress for this long."""
     silent_s: float = 30.0
@@ -47,8 +52,15 @@ def _seq(last_seq: Any, group: str) -> int:
         return 0
 
 
-def find(heartbeats: pd.DataFrame, s: HangSettings | None = None) -> Hang | None:
-    s = s or HangSettings()
+def find(data: JobData, s: Settings) -> list[Finding]:
+    """The hang, if the job has one: one finding naming the ranks it waits for and where they are."""
+    h = locate(data.heartbeats, s)
+    return [_finding(h, data.hosts_of(h.ranks))] if h is not None else []
+
+
+def locate(heartbeats: pd.DataFrame, s: Settings | None = None) -> Hang | None:
+    """The hang the latest heartbeats show, or None while every rank makes progress."""
+    s = s or Settings()
     if heartbeats.empty:
         return None
     hb = heartbeats.sort_values(by="rank")
@@ -98,4 +110,29 @@ def find(heartbeats: pd.DataFrame, s: HangSettings | None = None) -> Hang | None
             "last_step": dict(zip(ranks, hb.loc[shown, "step"].astype(int), strict=True)),
             "ranks_by_last_seq": {int(k): int(v) for k, v in last.value_counts().sort_index().items()},
         },
+    )
+
+
+_LIBRARY_PATH = re.compile(r'File "(<[^"]*>|[^"]*(-packages/|/lib/python3[.\d]*/|/profiler_hook/)[^"]*)"')
+"""A stack frame of the interpreter, the standard library, an installed package or the hook."""
+
+
+def _finding(h: Hang, hosts: dict[int, str]) -> Finding:
+    stack = next(iter(h.stacks.values()), "")
+    frames = [ln.strip() for ln in stack.splitlines() if ln.strip().startswith("File ")]
+    # Where the job's own code is stuck: its innermost frame (the library frames under it follow).
+    own = [f for f in frames if not _LIBRARY_PATH.match(f)]
+    where = (
+        (own or frames)[-1] if frames else (f"collective #{h.seq} ({h.group})" if h.seq >= 0 else "unknown")
+    )
+    clear = bool(h.seq >= 0 and set(h.ranks) != set(h.stalled))
+    return Finding(
+        cause="hang",
+        ranks=h.ranks,
+        hosts=sorted({hosts[r] for r in h.ranks if r in hosts}),
+        function=where,
+        confidence=0.95 if clear else 0.6,
+        summary=f"job hung: {h.why}",
+        evidence={**h.evidence, "stacks": {str(k): v for k, v in h.stacks.items()}},
+        scope="rank",
     )

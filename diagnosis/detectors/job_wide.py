@@ -1,18 +1,20 @@
-"""Job-wide slowdowns: every rank slower than the job's own start, over its last steps."""
+"""``job_wide``: every rank slower than the job's own start, over its last steps. It runs only when
+no other detector found anything (``detectors.DETECTORS``): a job-wide slowdown is what is left when
+no rank, link or host stands out."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from . import contention, stragglers
-from .data import JobData
-from .findings import Finding, effect, ms
+from .. import contention, stragglers
+from ..data import JobData
+from ..findings import Finding, effect, ms
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class JobWideSettings:
+class Settings:
     ratio: float = 1.3
     """All ranks' step time grew by this factor from the first to the last chunks: job-wide..."""
     own_ratio: float = 1.2
@@ -29,10 +31,19 @@ class JobWideSettings:
     """...and only once those steps span this many seconds: the first seconds of a job (imports on
     background threads, allocator and cache warm-up, the first profiling windows) are no baseline.
     On the DDP healthy control, 6-14 s in, they read as a 1.3-1.4x job-wide slowdown."""
+    chunking: stragglers.StragglerSettings = field(default_factory=stragglers.StragglerSettings)
+    """How steps are cut into chunks, as the straggler rules cut them (``chunks``; ``last_steps`` is
+    ``steps`` here)."""
 
 
-def find(data: JobData, s: JobWideSettings, steps: stragglers.StragglerSettings) -> Finding | None:
-    """All ranks slower than the job's own start, when no rank stands out."""
+def find(data: JobData, s: Settings) -> list[Finding]:
+    """All ranks slower than the job's own start: one finding of scope ``job``, or none."""
+    f = _find(data, s)
+    return [f] if f is not None else []
+
+
+def _find(data: JobData, s: Settings) -> Finding | None:
+    steps = s.chunking
     recent = data.steps[data.steps["step"] > data.steps["step"].max() - s.steps]
     if recent.empty or recent.groupby("step")["dur_us"].median().sum() < s.min_s * 1e6:
         return None

@@ -1,0 +1,53 @@
+"""The detectors: each finds one kind of culprit in a job's records and says so as findings.
+
+A detector is a module here with
+
+- ``Settings``: a frozen dataclass of its thresholds, each documented where it is defined;
+- ``find(data: JobData, s: Settings) -> list[Finding]``: pure, records in, findings out;
+
+and a line in :data:`DETECTORS`, which says in what order they run and which findings absorb
+which:
+
+1. ``hang`` — a job that stopped making progress, and the ranks it waits for;
+2. ``straggler`` — the ranks that hold a running job back: working longer per step (``compute``,
+   ``dataloader``, ``code_path``) or their threads waiting for a CPU (``host_contention``), each
+   account deciding the other's (see its module);
+3. ``link`` — slow network links (``communication``);
+
+then ``diagnosis.topology`` merges the rank findings that make up a whole NIC, host, switch or
+spine into one naming it; and
+
+4. ``job_wide`` — every rank slower than the job's own start — runs only when nothing above found
+   anything (``alone``): a job-wide slowdown is what is left when no rank stands out.
+
+To add one: write ``detectors/<name>.py`` with its ``Settings`` and ``find``, its tests in
+``tests/detectors/test_<name>.py`` on a hand-built ``JobData``, and its line here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..data import JobData
+from ..findings import Finding
+from . import hang, job_wide, link, straggler
+
+
+@dataclass(frozen=True, slots=True)
+class Detector:
+    name: str
+    """Its module, and its settings' field in ``diagnosis.Settings``."""
+    find: Callable[[JobData, Any], list[Finding]]
+    settings: Callable[[], Any]
+    alone: bool = False
+    """Runs only when the detectors that are not ``alone`` found nothing."""
+
+
+DETECTORS: tuple[Detector, ...] = (
+    Detector("hang", hang.find, hang.Settings),
+    Detector("straggler", straggler.find, straggler.Settings),
+    Detector("link", link.find, link.Settings),
+    Detector("job_wide", job_wide.find, job_wide.Settings, alone=True),
+)

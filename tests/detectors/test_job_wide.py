@@ -1,0 +1,55 @@
+"""``job_wide`` on hand-built jobs: every rank slower than the job's own start."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pandas as pd
+import pytest
+
+from diagnosis import diagnose
+from diagnosis.detectors import job_wide
+from tests.jobdata import only, sched_windows, synthetic
+
+SETTINGS = job_wide.Settings()
+
+
+def test_job_wide_slowdown() -> None:
+    data = synthetic(steps=3000, growth=2.0)  # ~25 s of steps, each rank's work (and CPU time) growing
+    f = only(job_wide.find(data, SETTINGS))
+    assert (f.cause, f.scope, f.ranks) == ("job_wide", "job", list(range(8)))
+    assert f.evidence["ratio"] > 1.3 and f.evidence["cpu_time_ratio"] > 1.3
+    assert "x the CPU time: more work per step, or slower cores" in f.summary
+    # The same slowdown off the CPU (blocking I/O, say): the CPU time per step stayed as it was.
+    steady = data.steps.assign(cpu_us=data.steps.groupby("rank")["cpu_us"].transform("first"))
+    f = only(job_wide.find(replace(data, steps=steady), SETTINGS))
+    assert f.cause == "job_wide" and f.evidence["cpu_time_ratio"] == pytest.approx(1.0, abs=0.01)
+    assert "CPU time" not in f.summary
+
+
+def test_a_job_wide_slowdown_with_every_ranks_cpu_wait_grown_is_put_down_to_external_load() -> None:
+    """Other processes on every rank's cores: all ranks slow alike (no rank stands out), and the
+    threads' run-queue wait per step grew with the step time."""
+    data = synthetic(steps=3000, growth=2.0)
+    first = sched_windows({}, base_ms=0.5, windows=1)
+    later = sched_windows({}, base_ms=4.0, windows=3)
+    later["window"] += 1
+    data = replace(data, functions=pd.concat([first, later], ignore_index=True))
+    f = only(job_wide.find(data, SETTINGS))
+    assert (f.cause, f.scope) == ("job_wide", "job") and "external load" in f.summary
+    assert f.evidence["cpu_wait_ms_per_step_last"] > f.evidence["cpu_wait_ms_per_step_first"]
+    assert "CPU time" not in f.summary, "the wait explains it"
+    assert "external load" not in only(job_wide.find(synthetic(steps=3000, growth=2.0), SETTINGS)).summary
+
+
+def test_a_jobs_first_seconds_are_no_baseline() -> None:
+    """The same growth over the first 300 steps (~2 s): start-up, not a job-wide slowdown yet."""
+    assert job_wide.find(synthetic(steps=300, growth=2.0), SETTINGS) == []
+
+
+def test_it_runs_only_when_no_rank_stands_out() -> None:
+    """The same job-wide growth with one rank slower still: the straggler is the finding, and the
+    job-wide slowdown, which it explains in part, is not reported beside it."""
+    data = synthetic(steps=3000, growth=2.0, slow={5: {"compute_us": 3000}})
+    assert job_wide.find(data, SETTINGS)  # alone, it would say job-wide
+    assert [(f.cause, f.ranks) for f in diagnose(data).findings] == [("compute", [5])]
