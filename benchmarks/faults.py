@@ -31,7 +31,7 @@ import pandas as pd
 
 from aggregator import Store, ingest
 from diagnosis import diagnose, read_job
-from rankscope.workload import JobSpec, RunningJob, free_port
+from rankscope.workload import JobSpec, RunningJob, first_onset, free_port
 
 from . import machine, scoring, torchrun_job
 from .injectors import CpuHog, Fabric, Unavailable, hog_core
@@ -43,12 +43,6 @@ HOOK: dict = {}
 PROBE_S = 2.0
 START_S = 120.0
 """Allowance for spawning the ranks and importing torch on a loaded 2-core machine."""
-
-
-def first_onset(marker_dir: Path) -> dict[str, Any] | None:
-    """The earliest onset marker a faulty rank wrote (``time``, ``step``, ``rank``), if any."""
-    found = [json.loads(p.read_text()) for p in sorted(marker_dir.glob("onset-r*")) if p.suffix != ".tmp"]
-    return min(found, key=lambda m: m["time"]) if found else None
 
 
 class _OnsetWatch(threading.Thread):

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rankscope.workload import Fault, JobSpec, host_of, switch_of
+from rankscope.workload import Fault, JobSpec, first_onset, host_of, switch_of
 
 if TYPE_CHECKING:
     from .scenarios import Scenario
@@ -215,7 +215,6 @@ def run(
 ) -> tuple[dict[str, Any] | None, str, list[str]]:
     """Run the scenario's script until it ends (or, hung, ``observe_s`` after its onset marker);
     returns (onset marker, error, cleanup errors) as the suite's own job runner does."""
-    from .faults import first_onset
 
     log_dir = Path(spec.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)

@@ -46,17 +46,17 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
-from .demo import FAULTS
-
-SUITE_FAULTS = (*FAULTS, "callback", "grad_hook", "gc", "job_wide", "hang", "host", "nic", "switch")
+_LOCAL_FAULTS = ("compute", "dataloader", "code_path", "callback", "grad_hook", "gc")
+"""Faults that live inside one rank's code, any two of which can run at once on two ranks (the
+demo offers the first three)."""
+SUITE_FAULTS = ("none", *_LOCAL_FAULTS, "job_wide", "hang", "host", "nic", "switch")
 """Every fault kind; the last three are applied from outside the ranks (see the fault suite)."""
 HANG_SITES = ("collective", "dataloader", "python", "checkpoint")
 ATTACH = ("start", "loop")
 LOOPS = ("manual", "ddp", "fsdp2")
-_LOCAL_FAULTS = ("compute", "dataloader", "code_path", "callback", "grad_hook", "gc")
-"""Faults that live inside one rank's code, any two of which can run at once on two ranks."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -211,6 +211,13 @@ class FaultClock:
         with open(path + ".tmp", "w") as fh:
             json.dump({"time": time.time(), "step": step, "rank": self.rank, "kind": self.kind}, fh)
         os.replace(path + ".tmp", path)  # readers never see a half-written marker
+
+
+def first_onset(marker_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The earliest onset marker a faulty rank wrote (``time``, ``step``, ``rank``), if any."""
+    paths = sorted(Path(marker_dir).glob("onset-r*"))
+    found = [json.loads(p.read_text()) for p in paths if p.suffix != ".tmp"]
+    return min(found, key=lambda m: m["time"]) if found else None
 
 
 def _join_netns(name: str) -> None:

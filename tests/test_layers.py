@@ -4,6 +4,8 @@ no package imports one downstream of it (imports inside functions included)."""
 from __future__ import annotations
 
 import ast
+import graphlib
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,3 +60,69 @@ def test_the_cli_does_not_load_the_demo_workload() -> None:
     assert not [n.module for n in top if n.module and n.module.split(".")[-1] == "workload"]
     demo = ast.parse((ROOT / "rankscope" / "demo.py").read_text())
     assert not [n for n in demo.body if isinstance(n, ast.ImportFrom) and n.module == "workload"]
+
+
+def test_the_architecture_doc_draws_these_layers() -> None:
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    rows = re.findall(r"^\| `(\w+)` \| (.+) \|$", doc, re.MULTILINE)
+    drawn = {
+        package: set(re.findall(r"`(\w+)`", deps)) if "all" not in deps else set(MAY_IMPORT) - {package}
+        for package, deps in rows
+        if package in MAY_IMPORT
+    }
+    assert drawn == MAY_IMPORT
+
+
+def _module_imports(f: Path) -> set[str]:
+    """The modules of this repository that file ``f`` imports, anywhere in it (inside functions
+    too) but under ``if TYPE_CHECKING:`` (annotations only, never run)."""
+    parts = list(f.relative_to(ROOT).with_suffix("").parts)
+    package = parts[:-1]  # a module's package; an __init__'s, its own
+    tree = ast.parse(f.read_text(), str(f))
+    typing_only = {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for stmt in node.body
+        for n in ast.walk(stmt)
+    }
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            module = ".".join([*base, *(node.module.split(".") if node.module else [])])
+            for a in node.names:  # a name may be a submodule: ``from . import topology``
+                sub = f"{module}.{a.name}" if module else a.name
+                out.add(sub if _is_module(sub) else module)
+    return {m for m in out if _is_module(m)}
+
+
+def _is_module(name: str) -> bool:
+    path = ROOT.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def _module(f: Path) -> str:
+    parts = f.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_no_import_cycles_anywhere() -> None:
+    """No module imports, however indirectly, one that imports it (lazy imports inside functions
+    count: they only hide a cycle), in the product, the benchmarks and the tests."""
+    graph = {
+        _module(f): _module_imports(f)
+        for package in (*MAY_IMPORT, "benchmarks", "tests")
+        for f in sorted((ROOT / package).rglob("*.py"))
+    }
+    # A package's own __init__ is imported by each of its modules, which Python allows: leave
+    # out the edges from a module to the packages above it.
+    graph = {m: {d for d in deps if not m.startswith(d + ".")} for m, deps in graph.items()}
+    try:
+        graphlib.TopologicalSorter(graph).prepare()
+    except graphlib.CycleError as e:
+        raise AssertionError(f"an import cycle: {' -> '.join(e.args[1])}") from None
