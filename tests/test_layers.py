@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import ast
 import graphlib
+import importlib.metadata
 import re
+import sys
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -126,3 +130,49 @@ def test_no_import_cycles_anywhere() -> None:
         graphlib.TopologicalSorter(graph).prepare()
     except graphlib.CycleError as e:
         raise AssertionError(f"an import cycle: {' -> '.join(e.args[1])}") from None
+
+
+NOT_DECLARED = {
+    "torch": "the user's: the hook runs on the release their job has",
+    "pytorch_lightning": "Lightning's older name, tried where ``lightning`` is not installed",
+}
+"""Third-party modules the product imports without declaring them, and why."""
+USED_THROUGH = {"chdb": "clickhouse-connect", "accelerate": "transformers"}
+"""Declared requirements the product never imports itself: another of them loads it."""
+
+
+def test_the_declared_dependencies_are_those_the_product_imports() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = {k: v for k, v in project["optional-dependencies"].items() if k != "dev"}
+    declared = {
+        _normalized(re.match(r"[A-Za-z0-9._-]+", req)[0])  # type: ignore[index]
+        for req in [*project["dependencies"], *(r for reqs in extras.values() for r in reqs)]
+    }
+    modules = {
+        top
+        for package in MAY_IMPORT
+        for f in (ROOT / package).rglob("*.py")
+        for top in (m.split(".")[0] for m in _all_imports(f))
+        if top not in MAY_IMPORT and top not in sys.stdlib_module_names and top not in NOT_DECLARED
+    }
+    # A module's distribution as installed here (``kafka`` is kafka-python's), else its own name.
+    distributions = importlib.metadata.packages_distributions()
+    imported = {_normalized(distributions.get(m, [m])[0]) for m in modules}
+    if "pynvml" in modules and "pynvml" not in distributions:  # optional, absent without a GPU
+        imported = (imported - {"pynvml"}) | {"nvidia-ml-py"}
+    assert imported - declared == set(), "imported by the product, declared nowhere in pyproject.toml"
+    assert declared - imported - set(USED_THROUGH) == set(), "declared, never imported"
+
+
+def _normalized(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _all_imports(f: Path) -> list[str]:
+    out = []
+    for node in ast.walk(ast.parse(f.read_text(), str(f))):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.append(node.module)
+    return out
