@@ -44,7 +44,7 @@ def classify(
     # time is less the main thread's run-queue wait already where the hook measured it (wire v3);
     # this is for the rest: its other threads' wait that it waited on, and older hooks' data.
     # Time waiting for data is no time the thread wanted a CPU: a rank whose reads sleep 15 ms a
-    # batch used the CPU for 40% of its own time, and was called starved.
+    # batch uses the CPU for 40% of its own time, and is not starved.
     own_eff = st.cpu_us / max(st.own_us - st.data_us, 1.0)
     peer_eff = st.peer_cpu_us / max(st.peer_own_us - st.peer_data_us, 1.0)
     starved = own_eff <= 0.8 * peer_eff
@@ -63,8 +63,8 @@ def classify(
         extra = None
     waited = waits.wait_us - waits.peer_wait_us if waits is not None else 0.0
     # Of a starved rank that also runs a code path of its own, the larger account: a rank whose
-    # metrics upload slept 15 ms a step used the CPU for 46% of its own time, and its threads
-    # waited 9.5 ms a step longer than its peers' (the others ran meanwhile), the upload 15.5.
+    # metrics upload sleeps 15 ms a step uses the CPU for under half its own time, and its threads
+    # wait ~9.5 ms a step longer than its peers' (the others run meanwhile), the upload ~15.5.
     ev: dict[str, Any]
     if starved and waits is not None and waited >= 0.5 * total and not (extra and extra.excess_us > waited):
         ev = {
@@ -130,12 +130,11 @@ def classify(
     compute_excess = (st.own_us - st.data_us) - (st.peer_own_us - st.peer_data_us)
     cpu_excess = st.cpu_us - st.peer_cpu_us
     # Work is CPU time on the training thread, or a device's: its kernels and copies. A rank whose
-    # own time grew with neither sleeps or blocks, outside any operator: a rank sleeping 40 ms a
-    # step in its loop kept its CPU time (68.8 ms a step, its peers' 68.9) while its operators
-    # summed to 20 ms a step more in the one window since, nested in each other and slowed on the
-    # shared cores while it slept and its peers ran. A slower device's CPU time grows by a good
-    # part of its excess: by 35% in a recorded run whose own time still held its run-queue wait
-    # (an older hook). (Records without CPU time tell nothing.)
+    # own time grew with neither sleeps or blocks, outside any operator: a rank that sleeps in its
+    # loop keeps its CPU time, while its operators, nested in each other and slowed on the shared
+    # cores while it sleeps and its peers run, can add up to more than its peers'. A slower
+    # device's CPU time grows by a good part of its excess (~35%, even with the run-queue wait
+    # still in own time, as older hooks record it). (Records without CPU time tell nothing.)
     working = (
         (st.cpu_us <= 0 and st.peer_cpu_us <= 0)
         or cpu_excess >= WORKING * compute_excess
@@ -156,7 +155,7 @@ def classify(
     share = slower.excess_us / total if slower else 0.0
     # Forward runs in the job's code, backward mostly in the autograd engine: with forward about a
     # third of the FLOPs, its share of a uniformly slower device's excess is about a third, so a
-    # quarter: the forward of a device 2x slower in bursts held 26% of the excess while it was slow.
+    # quarter: the forward of a device 2x slower in bursts holds ~26% of the excess while it is slow.
     code = functions.innermost_code(excess, 0.25 * compute_excess) if slower else None
     if code is not None:  # the job's own function whose operators got slower, and the operator
         ev = {**ev, **code_evidence(code), "operator": name}

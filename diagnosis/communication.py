@@ -189,9 +189,9 @@ def _slow_links(f: pd.DataFrame, s: CommunicationSettings) -> pd.DataFrame:
 
     The healthy baseline is the lower quartile of the window's links, a link's own (not one
     interpolated between two): a slow NIC in a ring slows two links (in and out), up to half of a
-    small job's, and the median would move with them; with 4 links the interpolated quartile
-    moved with a third link that backed up behind them (1 Gbit/s NIC: 3.2 ms per MB where the
-    healthy link took 2.0), which left the slow ones short of ``min_excess_us``.
+    small job's, and the median would move with them; with 4 links an interpolated quartile moves
+    with a third link that backs up behind them (behind a 1 Gbit/s NIC: 3.2 ms per MB where a
+    healthy link takes 2.0), and leaves the slow ones short of ``min_excess_us``.
 
     Links that carried little (under ``bulk_share`` of the window's busiest) are left out, as the
     hook leaves them out of its heartbeats: their time per byte is the latency of a few small

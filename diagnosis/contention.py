@@ -37,9 +37,9 @@ class ContentionSettings:
     """The robust deviation is never taken below this fraction of the median."""
     peel_ratio: float = 1.5
     """Once contended ranks are found, another is one too if its wait exceeds the median of the
-    ranks not found by this factor (stricter than ``min_ratio``). With two hogs on one host of a
-    4-rank job, its two ranks waited 2.2-2.4x the other host's, but 1.38x and 1.45x the median
-    of all four."""
+    ranks not found by this factor (stricter than ``min_ratio``): the contended ranks of one host
+    lift the median of a small job's ranks, and two contended ranks of four wait ~2.3x the others'
+    but only ~1.4x the median of all four."""
     persistence: float = 0.5
     """A contended rank must stand out in at least this fraction of the windows since the first
     in which it did (contention starts when the intruder does), and in two at least."""

@@ -26,7 +26,8 @@ CUT_KIND = "cut"
 CUT_MARGIN = 4.0
 """A function whose calls in the culprit's windows, at their median, add up to no more than this
 times the largest function a peer's window left out may have run there unseen (the culprit's calls
-may be slower than the peers'). The largest left out took 10-15 µs in the demo's 5-step windows."""
+may be slower than the peers'). The largest left out takes ~10-15 µs in a small job's 5-step
+windows."""
 MAX_PEERS = 32
 """Peers compared against (evenly spread over the rest): enough for a stable median at any scale."""
 WORK_KINDS = ("op", "kernel", "memcpy")
@@ -201,9 +202,9 @@ def compare(functions: pd.DataFrame, rank: int, peers: list[int]) -> list[Functi
     # none that took less than the largest it left out. A function the culprit runs that small,
     # without the calls that held it up (its median call), may have run in the windows that lack it:
     # there it is averaged over the windows that know (those it is in, and those that left nothing
-    # out). Counted absent, it made a rank look like it runs a library function the others do not
-    # (``isinstance``, a context manager's ``__exit__``: a few microseconds a step, left out on every
-    # rank but one where a call was preempted for milliseconds). A larger one would have been kept.
+    # out). Counted absent, it would make a rank look like it runs a library function the others do
+    # not (``isinstance``, a context manager's ``__exit__``: a few microseconds a step, left out on
+    # every rank but one where a call is preempted for milliseconds). A larger one would be kept.
     is_cut = f["kind"] == CUT_KIND
     cuts = f.loc[is_cut, ["rank", "window", "max_us"]]
     f = f[~is_cut]
@@ -334,9 +335,9 @@ def stray_builtin(excess: list[FunctionExcess], e: FunctionExcess) -> bool:
     """Whether ``e`` is a built-in that no code path holds: none of its callers runs only on the
     culprit, and no function of the job's own code holds half its excess. A built-in is a leaf;
     where it is called from is the path. Alone, its time is where the thread happened to be when
-    it lost the CPU or the GIL: a ``getattr`` under torch's ``_disable_dynamo`` wrapper took 658 µs
-    a step on a rank 1.09x its peers, in the one window since its device slowed; on theirs, too
-    little there to be kept."""
+    it lost the CPU or the GIL: a ``getattr`` under torch's ``_disable_dynamo`` wrapper can take
+    hundreds of µs a step on a rank whose device slowed, in the one window that caught it, and too
+    little on its peers to be kept."""
     if not e.name.startswith("<built-in"):
         return False
     paths = {x.name for x in excess if x.extra and x.name in e.callers}

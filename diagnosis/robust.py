@@ -23,8 +23,8 @@ def spread(
 
 def needed(of: int, share: float) -> int:
     """In how many of ``of`` windows (or chunks) a fault must show to count as persistent: ``share``
-    of them and two at least. One window, or one burst, is never a finding: a healthy job's single
-    window read as contention on rank 0 (0.97) and on a DDP rank (0.985) when one was allowed."""
+    of them and two at least. One window, or one burst, is never a finding: a single window of a
+    healthy job can read as contention at a confidence of 0.97."""
     return max(2, math.ceil(share * of))
 
 

@@ -34,14 +34,13 @@ class StragglerSettings:
     last_steps: int = 800
     """Only the most recent this-many steps are analyzed: the answer describes the job now. A
     straggler must be slow in half the chunks, so it is found once its fault covers half of this
-    range (or of the job's steps, if fewer). Re-scored on 8 kept fault-suite runs (``--rescore``),
-    800 against 3000 steps named 85 against 83 of 108 faults right, cut the median detection delay
-    from 12 to 10 s on the two latest runs, and added no finding on healthy jobs."""
+    range (or of the job's steps, if fewer): the shorter the range, the sooner a fault is found.
+    800 steps are enough to name faults right and to find no straggler on a healthy job."""
     chunks: int = 6
     """The analyzed steps are split into this many consecutive chunks."""
     min_chunk_steps: int = 5
-    """Fewer steps than this per chunk (30 in all) is too few to tell a straggler from noise: a
-    diagnosis of a job's first second, or of the last 0.5 s of one, found a healthy rank 1.49x."""
+    """Fewer steps than this per chunk (30 in all) is too few to tell a straggler from noise: over a
+    second of steps or less, a healthy rank can read 1.49x its peers."""
     min_ratio: float = 1.10
     """A rank's mean own time (per step, relative to the step's median) must exceed the ranks' median
     by this factor to count as slow in a chunk."""
@@ -57,13 +56,13 @@ class StragglerSettings:
     """The peer rule on the main thread's CPU time per step as well: a rank whose CPU time exceeds
     the ranks' median by this factor in as many chunks (healthy ranks stay within ~1.06x: the
     run-queue waits that spread own time are not in it), and whose own time is above its
-    peers' by ``shift_min_level``, is a straggler. A device 2x slower in bursts of 150 steps is
-    1.14-1.45x in CPU time per chunk, 0.92-1.24x in own time."""
+    peers' by ``shift_min_level``, is a straggler. A device slower in bursts shows in a chunk's CPU
+    time more plainly than in its own time."""
     burst_chunks: int = 24
     """Bursts: the analyzed steps are split this finer too (of ``burst_min_chunk_steps`` steps at
-    least), for a rank slow in bursts too short or too rare to be slow in half of the chunks: a
-    device 1.5x slower for 100 steps in 300, at 8 ranks on 2 shared cores, was 1.06x in CPU time
-    over the job and 1.13-1.23x in the blocks of a burst."""
+    least), for a rank slow in bursts too short or too rare to be slow in half of the chunks: over
+    the whole range such a rank's CPU time is barely above its peers' (~1.06x), in the fine chunks
+    of a burst plainly so (1.13-1.23x)."""
     burst_min_chunk_steps: int = 20
     burst_cpu_ratio: float = 1.10
     """A rank is slow in a fine chunk when its CPU time per step is this many times the chunk's
@@ -71,9 +70,8 @@ class StragglerSettings:
     burst_own_ratio: float = 1.05
     """...and its own time this many times..."""
     burst_min_chunks: int = 6
-    """...in this many fine chunks at least. On 5 kept fault-suite runs (37 scenarios each, 2 shared
-    cores), a rank that was no culprit was slow so in at most 3 of 24 (around hangs; healthy runs:
-    1 at most); the intermittent 8-rank straggler in 7-10."""
+    """...in this many fine chunks at least: a rank that is no culprit is slow so in 3 of 24 at most
+    (around hangs; on a healthy job in 1 at most), an intermittent straggler in 7 or more."""
     burst_steady: float = 0.75
     """A rank slow in this share of the fine chunks or more, that the chunk rule finds too, is
     steady: the chunk rule's account describes it (a steady straggler is slow in 22-24 of 24; a
@@ -87,11 +85,9 @@ class StragglerSettings:
     shift_chunks: int = 20
     """...split into this many chunks (of ``min_chunk_steps`` * 4 steps at least)."""
     shift_min_t: float = 5.0
-    """A rank's rise must be this many standard errors (its own chunk-to-chunk noise). With own
-    time less the run-queue wait, on 13 runs without a straggler (healthy, hogs, job-wide, links;
-    2 shared cores, 4-8 ranks) the largest t was 5.6 with a rise of 0.040, 5.2 with 0.047; a
-    1.15x slower device reached 5.4-6.0 with rises of 0.052-0.067 in 3 runs. (With the wait in own
-    time a healthy 8-rank run had reached 5.5 with a rise of 0.06.) A thin margin: on shared cores
+    """A rank's rise must be this many standard errors (its own chunk-to-chunk noise). On shared
+    cores, with own time less the run-queue wait, a rank without a fault reaches a t of up to ~5.6
+    with a rise under 0.05, a 1.15x slower device 5.4-6.0 with a rise over 0.05. A thin margin:
     the rule catches clear shifts, and a mild one only as long as the rise gate holds."""
     shift_min_rise: float = 0.05
     """...and raise its own time, relative to its peers', by this much (healthy ranks: <= 0.09
@@ -99,37 +95,35 @@ class StragglerSettings:
     shift_min_level: float = 1.04
     """...to at least this multiple of the peers' (a rank below them does not hold the job back)..."""
     shift_min_after: int = 6
-    """...for this many chunks at least (and three before): on a healthy 8-rank run, on 2 shared
-    cores, one rank's last 4 chunks rose 1.02x -> 1.10x."""
+    """...for this many chunks at least (and three before): on shared cores a healthy rank's own
+    time can rise 1.02x -> 1.10x its peers' over its last 4 chunks."""
     shift_busy_share: float = 0.5
     """...and this share of the rise at least must show in its time outside the collectives with the
     run-queue wait left in: the hook reads the wait inside the collectives at some steps only, and
-    where the rest of a step's wait falls moves with the ranks' order on shared cores. In 6 runs of
-    the demo's data-loader fault (4 ranks, 2 cores) a healthy rank's own time rose 0.89x -> 1.10x
-    its peers' at a t of 5.3 as its wait outside the collectives fell 0.8x -> 0.35x theirs; its
-    time outside the collectives (0.85x) and its CPU time (1.0x) stayed. A slower device adds
-    work and so time outside the collectives."""
+    where the rest of a step's wait falls moves with the ranks' order on shared cores: a healthy
+    rank's own time can rise 0.89x -> 1.10x its peers' (a t of 5.3) only because less of its wait
+    falls outside the collectives, its time outside the collectives and its CPU time unchanged. A
+    slower device adds work and so time outside the collectives."""
     shift_cpu_bound: float = 0.8
     """A rank whose main thread's CPU time is this share of its own time at least is CPU-bound:
-    there, half the rise must also show in its CPU time and data wait. On a CPU-bound healthy rank
-    of the demo own time rose 0.95x -> 1.085x its peers' at a t of 5.3 (its time outside the
-    collectives with it) while its CPU time stayed at 1.00x; the 1.15x slower device's CPU time
-    rose by 0.035 and 0.045 with own-time rises of 0.055 and 0.07. (On a GPU the CPU waits for the
-    device off the CPU, or spins: then it is no CPU-bound rank, or its CPU time rises.)"""
+    there, half the rise must also show in its CPU time and data wait. A CPU-bound healthy rank's
+    own time (and its time outside the collectives with it) can rise 0.95x -> 1.085x its peers' (a
+    t of 5.3) with its CPU time unchanged; a slower device's CPU time rises by about two thirds of
+    its own-time rise. (On a GPU the CPU waits for the device off the CPU, or spins: then it is no
+    CPU-bound rank, or its CPU time rises.)"""
     shift_cpu_min_t: float = 5.0
     """The same split over the main thread's CPU time per step (relative to the peers'), for a
     rank whose own time does not pass both tests above: free of the run-queue waits that make
-    own time noisy on shared cores, it moves by ~1% from chunk to chunk. On 12 healthy
-    fault-suite runs its largest t was 4.0, with a rise of 0.026 at most; faults that add work on
-    the CPU (a slower device, a code path, GC, a gradient hook) reach 5.3-21 with rises of
-    0.08-2.6. A rank found this way must still meet the own-time
-    level above (it must hold the job back), and half the own-time rise: a 1.15x slower device
-    that was 1.04x its peers already rose by 0.04 in own time, 0.10 in CPU time; whether it still
-    holds at the end is judged on the CPU time..."""
+    own time noisy on shared cores, it moves by ~1% from chunk to chunk. A healthy rank reaches a t
+    of 4 at most, with a rise of 0.026 at most; faults that add work on the CPU (a slower device, a
+    code path, GC, a gradient hook) reach 5.3-21 with rises of 0.08-2.6. A rank found this way must
+    still meet the own-time level above (it must hold the job back), and half the own-time rise (a
+    slower device already above its peers can rise by 0.04 in own time, 0.10 in CPU time); whether
+    it still holds at the end is judged on the CPU time..."""
     shift_cpu_min_rise: float = 0.04
-    """...and its CPU time, relative to its peers', must have risen by this much (healthy runs:
-    0.026 at most; the 1.15x slower device of a later run: 0.049 at a t of 9.2, with its own time
-    at a t of 5.9 but risen by 0.0498, a hair short of ``shift_min_rise``)."""
+    """...and its CPU time, relative to its peers', must have risen by this much (healthy ranks:
+    0.026 at most; a 1.15x slower device: ~0.05, at a t of ~9, where its own time rises as surely
+    but can fall a hair short of ``shift_min_rise``)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -167,11 +161,11 @@ class Straggler:
     def growth(self) -> float:
         """How much its own time grew against its peers' (``ratio`` for the peer rule); found on
         CPU time, the more that either grew: the CPU time is the same work measured without the
-        run-queue noise, but holds none of the rank's other waits (a 1.15x slower device: 1.045x
-        in CPU time, 1.07x in own time; another run's: 1.10x and 1.04x). Grown from below its
-        peers, only to where it now is above them: that is what the job waits for it. (A healthy
-        rank of the demo went from 0.90x its peers, its place on the shared cores, to 1.045x: a
-        growth of 1.16x made it a compute finding at 0.66.)"""
+        run-queue noise, but holds none of the rank's other waits: a slower device's growth shows
+        more in the one or in the other from job to job. Grown from below its peers, only to where
+        it now is above them: that is what the job waits for it (a healthy rank that moves from
+        0.90x its peers, its place on the shared cores, to 1.045x grows 1.045x by this count, not
+        1.16x)."""
         own = self.ratio / max(self.before_ratio, 1.0) if self.before_ratio > 0 else self.ratio
         return max(self.cpu_growth, own)
 
@@ -225,10 +219,10 @@ class Grid:
 OWN_PARTS = ("dur_us", "comm_us", "wait_us")
 """A rank's own time per step is its step time less its time in collectives (waiting for peers)
 and its main thread's run-queue wait (waiting for a CPU: on shared cores the order in which the
-ranks leave a collective decides who queues, and by it alone healthy ranks of a 4-rank gloo job
-on 2 cores differed by 1.25x in own time at the same CPU time; less the wait, by 1.01x). A rank
-starved of CPU is the contention finding's, from all its threads' wait. Rows without a wait
-(older hooks, other kernels) count none."""
+ranks leave a collective decides who queues, and by it alone healthy ranks can differ by 1.25x
+in own time at the same CPU time; less the wait, by ~1.01x). A rank starved of CPU is the
+contention finding's, from all its threads' wait. Rows without a wait (older hooks, other kernels)
+count none."""
 
 
 def grid(steps: pd.DataFrame, s: StragglerSettings, columns: list[str]) -> Grid | None:
@@ -506,8 +500,8 @@ def shifted(
     rel_cpu = chunk_means(g, "rel_cpu", c)
     by_cpu = np.zeros(len(g.ranks), dtype=bool)
     if not np.isnan(rel_cpu).any() and np.nanmax(cpu) > 0:
-        # Where own time does not show the rise plainly (too noisy, or certain but a hair short:
-        # a 1.15x slower device rose by 0.0498 at a t of 5.9, its CPU time by 0.049 at 9.2).
+        # Where own time does not show the rise plainly (too noisy, or certain but a hair short of
+        # ``shift_min_rise``): the CPU time can (``shift_cpu_min_t``, ``shift_cpu_min_rise``).
         cpu_t, cpu_k = _best_split(rel_cpu, s.shift_min_after)
         cpu_rise = _rise(rel_cpu, cpu_k)
         by_cpu = ~by_own & (cpu_t >= s.shift_cpu_min_t) & (cpu_rise >= s.shift_cpu_min_rise)

@@ -21,16 +21,16 @@ class Settings:
     step_ratio: float = 1.05
     """...or all ranks' own time grew by ``own_ratio`` while step time grew by ``step_ratio`` at
     least (where collectives dominate the step, waiting absorbs part of everybody's slower work: a
-    1.8x slower compute on 4 ranks of 2 shared cores raised own time 1.30-1.34x, step time 1.13x).
-    Own time less the run-queue wait stayed within 0.86-1.05x of its start on 3 healthy runs there
-    (with the wait in it, it drifted up to ~1.3x)."""
+    1.8x slower compute on shared cores raises own time ~1.3x, step time ~1.13x). On healthy jobs
+    there own time less the run-queue wait stays within 0.86-1.05x of its start (with the wait in
+    it, it drifts up to ~1.3x)."""
     steps: int = 3000
     """Steps the rule looks back over, longer than the stragglers' ``last_steps``: it compares the
     latest chunks with the first, which is the job's own start in a younger job."""
     min_s: float = 20.0
     """...and only once those steps span this many seconds: the first seconds of a job (imports on
     background threads, allocator and cache warm-up, the first profiling windows) are no baseline.
-    On the DDP healthy control, 6-14 s in, they read as a 1.3-1.4x job-wide slowdown."""
+    6-14 s into a healthy job, they read as a 1.3-1.4x job-wide slowdown."""
     chunking: stragglers.StragglerSettings = field(default_factory=stragglers.StragglerSettings)
     """How steps are cut into chunks, as the straggler rules cut them (``chunks``; ``last_steps`` is
     ``steps`` here)."""
@@ -114,8 +114,8 @@ grew by at least this share of the step time's growth."""
 
 CPU_TIME_SHARE = 0.5
 """...and to the work on the CPU, when no wait explains it and the ranks' CPU time per step grew by
-at least this share of it: more work per step, or slower cores. On a shared 2-core VM, healthy
-jobs' CPU time per step drifted up to 1.22x over tens of seconds, their own time with it."""
+at least this share of it: more work per step, or slower cores. On shared cores healthy jobs' CPU
+time per step drifts up to ~1.22x over tens of seconds, their own time with it."""
 
 
 def _cpu_wait_growth(data: JobData) -> tuple[float, float] | None:

@@ -42,8 +42,8 @@ def find(data: JobData, s: Settings) -> list[Finding]:
     hosts = data.hosts_of([*(st.rank for st in sts), *waits])
     # A contended rank need not work longer itself: the threads that queue may be the collectives'.
     # One that does too is told by the surer account: on a host whose hogs take its cores, a rank's
-    # own time rose 1.08x (a compute straggler at 0.41) while its threads waited 1.6x its peers' in
-    # every window (contention at 0.96).
+    # own time can rise 1.08x (a weak compute straggler) while its threads wait 1.6x its peers' in
+    # every window (a sure contention finding).
     contended = {rank: _contention_finding(c, hosts) for rank, c in waits.items()}
     found = []
     for f in _straggler_findings(sts, data, hosts, waits):
@@ -111,8 +111,8 @@ def _straggler_finding(
     if not fs.empty:
         # The windows that caught it slow say where its extra time goes; those before the fault
         # began (or between its bursts) would dilute a code path it has taken since. Found at a
-        # change, those before it are left out first: a rank whose gradient hook began at step
-        # 509 was slow by chance in a window at step 484, and only there.
+        # change, those before it are left out first: a window shortly before the change can catch
+        # the rank slow by chance, and would name what ran there.
         mine = fs[fs["rank"] == st.rank]
         if st.before_ratio > 0 and (mine["step_hi"] > st.since_step).any():
             mine = mine[mine["step_hi"] > st.since_step]
@@ -196,12 +196,11 @@ def _waited_for(
     """The contended ranks by rank, less those the job does not wait for: a rank holding the job
     back waits in the collectives as little as any (its collectives' threads are slow: every rank
     waits alike) or less (its training thread queues too, and it arrives late). On shared cores the
-    threads of a rank that keeps pace can queue as well: in a job whose rank 3's data loader
-    stalled, rank 1's threads queued 1.5x as long as the others' in 2 of 2 windows, and it waited
-    27.9 ms per step in the collectives where rank 3, whom every rank waited for, waited 12.9 ms.
-    (Three such findings in three runs, at 1.15, 2.2 and 2.3x the straggler's wait.) Both are
-    measured on the same steps, those since the contention and the stragglers held: before a
-    straggler's fault began nobody waited for it, and every rank's wait was as small as its. A
+    threads of a rank that keeps pace can queue as well: next to a straggler (a stalling data
+    loader, a blocking callback, a slower device) a rank's threads can queue 1.5x as long as the
+    others' in every window while it waits 1.15-2.3x as long as the straggler in the collectives.
+    Both are measured on the same steps, those since the contention and the stragglers held: before
+    a straggler's fault began nobody waited for it, and every rank's wait was as small as its. A
     straggler contended itself is one the job waits for too."""
     out = {c.rank: c for c in found}
     if not found or not sts or steps.empty:
@@ -225,7 +224,7 @@ def _not_waiting(
     in the collectives the least (the wait inversion), and a straggler whose collective wait per
     step is over a contended rank's by ``waited_for`` is a peer that waits, whatever part of its
     wait the hook could not tell from its own time (with one host of two hogged, the other host's
-    ranks were named ``compute`` beside the right ``host_contention`` finding). The other side of
+    ranks would be named ``compute`` beside the right ``host_contention`` finding). The other side of
     :func:`_waited_for`, on the same steps: those since both held."""
     if not contended or not sts or steps.empty:
         return sts
