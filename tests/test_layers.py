@@ -176,3 +176,13 @@ def _all_imports(f: Path) -> list[str]:
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             out.append(node.module)
     return out
+
+
+def test_no_test_module_imports_another() -> None:
+    """What tests share lives in fixtures (conftest.py) or helper modules (``tests/records.py``,
+    ``tests/jobdata.py``…), never in another test module, whose tests it would collect twice."""
+    shared = {
+        str(f.relative_to(ROOT)): sorted(m for m in _all_imports(f) if m.split(".")[-1].startswith("test_"))
+        for f in (ROOT / "tests").rglob("test_*.py")
+    }
+    assert {f: ms for f, ms in shared.items() if ms} == {}

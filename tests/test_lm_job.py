@@ -85,7 +85,7 @@ def test_a_rank_killed_under_torchrun_restarts_the_job_and_reliability_measures_
     tmp_path: Path,
 ) -> None:
     from diagnosis.ettr import CAUSES
-    from tests.test_cli import rankscope
+    from tests.commands import rankscope
 
     spool, ckpt = tmp_path / "spool", tmp_path / "ckpt"
     # Restarts as torch 2.13 makes them work: a c10d rendezvous (each attempt a new round), and its
