@@ -31,6 +31,7 @@ from wire.records import (
 from wire.records import check as check_record
 
 from .schema import (
+    ARRIVALS,
     ATTEMPTS,
     CHECKPOINTS,
     DEAD_LETTERS,
@@ -148,7 +149,16 @@ def _attrs(record: Record, table: Table) -> tuple[Any, ...]:
 
 
 def _record_rows(record: Record) -> list[tuple[Table, tuple[Any, ...]]]:
-    """The checked rows one record becomes; raises RecordError naming the first bad value."""
+    """The checked rows one record becomes, its arrival among them; raises RecordError naming the
+    first bad value."""
+    rows = _rows_of(record)
+    if record.seq >= 0:
+        arrival = (record.job, record.rank, record.pid, record.seq, record.TYPE, record.time_us)
+        rows.append((ARRIVALS, _checked(ARRIVALS, arrival)))
+    return rows
+
+
+def _rows_of(record: Record) -> list[tuple[Table, tuple[Any, ...]]]:
     if isinstance(record, StepBatch):
         head = (record.job, record.rank, record.host)
         return [(STEPS, _checked(STEPS, head + tuple(row))) for row in record.rows]

@@ -16,6 +16,7 @@ from clickhouse_connect.driver.exceptions import ClickHouseError
 
 from .errors import StoreError
 from .schema import (
+    ARRIVALS,
     ATTEMPTS,
     CHECKPOINTS,
     DEAD_LETTERS,
@@ -256,6 +257,17 @@ class Reads:
             "ORDER BY source, length(position), position LIMIT {limit:UInt64}"
         )
         return self._frame(sql, {"limit": limit}, DEAD_LETTERS.column_names)
+
+    def missing(self, job: str) -> pd.DataFrame:
+        """Per rank and process of ``job`` whose records did not all arrive: ``rank, pid, made``
+        (the numbers it gave out, up to the last one stored) and ``stored``. A gap is a record lost
+        on the way (dropped by the hook, lost by the transport, dead-lettered); records lost after
+        a process's last stored one cannot be seen."""
+        sql = f"""
+            SELECT rank, pid, max(seq) + 1 AS made, uniqExact(seq) AS stored
+            FROM {self._t(ARRIVALS)} WHERE job = {{job:String}}
+            GROUP BY rank, pid HAVING stored < made ORDER BY rank, pid"""
+        return self._frame(sql, {"job": job}, ("rank", "pid", "made", "stored"))
 
     def counts(self, job: str) -> dict[str, int]:
         """Rows per table for ``job`` (after FINAL), e.g. ``{"steps": 1200, "ranks": 8, ...}``."""

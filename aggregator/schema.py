@@ -24,7 +24,7 @@ from .errors import UnavailableError
 
 log = logging.getLogger(__name__)
 
-STORE_VERSION = 7
+STORE_VERSION = 8
 DEFAULT_DATABASE = "rankscope"
 _COMMENT = f"rankscope schema {STORE_VERSION}"
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -212,6 +212,15 @@ CHECKPOINTS = Table(
 )
 """Checkpoint saves and loads timed by ``Hook.checkpoint()``."""
 
+ARRIVALS = Table(
+    "arrivals",
+    (_JOB, _RANK, ("pid", "Int64"), ("seq", "Int64"), ("type", "LowCardinality(String)"), _TIME),
+    order_by=("job", "rank", "pid", "seq"),
+)
+"""One row per record stored, by its number (``seq``) among those its process made: the numbers a
+rank's process made and the store lacks are records lost on the way (``Reads.missing``). Records
+of hooks that do not number them (``seq`` -1) have none."""
+
 DEAD_LETTERS = Table(
     "dead_letters",
     (
@@ -258,11 +267,12 @@ TABLES: dict[str, Table] = {
         WINDOWS,
         FUNCTIONS,
         CHECKPOINTS,
+        ARRIVALS,
         DEAD_LETTERS,
         SPOOL_OFFSETS,
     )
 }
-JOB_TABLES = ("ranks", "attempts", "steps", "heartbeats", "windows", "functions", "checkpoints")
+JOB_TABLES = ("ranks", "attempts", "steps", "heartbeats", "windows", "functions", "checkpoints", "arrivals")
 """The tables whose rows belong to a job."""
 
 # --- window summaries parsed by ClickHouse ---------------------------------------------------------
@@ -293,9 +303,15 @@ JOB_TABLES = ("ranks", "attempts", "steps", "heartbeats", "windows", "functions"
 # Python, which dead-letters the bad ones with decode()'s reason and stores the rest.
 WINDOW_INPUT_NAME = "window_input"
 WINDOW_JSON_NAME = "window_json"
-WINDOW_INPUT_OBJECTS = (WINDOW_INPUT_NAME, "windows_from_input", "functions_from_input", WINDOW_JSON_NAME)
+WINDOW_INPUT_OBJECTS = (
+    WINDOW_INPUT_NAME,
+    "windows_from_input",
+    "functions_from_input",
+    "arrivals_from_input",
+    WINDOW_JSON_NAME,
+)
 """The input tables and views (all store nothing)."""
-WINDOW_INPUT_VERSION = 4
+WINDOW_INPUT_VERSION = 5
 """Version of the input objects; a store holding another has them replaced (they hold no data)."""
 _INPUT_COMMENT = f"{_COMMENT}, window input {WINDOW_INPUT_VERSION}"
 INPUT_SETTINGS = {
@@ -341,6 +357,9 @@ _INPUT_COLUMNS = [
         (name, f"Nullable({'Int64' if name == 'rank' else _plain(t)})") if name in _REQUIRED else (name, t)
         for name, t in _HEADER
     ),
+    # Left out by the hook at their defaults (see ``wire.records.encode``), as by older hooks.
+    ("pid", "Int64 DEFAULT 0"),
+    ("seq", "Int64 DEFAULT -1"),
     # Plain String, not LowCardinality, inside the array: building a dictionary value by value while
     # parsing 300 tuples costs ~8% of the aggregator's CPU; the view converts whole columns instead.
     # Integers Nullable: inside a tuple the parser reads null as 0 whatever the settings (and as NaN
@@ -354,7 +373,11 @@ _FUNCTION_CHECK = " AND ".join(
 )
 _INPUT_CHECK = " AND ".join(
     [
-        f"{QUOTES_FIELD} = 2 * ({_STRINGS} + length(busy) + {_FUNCTION_STRINGS} * length(functions))",
+        # pid and seq are keys of the value where they are not at their defaults.
+        f"{QUOTES_FIELD} = 2 * ({_STRINGS} + (pid != 0) + (seq != -1) + length(busy) + "
+        f"{_FUNCTION_STRINGS} * length(functions))",
+        "pid BETWEEN 0 AND 2147483647",  # records.INT_RANGES
+        "seq >= -1",
         f"v = {WIRE_VERSION}",
         "type = 'window'",
         "rank BETWEEN 0 AND 2147483647",  # records.INT_RANGES
@@ -389,6 +412,9 @@ def _window_input_ddl(database: str) -> list[str]:
         f"CREATE MATERIALIZED VIEW IF NOT EXISTS `{database}`.`{WINDOW_INPUT_OBJECTS[2]}` TO `{database}`.`functions` "
         f"AS SELECT {header([n for n, _ in FUNCTIONS.columns if n not in dict(_FUNCTION_ROW)])}, {fn} "
         f"FROM {t} ARRAY JOIN functions AS f",
+        f"CREATE MATERIALIZED VIEW IF NOT EXISTS `{database}`.`{WINDOW_INPUT_OBJECTS[3]}` TO `{database}`.`arrivals` "
+        f"AS SELECT {header(['job', 'rank'])}, pid, seq, 'window' AS type, {header(['time_us'])} "
+        f"FROM {t} WHERE seq >= 0",
     ]
 
 
@@ -397,7 +423,7 @@ def _drop_stale_input(client: Any, database: str, found: dict[str, str]) -> None
     if WINDOW_INPUT_NAME not in found or found[WINDOW_INPUT_NAME] == _INPUT_COMMENT:
         return
     log.info("replacing the window input objects of %s (found %r)", database, found[WINDOW_INPUT_NAME])
-    for name in WINDOW_INPUT_OBJECTS[1:3]:
+    for name in WINDOW_INPUT_OBJECTS[1:4]:
         client.command(f"DROP VIEW IF EXISTS `{database}`.`{name}`")
     for name in (WINDOW_INPUT_NAME, WINDOW_JSON_NAME):
         client.command(f"DROP TABLE IF EXISTS `{database}`.`{name}`")
@@ -475,6 +501,7 @@ MIGRATIONS: dict[str, dict[str, list[str]]] = {
     "rankscope schema 4": _then(_TO_5, _TO_6, _TO_7),
     "rankscope schema 5": _then(_TO_6, _TO_7),
     "rankscope schema 6": _TO_7,
+    "rankscope schema 7": {},  # schema 8 added a table, ``arrivals``
 }
 """For each older schema's comment, the ALTERs that bring its tables (by name) to this version."""
 

@@ -71,6 +71,9 @@ class JobData:
     """Per rank and function of the job's own code, the heartbeats' stack samples of the span read."""
     links: pd.DataFrame = field(default_factory=lambda: _empty(LINK_FIELDS))
     """Per heartbeat of the span read and network link of its rank, the sends since the rank's last."""
+    missing: pd.DataFrame = field(default_factory=lambda: _empty(["rank", "pid", "made", "stored"]))
+    """Per rank and process whose records did not all reach the store: the records it numbered
+    (up to its last one stored) and those stored."""
 
     def hosts(self) -> dict[int, str]:
         return dict(zip(self.ranks["rank"].astype(int), self.ranks["host"].astype(str), strict=False))
@@ -107,6 +110,7 @@ class StoreReader(Protocol):
     def heartbeats_latest(self, job: str) -> pd.DataFrame: ...
     def stack_samples(self, job: str, since_us: int | None = None) -> pd.DataFrame: ...
     def link_sends(self, job: str, since_us: int | None = None) -> pd.DataFrame: ...
+    def missing(self, job: str) -> pd.DataFrame: ...
 
 
 def read_job(store: StoreReader, job: str, since_us: int | None = None) -> JobData:
@@ -124,6 +128,7 @@ def read_job(store: StoreReader, job: str, since_us: int | None = None) -> JobDa
         heartbeats=store.heartbeats_latest(job),
         samples=store.stack_samples(job, since_us=since_us),
         links=store.link_sends(job, since_us=since_us),
+        missing=store.missing(job),
     )
 
 

@@ -40,6 +40,15 @@ def coverage_gaps(ranks: pd.DataFrame) -> list[str]:
     return [f"{gap} ({_ranks(rs)})" for gap, rs in sorted(on.items())]
 
 
+def records_missing(missing: pd.DataFrame) -> str:
+    """How many records some ranks' processes made and the store lacks (``"5 of 1,204 records
+    (ranks 2, 3)"``); "" when none."""
+    if missing.empty:
+        return ""
+    made, stored = int(missing["made"].sum()), int(missing["stored"].sum())
+    return f"{made - stored:,} of {made:,} records ({_ranks(missing['rank'].astype(int).tolist())})"
+
+
 def _ranks(ranks: list[int], most: int = 8) -> str:
     rs = sorted(set(ranks))
     said = ", ".join(map(str, rs[:most])) + (f" and {len(rs) - most} more" if len(rs) > most else "")
@@ -65,4 +74,6 @@ def diagnose(data: JobData, settings: Settings | None = None) -> Diagnosis:
     }
     if gaps := coverage_gaps(data.ranks):
         analyzed["coverage_gaps"] = gaps
+    if lost := records_missing(data.missing):
+        analyzed["records_missing"] = lost
     return Diagnosis(job=data.job, findings=found, analyzed=analyzed)

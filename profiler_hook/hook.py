@@ -131,7 +131,7 @@ class Hook:
             self.shipper.close()  # nothing will ever be shipped: end its thread now
             self._wait.close()
             return
-        self.shipper = Shipper(sink or make_sink(cfg, ident), cfg.queue_size)
+        self.shipper = Shipper(sink or make_sink(cfg, ident), cfg.queue_size, ident.pid)
         _check_release()
         if cfg.window_s:
             self._warm_up()

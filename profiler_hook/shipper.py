@@ -2,14 +2,20 @@
 
 The training thread only does ``queue.put_nowait``: it never waits on encoding, disk or network.
 A full queue or a failing sink drops the record and counts it; the count rides on heartbeats.
+Each record leaves numbered (``seq``, with its process's ``pid``), a dropped one taking its
+number with it, so that the store can tell what never arrived.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import logging
+import os
 import queue
 import threading
 import time
+from typing import cast
 
 from wire.records import Record, encode
 
@@ -17,11 +23,16 @@ from .sinks import Sink
 
 log = logging.getLogger(__name__)
 _STOP = object()
+_NUMBERS: dict[int, itertools.count[int]] = {}
+"""Per process, the next record's number: a hook attached again in the same process goes on
+counting, and a forked child (a new pid) starts from 0."""
 
 
 class Shipper:
-    def __init__(self, sink: Sink, queue_size: int) -> None:
+    def __init__(self, sink: Sink, queue_size: int, pid: int | None = None) -> None:
         self.sink = sink
+        self.pid = os.getpid() if pid is None else pid
+        self._numbers = _NUMBERS.setdefault(self.pid, itertools.count())
         self._sent = 0
         self._dropped = 0
         self.errors = 0
@@ -55,6 +66,7 @@ class Shipper:
             return True
         except queue.Full:
             self._dropped += 1
+            next(self._numbers)  # its number, never to arrive
             return False
 
     def _run(self) -> None:
@@ -65,7 +77,8 @@ class Shipper:
                     return  # what is still queued was counted by close()
                 self._in_hand = True
             try:
-                key, value = encode(item)  # type: ignore[arg-type]
+                record = cast(Record, item)
+                key, value = encode(dataclasses.replace(record, pid=self.pid, seq=next(self._numbers)))
                 self.sink.send(key, value)
                 ok = True
             except Exception as exc:  # a transport must never take the rank down

@@ -149,6 +149,8 @@ def _header(diagnosis: Diagnosis, has_steps: bool = True) -> str:
     out = [f"<h1>Job <code>{_e(diagnosis.job)}</code></h1>", f'<div class="meta">analyzed: {meta}</div>']
     if gaps := a.get("coverage_gaps"):
         out.append(f'<p class="note">Not seen by the hook: {_e("; ".join(gaps))}</p>')
+    if lost := a.get("records_missing"):
+        out.append(f'<p class="note">Never stored (dropped by the hook or lost on the way): {_e(lost)}</p>')
     out.append("<h2>Findings</h2>")
     if not diagnosis.findings and not has_steps:
         out.append(

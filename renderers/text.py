@@ -65,6 +65,8 @@ def format_diagnosis(d: Diagnosis) -> str:
     ]
     if gaps := a.get("coverage_gaps"):
         lines.append(f"  not seen by the hook: {'; '.join(gaps)}")
+    if lost := a.get("records_missing"):
+        lines.append(f"  never stored (dropped by the hook or lost on the way): {lost}")
     if not d.findings and not steps:
         lines.append("  no findings: the job has no steps yet, so there is nothing to compare its ranks on")
     elif not d.findings:

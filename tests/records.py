@@ -79,6 +79,8 @@ def expected_counts(records: Iterable[Record]) -> dict[str, int]:
     """Rows per table that ``records`` make, keyed as the store's tables deduplicate them."""
     keys: dict[str, set[tuple[Any, ...]]] = {t: set() for t in JOB_TABLES}
     for r in records:
+        if r.seq >= 0:
+            keys["arrivals"].add((r.job, r.rank, r.pid, r.seq))
         if isinstance(r, RankInfo):
             keys["ranks"].add((r.job, r.rank))
             keys["attempts"].add((r.job, r.rank, r.time_us))
@@ -98,3 +100,4 @@ def assert_stored_once(store: Store, job: str, records: list[Record]) -> None:
     assert store.counts(job) == expected_counts(records)
     steps = store.steps(job)
     assert not steps.duplicated(["rank", "step"]).any()
+    assert store.missing(job).empty, "a record numbered by its hook never arrived"

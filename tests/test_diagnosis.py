@@ -795,3 +795,19 @@ def test_what_some_ranks_hooks_do_not_see_is_said_in_one_line_with_the_ranks() -
     said = [line for line in format_diagnosis(d).splitlines() if "not seen" in line]
     assert said == [f"  not seen by the hook: {untimed} (rank 2); {untested} (ranks 1, 2)"]
     assert "coverage_gaps" not in diagnose(JobData(job="j", ranks=ranks.assign(coverage=full))).analyzed
+
+
+def test_records_that_never_reached_the_store_are_said_in_one_line_with_the_ranks(tmp_path: Path) -> None:
+    from renderers.html import write_report
+    from renderers.text import format_diagnosis
+
+    missing = pd.DataFrame({"rank": [2, 5], "pid": [40, 41], "made": [1000, 200], "stored": [990, 199]})
+    d = diagnose(JobData(job="j", missing=missing))
+    assert d.analyzed["records_missing"] == "11 of 1,200 records (ranks 2, 5)"
+    said = [line for line in format_diagnosis(d).splitlines() if "never stored" in line]
+    assert said == [
+        "  never stored (dropped by the hook or lost on the way): 11 of 1,200 records (ranks 2, 5)"
+    ]
+    page = write_report(tmp_path / "report.html", d, JobData(job="j", missing=missing)).read_text()
+    assert "Never stored (dropped by the hook or lost on the way): 11 of 1,200 records (ranks 2, 5)" in page
+    assert "records_missing" not in diagnose(JobData(job="j")).analyzed

@@ -1425,6 +1425,36 @@ def test_the_hook_never_emits_nan_or_infinity() -> None:
     assert shipper.dropped == 2
 
 
+def test_the_shipper_numbers_what_it_ships_and_a_dropped_record_keeps_its_number() -> None:
+    """Records leave numbered in order with the process's pid; one dropped by a full queue takes
+    its number with it, so that the store sees the gap."""
+    entered, release = threading.Event(), threading.Event()
+
+    class SlowSink(ListSink):
+        def send(self, key: bytes, value: bytes) -> None:
+            entered.set()
+            release.wait(10)
+            super().send(key, value)
+
+    sink = SlowSink()
+    shipper = Shipper(sink, 1, pid=4_000_001)  # a pid of its own: numbers count per process
+    beats = [Heartbeat(job="j", rank=0, host="h", time_us=t, step=t, progress_age_s=0.1) for t in range(4)]
+    assert shipper.submit(beats[0]) and entered.wait(10)  # in the sink's hands: number 0
+    assert shipper.submit(beats[1])  # queued
+    assert not shipper.submit(beats[2])  # the queue is full: dropped, number 1 gone with it
+    release.set()
+    time.sleep(0.2)
+    assert shipper.submit(beats[3])
+    shipper.close()
+    got = [decode(v) for v in sink.got]
+    assert [(r.time_us, r.pid, r.seq) for r in got] == [
+        (0, 4_000_001, 0),
+        (1, 4_000_001, 2),
+        (3, 4_000_001, 3),
+    ]
+    assert shipper.dropped == 1
+
+
 _UNCLOSED = """
 import os, signal, sys, threading, time
 from datetime import timedelta

@@ -48,7 +48,7 @@ from aggregator.schema import (
     Table,
 )
 from aggregator.spool import MAX_LINE_BYTES, file_id
-from diagnosis import read_job
+from diagnosis import diagnose, read_job
 from diagnosis.data import RecentJob
 from wire.records import (
     MAX_VALUE_BYTES,
@@ -179,6 +179,7 @@ def snapshot(store: Store) -> dict[str, list[dict[str, object]]]:
 
 EXPECTED_COUNTS = {
     "ranks": 2, "attempts": 2, "steps": 16, "heartbeats": 4, "windows": 4, "functions": 12, "checkpoints": 2,
+    "arrivals": 0,  # these records are not numbered, as an older hook's
 }  # fmt: skip
 
 
@@ -424,6 +425,29 @@ def test_reads_of_an_unknown_job_are_empty_frames_with_columns(store: Store) -> 
     df = store.heartbeats_latest("nope")
     assert df.empty and list(df.columns) == list(TABLES["heartbeats"].column_names)
     assert store.jobs().empty and "job" in store.jobs().columns
+
+
+def test_the_records_a_process_numbered_and_the_store_lacks_are_reported_missing(
+    store: Store, tmp_path: Path
+) -> None:
+    """Each record's ``seq`` lands in ``arrivals`` (window summaries through ClickHouse's JSON
+    path as well): a number missing between a process's first and last is a record lost on the
+    way; a replay neither hides nor makes one, and a restarted process (a new pid) counts anew."""
+    made = [r for r in all_records() if r.rank == 0]  # rank info, steps, a checkpoint, steps, ...
+    numbered = [dataclasses.replace(r, pid=7, seq=i) for i, r in enumerate(made)]
+    lost = {2, 6}  # the checkpoint and the first window never arrive
+    kept = [r for r in numbered if r.seq not in lost]
+    restarted = [dataclasses.replace(r, pid=8, seq=i) for i, r in enumerate(made[:3])]
+    whole = [dataclasses.replace(r, rank=1, pid=9, seq=i) for i, r in enumerate(made)]
+    write_spool(tmp_path, kept + kept[:3] + restarted + whole)  # a replay of three
+    stats = ingest(tmp_path, store)
+    assert stats.dead_letters == 0 and not store.windows(JOB).empty
+    assert store.counts(JOB)["arrivals"] == len(kept) + len(restarted) + len(whole)
+    missing = store.missing(JOB)
+    assert missing.to_dict("records") == [{"rank": 0, "pid": 7, "made": len(made), "stored": len(made) - 2}]
+    assert store.missing("another job").empty
+    data = read_job(store, JOB)
+    assert diagnose(data).analyzed["records_missing"] == f"2 of {len(made)} records (rank 0)"
 
 
 # --- replays ------------------------------------------------------------------------------------

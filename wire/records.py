@@ -21,7 +21,8 @@ Record types:
 
 Readers ignore fields they do not know, so ``RankInfo.attempt``, ``.spine``, ``.coverage``, the heartbeats' GPU
 samples and the ``checkpoint`` type came within version 2, and the heartbeats' stack samples and link
-sends within version 3: an older aggregator stores the rest and dead-letters a checkpoint with its reason.
+sends and every record's ``pid`` and ``seq`` within version 3: an older aggregator stores the rest
+and dead-letters a checkpoint with its reason.
 """
 
 from __future__ import annotations
@@ -114,6 +115,12 @@ class _Base:
     host: str
     time_us: int
     """When the record was made, microseconds since the epoch."""
+    pid: int = 0
+    """The process that made it (0: a hook that did not say)."""
+    seq: int = -1
+    """Its number among the records its process made, from 0 in the order they were made: a number
+    the store never received is a record lost on the way — dropped by the hook's full queue, by the
+    transport, or dead-lettered (-1: a hook that did not number them)."""
 
     @property
     def key(self) -> bytes:
@@ -125,7 +132,6 @@ class RankInfo(_Base):
     TYPE: ClassVar[str] = "rank"
     local_rank: int
     world_size: int
-    pid: int
     nic: str = ""
     switch: str = ""
     """The leaf switch."""
@@ -277,6 +283,8 @@ INT_RANGES: dict[str, tuple[int, int]] = {
     **dict.fromkeys(("dur_us", "data_us", "comm_us", "n_coll", "cpu_us", "nivcsw", "wait_us"), (0, INT64[1])),
     "n_steps": (1, 1 << 31),
     "attempt": (0, 1 << 31),
+    "pid": (0, 1 << 31),
+    "seq": (-1, INT64[1]),
     "first_coll_us": (-1, INT64[1]),  # -1: the step entered no collective
 }
 """Integer fields with a narrower range than INT64 (Int32 columns; durations and counts)."""
