@@ -218,9 +218,18 @@ def _preflight(a: argparse.Namespace) -> int:
             baseline = baseline_of(json.loads(Path(a.baseline).read_text()))
         except (OSError, ValueError, TypeError, KeyError) as exc:
             raise UsageError(f"--baseline {a.baseline}: not a preflight report ({exc})") from None
-    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
-        if name not in os.environ:
-            raise UsageError(f"${name} is not set: run one preflight per node with the job's rendezvous")
+    rendezvous = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
+    unset = [name for name in rendezvous if name not in os.environ]
+    if len(unset) == len(rendezvous):
+        # No rendezvous: this node checks itself, a world of one (its devices, and its compute and
+        # memory against --baseline where one is given), as DCGM's diagnostics check one node.
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0", RANK="0", WORLD_SIZE="1")  # 0: any port
+        print("rankscope preflight: no rendezvous in the environment: this node alone", file=sys.stderr)
+    elif unset:
+        raise UsageError(
+            f"${unset[0]} is not set: run one preflight per node with the job's rendezvous "
+            f"({', '.join('$' + n for n in rendezvous)}), or with none of them to check this node alone"
+        )
     report, rank = run(min_ratio=a.min_ratio, baseline=baseline, serial=a.serial)
     mine = [c for c in report.failed if c.rank == rank]
     if a.out and rank == 0:

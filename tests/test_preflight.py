@@ -105,3 +105,35 @@ def test_preflight_on_four_hosts_names_the_one_behind_a_rate_limited_nic(tmp_pat
         n for n in named if n[1] in ("network", "link") and n[0] != "node2"
     ]
     assert report["allreduce_busbw_gbps"] > 0 and "FAILED: node2" in outs[0][0], outs[0][0]
+
+
+def test_a_node_without_a_rendezvous_checks_itself_against_its_baseline(tmp_path: Path) -> None:
+    """Without ``$MASTER_ADDR`` and the rest, ``rankscope preflight`` checks this node alone (a world
+    of one, as DCGM's diagnostics check one node): against a fleet's baseline it is judged, a
+    partial rendezvous is refused."""
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
+    }
+    cmd = [sys.executable, "-m", "rankscope.cli", "preflight"]
+    alone = subprocess.run(
+        [*cmd, "--out", str(tmp_path / "me.json")], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert alone.returncode == 0, alone.stderr[-2000:]
+    assert "this node alone" in alone.stderr
+    me = json.loads((tmp_path / "me.json").read_text())
+    assert len(me["nodes"]) == 1 and me["nodes"][0]["matmul_gflops"] > 0 and me["failed"] == []
+    # A fleet whose nodes multiply 10x as fast: this one is slow against it.
+    fleet = {"nodes": [{**me["nodes"][0], "matmul_gflops": 10 * me["nodes"][0]["matmul_gflops"]}]}
+    (tmp_path / "fleet.json").write_text(json.dumps(fleet))
+    slow = subprocess.run(
+        [*cmd, "--baseline", str(tmp_path / "fleet.json")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert slow.returncode == 1 and "compute" in slow.stdout, (slow.stdout, slow.stderr[-2000:])
+    partial = subprocess.run(
+        cmd, env={**env, "MASTER_ADDR": "127.0.0.1"}, capture_output=True, text=True, timeout=60
+    )
+    assert partial.returncode == 2 and "$MASTER_PORT is not set" in partial.stderr
