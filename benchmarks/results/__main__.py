@@ -116,7 +116,9 @@ def render(folder: Path = HERE) -> str:
     out = [
         "# Benchmark results",
         "",
-        f"Made by `python -m benchmarks.results` from the JSON files here. {__doc__.splitlines()[1].strip()}",
+        "Made by `python -m benchmarks.results` from the JSON files here: one table per benchmark, one row",
+        "per run, newest first. The README and docs quote the newest row. How the diagnosis' thresholds",
+        "were set: [thresholds.md](thresholds.md).",
         "",
     ]
     for bench, (title, columns, row) in TABLES.items():
