@@ -61,7 +61,14 @@ def diagnose(data: JobData, settings: Settings | None = None) -> Diagnosis:
     t0 = time.perf_counter()
 
     def run(alone: bool) -> list[Finding]:
-        return [f for d in DETECTORS if d.alone == alone for f in d.find(data, getattr(s, d.name))]
+        found: list[Finding] = []
+        for d in DETECTORS:
+            if d.alone == alone:
+                mine = d.find(data, getattr(s, d.name))
+                if mine and d.exclusive:
+                    return mine
+                found += mine
+        return found
 
     found = topology.group(run(alone=False), data.ranks) or run(alone=True)
     found = sorted((f for f in found if f.confidence >= s.min_confidence), key=lambda f: -f.confidence)

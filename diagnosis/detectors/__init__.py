@@ -8,7 +8,10 @@ A detector is a module here with
 and a line in :data:`DETECTORS`, which says in what order they run and which findings absorb
 which:
 
-1. ``hang`` — a job that stopped making progress, and the ranks it waits for;
+1. ``hang`` — a job that stopped making progress, and the ranks it waits for; when it finds one,
+   the others do not run (``exclusive``): a job that stopped has one thing to fix, and what the
+   others would read in the steps before it stopped (a rank slower by chance in its first
+   seconds) describes a job that no longer runs;
 2. ``straggler`` — the ranks that hold a running job back: working longer per step (``compute``,
    ``dataloader``, ``code_path``) or their threads waiting for a CPU (``host_contention``), each
    account deciding the other's (see its module);
@@ -43,10 +46,12 @@ class Detector:
     settings: Callable[[], Any]
     alone: bool = False
     """Runs only when the detectors that are not ``alone`` found nothing."""
+    exclusive: bool = False
+    """When it finds anything, the detectors after it do not run."""
 
 
 DETECTORS: tuple[Detector, ...] = (
-    Detector("hang", hang.find, hang.Settings),
+    Detector("hang", hang.find, hang.Settings, exclusive=True),
     Detector("straggler", straggler.find, straggler.Settings),
     Detector("link", link.find, link.Settings),
     Detector("job_wide", job_wide.find, job_wide.Settings, alone=True),

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pandas as pd
 
-from diagnosis import JobData
+from diagnosis import JobData, diagnose
 from diagnosis.detectors import hang
-from tests.jobdata import only
+from tests.jobdata import only, synthetic
 
 
-def test_hang_names_the_rank_that_never_entered_the_collective() -> None:
-    hb = pd.DataFrame(
+def _hung(culprit: int = 2) -> pd.DataFrame:
+    """Heartbeats of a 4-rank job stalled for 45 s: ``culprit`` never entered collective 42."""
+    return pd.DataFrame(
         [
             {
                 "rank": r,
@@ -23,11 +26,12 @@ def test_hang_names_the_rank_that_never_entered_the_collective() -> None:
                 "last_seq": {"world": 42},
                 "stack": "",
             }
-            for r in (0, 1, 3)
+            for r in range(4)
+            if r != culprit
         ]
         + [
             {
-                "rank": 2,
+                "rank": culprit,
                 "time_us": 1_000_000_000,
                 "step": 41,
                 "progress_age_s": 45.0,
@@ -44,6 +48,10 @@ def test_hang_names_the_rank_that_never_entered_the_collective() -> None:
             }
         ]
     )
+
+
+def test_hang_names_the_rank_that_never_entered_the_collective() -> None:
+    hb = _hung()
     data = JobData(
         job="hung",
         ranks=pd.DataFrame({"rank": range(4), "host": ["a", "a", "b", "b"], "nic": "", "switch": ""}),
@@ -75,3 +83,12 @@ def test_running_job_is_not_a_hang() -> None:
         ]
     )
     assert hang.find(JobData(job="ok", heartbeats=hb), hang.Settings()) == []
+
+
+def test_a_hung_job_is_its_hang_alone() -> None:
+    """A job that stopped has one thing to fix: what the other detectors read in its steps before
+    it stopped (here a rank slower from step 150 on) is not reported beside the hang."""
+    slow = synthetic(ranks=4, steps=300, hosts_of=2, slow={1: {"compute_us": 2000, "from": 150}})
+    assert [f.ranks for f in diagnose(slow).findings] == [[1]], "the straggler alone is found"
+    f = only(diagnose(replace(slow, heartbeats=_hung(culprit=2))).findings)
+    assert (f.cause, f.ranks) == ("hang", [2])
