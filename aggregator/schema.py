@@ -217,9 +217,9 @@ ARRIVALS = Table(
     (_JOB, _RANK, ("pid", "Int64"), ("seq", "Int64"), ("type", "LowCardinality(String)"), _TIME),
     order_by=("job", "rank", "pid", "seq"),
 )
-"""One row per record stored, by its number (``seq``) among those its process made: the numbers a
-rank's process made and the store lacks are records lost on the way (``Reads.missing``). Records
-of hooks that do not number them (``seq`` -1) have none."""
+"""One row per record stored, by its number (``seq``) among those its process made for its job and
+rank: the numbers a rank's process made and the store lacks are records lost on the way
+(``Reads.missing``). Records of hooks that do not number them (``seq`` -1) have none."""
 
 DEAD_LETTERS = Table(
     "dead_letters",

@@ -23,16 +23,16 @@ from .sinks import Sink
 
 log = logging.getLogger(__name__)
 _STOP = object()
-_NUMBERS: dict[int, itertools.count[int]] = {}
-"""Per process, the next record's number: a hook attached again in the same process goes on
-counting, and a forked child (a new pid) starts from 0."""
+_NUMBERS: dict[tuple[str, int, int], itertools.count[int]] = {}
+"""Per job, rank and process, the next record's number, as the store counts them: a hook attached
+again in the same process for the same job and rank goes on counting; another job, or a forked
+child (a new pid), starts from 0."""
 
 
 class Shipper:
     def __init__(self, sink: Sink, queue_size: int, pid: int | None = None) -> None:
         self.sink = sink
         self.pid = os.getpid() if pid is None else pid
-        self._numbers = _NUMBERS.setdefault(self.pid, itertools.count())
         self._sent = 0
         self._dropped = 0
         self.errors = 0
@@ -66,8 +66,11 @@ class Shipper:
             return True
         except queue.Full:
             self._dropped += 1
-            next(self._numbers)  # its number, never to arrive
+            self._number(record)  # its number, never to arrive
             return False
+
+    def _number(self, record: Record) -> int:
+        return next(_NUMBERS.setdefault((record.job, record.rank, self.pid), itertools.count()))
 
     def _run(self) -> None:
         while True:
@@ -78,7 +81,7 @@ class Shipper:
                 self._in_hand = True
             try:
                 record = cast(Record, item)
-                key, value = encode(dataclasses.replace(record, pid=self.pid, seq=next(self._numbers)))
+                key, value = encode(dataclasses.replace(record, pid=self.pid, seq=self._number(record)))
                 self.sink.send(key, value)
                 ok = True
             except Exception as exc:  # a transport must never take the rank down

@@ -118,9 +118,9 @@ class _Base:
     pid: int = 0
     """The process that made it (0: a hook that did not say)."""
     seq: int = -1
-    """Its number among the records its process made, from 0 in the order they were made: a number
-    the store never received is a record lost on the way — dropped by the hook's full queue, by the
-    transport, or dead-lettered (-1: a hook that did not number them)."""
+    """Its number among the records its process made for its job and rank, from 0 in the order they
+    left: a number the store never received is a record lost on the way — dropped by the hook's
+    full queue, by the transport, or dead-lettered (-1: a hook that did not number them)."""
 
     @property
     def key(self) -> bytes:
