@@ -30,17 +30,10 @@ def _imports(package: str) -> dict[str, set[str]]:
     """Each of our packages ``package`` imports, with the files that import it."""
     out: dict[str, set[str]] = {}
     for f in sorted((ROOT / package).rglob("*.py")):
-        for node in ast.walk(ast.parse(f.read_text(), str(f))):
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                names = [node.module]
-            else:
-                continue
-            for name in names:
-                top = name.split(".")[0]
-                if top in MAY_IMPORT and top != package:
-                    out.setdefault(top, set()).add(str(f.relative_to(ROOT)))
+        for name in _all_imports(f):
+            top = name.split(".")[0]
+            if top in MAY_IMPORT and top != package:
+                out.setdefault(top, set()).add(str(f.relative_to(ROOT)))
     return out
 
 
@@ -54,6 +47,13 @@ def test_no_package_imports_one_downstream_of_it() -> None:
         for package, allowed in MAY_IMPORT.items()
     }
     assert not any(wrong.values()), wrong
+
+
+def test_the_demo_offers_faults_its_workload_has() -> None:
+    from rankscope.demo import FAULTS
+    from rankscope.workload import SUITE_FAULTS
+
+    assert set(FAULTS) <= set(SUITE_FAULTS)
 
 
 def test_the_cli_does_not_load_the_demo_workload() -> None:
@@ -169,6 +169,7 @@ def _normalized(name: str) -> str:
 
 
 def _all_imports(f: Path) -> list[str]:
+    """The modules file ``f`` imports by absolute name, anywhere in it."""
     out = []
     for node in ast.walk(ast.parse(f.read_text(), str(f))):
         if isinstance(node, ast.Import):

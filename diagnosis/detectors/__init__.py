@@ -43,7 +43,6 @@ class Detector:
     name: str
     """Its module, and its settings' field in ``diagnosis.Settings``."""
     find: Callable[[JobData, Any], list[Finding]]
-    settings: Callable[[], Any]
     alone: bool = False
     """Runs only when the detectors that are not ``alone`` found nothing."""
     exclusive: bool = False
@@ -51,8 +50,8 @@ class Detector:
 
 
 DETECTORS: tuple[Detector, ...] = (
-    Detector("hang", hang.find, hang.Settings, exclusive=True),
-    Detector("straggler", straggler.find, straggler.Settings),
-    Detector("link", link.find, link.Settings),
-    Detector("job_wide", job_wide.find, job_wide.Settings, alone=True),
+    Detector("hang", hang.find, exclusive=True),
+    Detector("straggler", straggler.find),
+    Detector("link", link.find),
+    Detector("job_wide", job_wide.find, alone=True),
 )
