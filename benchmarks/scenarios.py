@@ -3,7 +3,7 @@
 Example (``compute-2x-r2.yaml``)::
 
     about: rank 2's device becomes 2x slower 12 s into the run
-    ci: true                 # part of the reduced suite
+    ci: true                 # part of the reduced suite (default: false)
     world_size: 4
     hosts: 2                 # ranks spread over node0, node1 (RANKSCOPE_HOST)
     seconds: 40              # rank 0 ends the job after this long

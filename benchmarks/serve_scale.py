@@ -35,72 +35,90 @@ BLOCK = 20  # steps per row: 2 s
 
 def _records(job: str, ranks: int, t0: int, s0: int, steps: int, slow_from: int) -> list[Record]:
     """Every rank's records for steps ``s0 .. s0 + steps`` (job time ``t0`` at step 0)."""
+    return [rec for r in range(ranks) for rec in rank_records(job, r, ranks, t0, s0, steps, slow_from)]
+
+
+def rank_records(
+    job: str,
+    r: int,
+    ranks: int,
+    t0: int,
+    s0: int,
+    steps: int,
+    slow_from: int,
+    functions: int = 40,
+    batch_rows: int = 0,
+) -> list[Record]:
+    """Rank ``r``'s records for steps ``s0 .. s0 + steps``: its step rows (a row a 2 s block, in
+    records of ``batch_rows`` rows; 0: one record), a heartbeat every 5 s and a window every 30 s of
+    ``functions`` operators. Rank ``ranks // 3`` works 1.5x as long per step from step
+    ``slow_from`` on, in its three largest operators."""
     out: list[Record] = []
-    slow_rank = ranks // 3
-    for r in range(ranks):
-        host = f"node{r // 8}"
-        rows = []
-        for b in range(s0, s0 + steps, BLOCK):
-            n = min(BLOCK, s0 + steps - b)  # a hook's blocks never overlap
-            slow = r == slow_rank and b >= slow_from
-            own = 60_000 * (1.5 if slow else 1.0)
-            comm = STEP_US - own if not slow else 10_000
-            rows.append(
-                StepRow(
-                    b,
-                    t0 + b * STEP_US,
-                    n * STEP_US - (b * 7919 + r) % 997,  # a measured block: not a multiple of n
-                    n * 2_000,
-                    int(n * comm),
-                    n,
-                    int(own),
-                    int(n * own * 0.95),
-                    n,
-                    n,
-                )
+    host = f"node{r // 8}"
+    rows = []
+    for b in range(s0, s0 + steps, BLOCK):
+        n = min(BLOCK, s0 + steps - b)  # a hook's blocks never overlap
+        slow = r == ranks // 3 and b >= slow_from
+        own = 60_000 * (1.5 if slow else 1.0)
+        comm = STEP_US - own if not slow else 10_000
+        rows.append(
+            StepRow(
+                b,
+                t0 + b * STEP_US,
+                n * STEP_US - (b * 7919 + r) % 997,  # a measured block: not a multiple of n
+                n * 2_000,
+                int(n * comm),
+                n,
+                int(own),
+                int(n * own * 0.95),
+                n,
+                n,
             )
-        out.append(
-            StepBatch(job=job, rank=r, host=host, time_us=t0 + (s0 + steps) * STEP_US, rows=tuple(rows))
         )
-        for s in range(s0, s0 + steps, 50):  # a heartbeat every 5 s
-            out.append(
-                Heartbeat(job=job, rank=r, host=host, time_us=t0 + s * STEP_US, step=s, progress_age_s=0.05)
+    per = batch_rows or len(rows)
+    for i in range(0, len(rows), per):
+        last = rows[min(i + per, len(rows)) - 1]
+        sent = t0 + (last.step + last.n_steps) * STEP_US
+        out.append(StepBatch(job=job, rank=r, host=host, time_us=sent, rows=tuple(rows[i : i + per])))
+    for s in range(s0, s0 + steps, 50):  # a heartbeat every 5 s
+        out.append(
+            Heartbeat(job=job, rank=r, host=host, time_us=t0 + s * STEP_US, step=s, progress_age_s=0.05)
+        )
+    for w in range(s0 - s0 % 300 + (300 if s0 % 300 else 0), s0 + steps, 300):  # a window every 30 s
+        slow = r == ranks // 3 and w >= slow_from
+        fns = tuple(
+            FunctionPattern(
+                "op",
+                f"aten::op{i}",
+                "",
+                5,
+                1000.0 * (functions - i) * (1.5 if slow and i < 3 else 1.0),
+                200.0,
+                190.0,
+                250.0,
+                300.0,
+                0.1,
+                20_000.0,
+                0.05,
+                0,
             )
-        for w in range(s0 - s0 % 300 + (300 if s0 % 300 else 0), s0 + steps, 300):  # a window every 30 s
-            slow = r == slow_rank and w >= slow_from
-            fns = tuple(
-                FunctionPattern(
-                    "op",
-                    f"aten::op{i}",
-                    "",
-                    5,
-                    1000.0 * (40 - i) * (1.5 if slow and i < 3 else 1.0),
-                    200.0,
-                    190.0,
-                    250.0,
-                    300.0,
-                    0.1,
-                    20_000.0,
-                    0.05,
-                    0,
-                )
-                for i in range(40)
+            for i in range(functions)
+        )
+        out.append(
+            WindowSummary(
+                job=job,
+                rank=r,
+                host=host,
+                time_us=t0 + (w + 5) * STEP_US,
+                window=w,
+                step_lo=w,
+                step_hi=w + 5,
+                dur_us=5 * STEP_US,
+                busy={"compute": 0.6, "comm": 0.3, "data": 0.02},
+                n_events=4000,
+                functions=fns,
             )
-            out.append(
-                WindowSummary(
-                    job=job,
-                    rank=r,
-                    host=host,
-                    time_us=t0 + (w + 5) * STEP_US,
-                    window=w,
-                    step_lo=w,
-                    step_hi=w + 5,
-                    dur_us=5 * STEP_US,
-                    busy={"compute": 0.6, "comm": 0.3, "data": 0.02},
-                    n_events=4000,
-                    functions=fns,
-                )
-            )
+        )
     return out
 
 

@@ -125,6 +125,7 @@ def _watch_while(hogs: str, seconds: float = 3.0) -> dict[str, float] | None:
     return machine.summary(watch.samples, end=time.time() - 0.5)
 
 
+@pytest.mark.alone
 def test_the_machine_watch_sees_other_processes_take_the_cores_but_not_the_job_itself() -> None:
     from benchmarks import machine
 
@@ -237,6 +238,7 @@ CLEAR_CUT = ("compute", "dataloader", "hang-collective")
 """Fault kinds the diagnosis localizes today; the CI run asserts on these and reports the rest."""
 
 
+@pytest.mark.alone  # the padding is found by timing the model
 def test_a_slow_device_pads_more_rows_the_slower_it_is_and_leaves_no_gradients() -> None:
     import torch
 

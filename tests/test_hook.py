@@ -49,6 +49,9 @@ from wire.records import (
     sample_key,
 )
 
+# Steps, windows and threads timed on the machine's clock: no other test beside them.
+pytestmark = pytest.mark.alone
+
 
 def test_public_api_is_sorted_and_importable() -> None:
     # isort-style order, as ruff keeps it: CONSTANTS, then Classes, then functions.

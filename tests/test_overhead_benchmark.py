@@ -46,6 +46,7 @@ def test_runs_pool_their_pairs_per_loop_shape_with_an_interval_for_the_median(tm
         hook_overhead.main(["--pool", str(tmp_path / "old.json")])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_short_in_run_ab_of_a_ddp_job_reports_every_figure(tmp_path: Path) -> None:
     out = tmp_path / "overhead.json"

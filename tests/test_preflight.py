@@ -107,6 +107,7 @@ def test_preflight_on_four_hosts_names_the_one_behind_a_rate_limited_nic(tmp_pat
     assert report["allreduce_busbw_gbps"] > 0 and "FAILED: node2" in outs[0][0], outs[0][0]
 
 
+@pytest.mark.alone
 def test_a_node_without_a_rendezvous_checks_itself_against_its_baseline(tmp_path: Path) -> None:
     """Without ``$MASTER_ADDR`` and the rest, ``rankscope preflight`` checks this node alone (a world
     of one, as DCGM's diagnostics check one node): against a fleet's baseline it is judged, a

@@ -4,7 +4,7 @@ no rank, link or host stands out."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -31,9 +31,9 @@ class Settings:
     """...and only once those steps span this many seconds: the first seconds of a job (imports on
     background threads, allocator and cache warm-up, the first profiling windows) are no baseline.
     6-14 s into a healthy job, they read as a 1.3-1.4x job-wide slowdown."""
-    chunking: stragglers.StragglerSettings = field(default_factory=stragglers.StragglerSettings)
-    """How steps are cut into chunks, as the straggler rules cut them (``chunks``; ``last_steps`` is
-    ``steps`` here)."""
+    warmup_steps: int = 10
+    chunks: int = 6
+    """The first steps left out, and the chunks the rest is cut into (first against last)."""
 
 
 def find(data: JobData, s: Settings) -> list[Finding]:
@@ -43,18 +43,18 @@ def find(data: JobData, s: Settings) -> list[Finding]:
 
 
 def _find(data: JobData, s: Settings) -> Finding | None:
-    steps = s.chunking
     recent = data.steps[data.steps["step"] > data.steps["step"].max() - s.steps]
     if recent.empty or recent.groupby("step")["dur_us"].median().sum() < s.min_s * 1e6:
         return None
-    g = stragglers.grid(data.steps, replace(steps, last_steps=s.steps), ["dur_us", "own_us", "cpu_us"])
+    cut = stragglers.StragglerSettings(warmup_steps=s.warmup_steps, last_steps=s.steps, chunks=s.chunks)
+    g = stragglers.grid(data.steps, cut, ["dur_us", "own_us", "cpu_us"])
     if g is None or len(np.unique(g.chunk)) < 3:
         return None
     last = sorted(np.unique(g.chunk))
     growth: dict[str, tuple[float, np.ndarray]] = {}
     g.values["cpu_us"][g.values["cpu_us"] <= 0] = np.nan  # not read in that block
     for col in ("dur_us", "own_us", "cpu_us"):
-        per = stragglers.chunk_medians(g, col, steps.chunks)  # rank x chunk
+        per = stragglers.chunk_medians(g, col, s.chunks)  # rank x chunk
         with np.errstate(invalid="ignore", divide="ignore"):
             ratio = min(float(stragglers.nanmedian(per[:, c] / per[:, last[0]], axis=0)) for c in last[-2:])
         growth[col] = (ratio, per)

@@ -1,0 +1,162 @@
+"""One job of 1,000 to 100,000 ranks through the whole pipeline, measured per size.
+
+    python -m benchmarks.scale [--ranks 1000,10000,100000] [--minutes 10] [--functions 300] [--json PATH]
+
+Each size runs in a process of its own (its peak memory is its own). The records ``--ranks`` hooks
+at their defaults ship over ``--minutes``: a ``rank`` record each, a step record every 2 s (one
+block of 100 ms steps), a heartbeat every 5 s, a profiling window every 30 s of ``--functions``
+operators; rank ``ranks // 3`` works 1.5x as long per step over the second half
+(``serve_scale.rank_records``). They are written to a spool as the hooks write it (untimed), then:
+
+- ``ingest``: the aggregator's spool path (``rankscope ingest``) into an embedded chDB store: records/s;
+- the store's size on disk;
+- ``diagnose``: the job read and diagnosed as ``rankscope diagnose`` does, the read included;
+- ``cycle``: the first and the second ``rankscope serve`` cycle on that store;
+- the process's peak resident memory, and whether the top finding names the slow rank.
+
+A size that fails (out of memory, a limit) is reported with its error, the next one still runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.serve_scale import STEP_US, rank_records
+from wire.records import RankInfo, encode
+
+JOB = "scale"
+
+
+def _spool(root: Path, ranks: int, minutes: float, functions: int, t0: int) -> int:
+    """Every rank's records in its own spool file, as its hook would append them; how many."""
+    steps = int(minutes * 60e6 / STEP_US)
+    directory = root / JOB
+    directory.mkdir(parents=True)
+    n = 0
+    for r in range(ranks):
+        info = RankInfo(
+            job=JOB,
+            rank=r,
+            host=f"node{r // 8}",
+            time_us=t0,
+            local_rank=r % 8,
+            world_size=ranks,
+            pid=1000 + r,
+        )
+        recs = [info, *rank_records(JOB, r, ranks, t0, 0, steps, steps // 2, functions, batch_rows=1)]
+        with open(directory / f"node{r // 8}-rank{r}-{1000 + r}.jsonl", "wb") as f:
+            f.write(b"".join(encode(rec)[1] + b"\n" for rec in recs))
+        n += len(recs)
+    return n
+
+
+def _du(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def one(ranks: int, minutes: float, functions: int) -> dict[str, Any]:
+    """One size, in this process."""
+    from aggregator import Store, ingest
+    from api import ServeSettings, Service
+    from diagnosis import diagnose, read_job
+
+    steps = int(minutes * 60e6 / STEP_US)
+    t0 = time.time_ns() // 1000 - steps * STEP_US
+    out: dict[str, Any] = {"ranks": ranks, "minutes": minutes, "functions": functions}
+    with tempfile.TemporaryDirectory() as tmp:
+        spool, store_dir = Path(tmp) / "spool", Path(tmp) / "store"
+        t = time.perf_counter()
+        out["records"] = _spool(spool, ranks, minutes, functions, t0)
+        out["spool_s"], out["spool_mb"] = round(time.perf_counter() - t, 1), round(_du(spool) / 1e6, 3)
+        with Store.embedded(store_dir) as store:
+            stats = ingest(spool, store)
+            out["ingest_s"] = round(stats.seconds, 1)
+            out["records_per_s"] = round(stats.records / stats.seconds)
+            out["dead_letters"] = stats.dead_letters
+            t = time.perf_counter()
+            found = diagnose(read_job(store, JOB)).findings
+            out["diagnose_s"] = round(time.perf_counter() - t, 2)
+            out["top_finding"] = f"{found[0].cause} @ ranks {found[0].ranks}" if found else ""
+            out["straggler_named"] = bool(found) and found[0].ranks == [ranks // 3]
+            svc = Service(store, ServeSettings())
+            cycles = []
+            for c in (1, 2):
+                t = time.perf_counter()
+                svc.cycle(now_us=t0 + steps * STEP_US + c * 5_000_000)
+                cycles.append(round(time.perf_counter() - t, 2))
+            out["cycle_s"] = cycles
+            out["cycle_problem"] = svc.stats.cycle_problem
+        out["store_mb"] = round(_du(store_dir) / 1e6, 3)  # closed: all of it written
+    out["peak_rss_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, 2)
+    return out
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", default="1000,10000,100000", help="job sizes, comma-separated")
+    p.add_argument("--minutes", type=float, default=10.0, help="minutes of records per job")
+    p.add_argument("--functions", type=int, default=300, help="function patterns per window")
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a size, in this process
+    a = p.parse_args(argv)
+    if a.one:
+        print(json.dumps(one(int(a.ranks), a.minutes, a.functions)))
+        return []
+    results = []
+    for ranks in (int(r) for r in a.ranks.split(",")):
+        cmd = [sys.executable, "-m", "benchmarks.scale", "--one", "--ranks", str(ranks)]
+        cmd += ["--minutes", str(a.minutes), "--functions", str(a.functions)]
+        run = subprocess.run(cmd, capture_output=True, text=True)
+        if run.returncode == 0:
+            results.append(json.loads(run.stdout.strip().splitlines()[-1]))
+        else:  # killed for memory shows as -9
+            why = (
+                run.stderr.strip().splitlines()[-1] if run.stderr.strip() else f"exit status {run.returncode}"
+            )
+            results.append({"ranks": ranks, "minutes": a.minutes, "functions": a.functions, "error": why})
+        print(_row(results[-1]), flush=True)
+    print(_table(results))
+    if a.json:
+        Path(a.json).write_text(json.dumps(results, indent=2) + "\n")
+    return results
+
+
+COLUMNS = (
+    ("ranks", "ranks"),
+    ("records", "records"),
+    ("records_per_s", "ingest rec/s"),
+    ("store_mb", "store MB"),
+    ("diagnose_s", "diagnose s (read incl.)"),
+    ("cycle_s", "serve cycles s"),
+    ("peak_rss_gb", "peak RSS GB"),
+    ("top_finding", "top finding"),
+    ("straggler_named", "straggler named"),
+)
+
+
+def _row(r: dict[str, Any]) -> str:
+    if "error" in r:
+        return f"{r['ranks']} ranks: failed: {r['error']}"
+    return ", ".join(f"{label} {r[key]}" for key, label in COLUMNS)
+
+
+def _table(results: list[dict[str, Any]]) -> str:
+    lines = ["| " + " | ".join(label for _, label in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for r in results:
+        cells = [str(r.get(key, "")) for key, _ in COLUMNS]
+        if "error" in r:
+            cells[-1] = f"failed: {r['error']}"
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
