@@ -10,7 +10,8 @@ operators; rank ``ranks // 3`` works 1.5x as long per step over the second half
 
 - ``ingest``: the aggregator's spool path (``rankscope ingest``) into an embedded chDB store: records/s;
 - the store's size on disk;
-- ``diagnose``: the job read and diagnosed as ``rankscope diagnose`` does, the read included;
+- ``diagnose``: the job read and diagnosed as ``rankscope diagnose`` does, the read included
+  (``read_s``: the read alone);
 - ``cycle``: the first and the second ``rankscope serve`` cycle on that store;
 - the process's peak resident memory, and whether the top finding names the slow rank.
 
@@ -82,8 +83,11 @@ def one(ranks: int, minutes: float, functions: int) -> dict[str, Any]:
             out["records_per_s"] = round(stats.records / stats.seconds)
             out["dead_letters"] = stats.dead_letters
             t = time.perf_counter()
-            found = diagnose(read_job(store, JOB)).findings
+            data = read_job(store, JOB)
+            out["read_s"] = round(time.perf_counter() - t, 2)
+            found = diagnose(data).findings
             out["diagnose_s"] = round(time.perf_counter() - t, 2)
+            del data
             out["top_finding"] = f"{found[0].cause} @ ranks {found[0].ranks}" if found else ""
             out["straggler_named"] = bool(found) and found[0].ranks == [ranks // 3]
             svc = Service(store, ServeSettings())
@@ -125,7 +129,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         print(_row(results[-1]), flush=True)
     print(_table(results))
     if a.json:
-        Path(a.json).write_text(json.dumps(results, indent=2) + "\n")
+        Path(a.json).write_text(json.dumps({"sizes": results}, indent=2) + "\n")
     return results
 
 
@@ -135,6 +139,7 @@ COLUMNS = (
     ("records_per_s", "ingest rec/s"),
     ("store_mb", "store MB"),
     ("diagnose_s", "diagnose s (read incl.)"),
+    ("read_s", "of which read s"),
     ("cycle_s", "serve cycles s"),
     ("peak_rss_gb", "peak RSS GB"),
     ("top_finding", "top finding"),

@@ -17,4 +17,4 @@ def test_a_small_job_goes_through_the_whole_pipeline_and_its_straggler_is_named(
     assert r["records_per_s"] > 0 and r["store_mb"] > 0 and r["peak_rss_gb"] > 0
     assert r["straggler_named"] and r["top_finding"] == "compute @ ranks [8]", r
     assert len(r["cycle_s"]) == 2 and r["cycle_problem"] == "", r
-    assert json.loads(out.read_text()) == [r]
+    assert json.loads(out.read_text()) == {"sizes": [r]}

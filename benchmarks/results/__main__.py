@@ -70,6 +70,22 @@ def _overhead(run: dict[str, Any]) -> list[str]:
     ]
 
 
+def _scale(run: dict[str, Any]) -> list[str]:
+    sizes = run["sizes"]
+
+    def each(cell: Callable[[dict[str, Any]], str]) -> str:
+        return "; ".join("failed" if "error" in s else cell(s) for s in sizes)
+
+    return [
+        "; ".join(f"{s['ranks']:,} × {s['minutes']:g} min" for s in sizes),
+        each(lambda s: f"{s['records_per_s']:,}"),
+        each(lambda s: f"{s['diagnose_s']:g} s ({s['read_s']:g} s)"),
+        each(lambda s: f"{s['cycle_s'][0]:g} s"),
+        each(lambda s: f"{s['peak_rss_gb']:g} GB"),
+        each(lambda s: "yes" if s["straggler_named"] else "no"),
+    ]
+
+
 TABLES: dict[str, tuple[str, list[str], Callable[[dict[str, Any]], list[str]]]] = {
     "faults": (
         "Fault suite (`python -m benchmarks.faults`)",
@@ -102,6 +118,18 @@ TABLES: dict[str, tuple[str, list[str], Callable[[dict[str, Any]], list[str]]]] 
             "always-on per step",
         ],
         _overhead,
+    ),
+    "scale": (
+        "Scale (`python -m benchmarks.scale`): one job through spool, ingest, diagnose and serve, per size",
+        [
+            "ranks × minutes of records",
+            "ingest records/s",
+            "diagnose (of which the read)",
+            "first serve cycle",
+            "peak RSS",
+            "straggler named",
+        ],
+        _scale,
     ),
 }
 
