@@ -21,6 +21,7 @@ A size that fails (out of memory, a limit) is reported with its error, the next 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import resource
 import subprocess
@@ -31,30 +32,25 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.serve_scale import STEP_US, rank_records
+from profiler_hook.config import Identity
+from profiler_hook.sinks import SpoolSink
 from wire.records import RankInfo, encode
 
 JOB = "scale"
 
 
-def _spool(root: Path, ranks: int, minutes: float, functions: int, t0: int) -> int:
-    """Every rank's records in its own spool file, as its hook would append them; how many."""
-    steps = int(minutes * 60e6 / STEP_US)
-    directory = root / JOB
-    directory.mkdir(parents=True)
+def _spool(root: Path, ranks: int, steps: int, functions: int, t0: int) -> int:
+    """Every rank's records in its spool file, as its hook writes them (numbered by its process, as
+    its shipper numbers them); how many."""
     n = 0
     for r in range(ranks):
-        info = RankInfo(
-            job=JOB,
-            rank=r,
-            host=f"node{r // 8}",
-            time_us=t0,
-            local_rank=r % 8,
-            world_size=ranks,
-            pid=1000 + r,
-        )
+        ident = Identity(rank=r, local_rank=r % 8, world_size=ranks, host=f"node{r // 8}", pid=1000 + r)
+        info = RankInfo(job=JOB, rank=r, host=ident.host, time_us=t0, local_rank=r % 8, world_size=ranks)
         recs = [info, *rank_records(JOB, r, ranks, t0, 0, steps, steps // 2, functions, batch_rows=1)]
-        with open(directory / f"node{r // 8}-rank{r}-{1000 + r}.jsonl", "wb") as f:
-            f.write(b"".join(encode(rec)[1] + b"\n" for rec in recs))
+        sink = SpoolSink(root, JOB, ident)
+        for seq, rec in enumerate(recs):
+            sink.send(*encode(dataclasses.replace(rec, pid=ident.pid, seq=seq)))
+        sink.close()
         n += len(recs)
     return n
 
@@ -75,13 +71,15 @@ def one(ranks: int, minutes: float, functions: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         spool, store_dir = Path(tmp) / "spool", Path(tmp) / "store"
         t = time.perf_counter()
-        out["records"] = _spool(spool, ranks, minutes, functions, t0)
+        out["records"] = _spool(spool, ranks, steps, functions, t0)
         out["spool_s"], out["spool_mb"] = round(time.perf_counter() - t, 1), round(_du(spool) / 1e6, 3)
         with Store.embedded(store_dir) as store:
             stats = ingest(spool, store)
             out["ingest_s"] = round(stats.seconds, 1)
             out["records_per_s"] = round(stats.records / stats.seconds)
             out["dead_letters"] = stats.dead_letters
+            gaps = store.missing(JOB)
+            out["records_missing"] = int((gaps["made"] - gaps["stored"]).sum())
             t = time.perf_counter()
             data = read_job(store, JOB)
             out["read_s"] = round(time.perf_counter() - t, 2)

@@ -13,7 +13,7 @@ def test_a_small_job_goes_through_the_whole_pipeline_and_its_straggler_is_named(
     (r,) = scale.main(["--ranks", "24", "--minutes", "2", "--functions", "20", "--json", str(out)])
     assert "error" not in r, r
     # Per rank: its rank record, a step record every 2 s, a heartbeat every 5 s, a window every 30 s.
-    assert r["records"] == 24 * (1 + 60 + 24 + 4) and r["dead_letters"] == 0
+    assert r["records"] == 24 * (1 + 60 + 24 + 4) and r["dead_letters"] == r["records_missing"] == 0
     assert r["records_per_s"] > 0 and r["store_mb"] > 0 and r["peak_rss_gb"] > 0
     assert r["straggler_named"] and r["top_finding"] == "compute @ ranks [8]", r
     assert len(r["cycle_s"]) == 2 and r["cycle_problem"] == "", r
