@@ -186,10 +186,13 @@ class Reads:
         windows: list[int] | None = None,
         since_us: int | None = None,
         from_window: Sequence[int] | None = None,
+        ranks: Sequence[int] | None = None,
+        patterns: Sequence[tuple[str, str]] | None = None,
     ) -> pd.DataFrame:
         """Function patterns of ``job``: of the given ``windows`` only if not None, of the windows
         taken from ``since_us`` on if given, of rank ``r``'s windows numbered ``from_window[r]``
-        or later if given (every window of the ranks past the list's end)."""
+        or later if given (every window of the ranks past the list's end), of ``ranks`` only if
+        given, and only those of a ``(kind, name prefix)`` of ``patterns`` if given."""
         where, params = "", dict[str, Any]()
         if windows is not None:
             where, params = "AND window IN {windows:Array(Int64)}", {"windows": list(windows)}
@@ -203,6 +206,24 @@ class Reads:
                 "WHERE job = {job:String} AND time_us >= {since_us:Int64})"
             )
             params["since_us"] = since_us
+        if ranks is not None:
+            where += " AND rank IN {ranks:Array(Int32)}"
+            params["ranks"] = [int(r) for r in ranks]
+        if patterns is not None:
+            # The sort key starts with the kind: each kind's rows are read, no other.
+            where += (
+                " AND ("
+                + (
+                    " OR ".join(
+                        f"(kind = {{k{i}:String}} AND startsWith(name, {{p{i}:String}}))"
+                        for i in range(len(patterns))
+                    )
+                    or "0"
+                )
+                + ")"
+            )
+            for i, (kind, prefix) in enumerate(patterns):
+                params[f"k{i}"], params[f"p{i}"] = kind, prefix
         return self._select(FUNCTIONS, job, where, params, "window, rank, kind, name, stack")
 
     def heartbeats_latest(self, job: str) -> pd.DataFrame:

@@ -356,7 +356,7 @@ class Service:
 
 
 VIEWS: dict[str, Callable[[Service, str, JobData], Any]] = {
-    "per_step": lambda svc, job, data: per_step(data),
+    "per_step": lambda svc, job, data: per_step(data, culprit_ranks(svc.diagnosis_or_empty(job))),
     "heatmap": lambda svc, job, data: heatmap_data(data, svc._drawn(job, data, "per_step")),
     "steps": lambda svc, job, data: step_series(
         data, MAX_POINTS, culprits=culprit_ranks(svc.diagnosis_or_empty(job))

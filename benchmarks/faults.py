@@ -209,7 +209,7 @@ def windows(data: Any, logs: Path) -> dict[str, int]:
         skipped |= {
             int(n) for n in re.findall(r"rankscope: .*window (\d+) skipped", log.read_text(errors="replace"))
         }
-    f = data.functions
+    f = data.spans()
     stored = f.groupby("rank")["window"].nunique() if not f.empty else pd.Series(dtype=int)
     ranks = data.ranks["rank"] if not data.ranks.empty else stored.index
     return {

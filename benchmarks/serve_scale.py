@@ -51,8 +51,9 @@ def rank_records(
 ) -> list[Record]:
     """Rank ``r``'s records for steps ``s0 .. s0 + steps``: its step rows (a row a 2 s block, in
     records of ``batch_rows`` rows; 0: one record), a heartbeat every 5 s and a window every 30 s of
-    ``functions`` operators. Rank ``ranks // 3`` works 1.5x as long per step from step
-    ``slow_from`` on, in its three largest operators."""
+    ``functions`` patterns (the run-queue wait of its threads, as a hook on Linux ships it, and
+    operators). Rank ``ranks // 3`` works 1.5x as long per step from step ``slow_from`` on, in its
+    three largest operators."""
     out: list[Record] = []
     host = f"node{r // 8}"
     rows = []
@@ -102,8 +103,8 @@ def rank_records(
                 0.05,
                 0,
             )
-            for i in range(functions)
-        )
+            for i in range(functions - 1)
+        ) + (_cpu_wait(r),)
         out.append(
             WindowSummary(
                 job=job,
@@ -120,6 +121,26 @@ def rank_records(
             )
         )
     return out
+
+
+def _cpu_wait(r: int) -> FunctionPattern:
+    """A window's run-queue wait of the rank's threads, ~1 ms per step (``profiler_hook.schedstat``)."""
+    total = 5_000.0 + (r * 37) % 500
+    return FunctionPattern(
+        "sched",
+        "cpu_wait@sched",
+        "",
+        40,
+        total,
+        total / 40,
+        total / 40,
+        total / 40,
+        total / 40,
+        0.0,
+        0.0,
+        0.0,
+        0,
+    )
 
 
 def _pct(xs: list[float], q: float) -> float:

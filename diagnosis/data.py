@@ -5,12 +5,15 @@ The store fills these (``aggregator.Store.job_data``); tests and the simulator b
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 import pandas as pd
+
+from .communication import TRANSFER_PREFIX
+from .contention import WAIT_KIND, WAIT_PATTERN
 
 STEP_FIELDS = [
     "rank",
@@ -51,6 +54,11 @@ HEARTBEAT_FIELDS = [
 
 LINK_FIELDS = ["rank", "time_us", "link", "nbytes", "send_us"]
 
+FLEET = ((WAIT_KIND, WAIT_PATTERN), ("collective", TRANSFER_PREFIX))
+"""The function patterns (kind, name prefix) every rank is compared on: its threads' run-queue wait
+and its network sends, a row or two of a window's ~300. Of the others, the diagnosis needs those of
+a culprit and a few peers: a store's :func:`read_job` reads them when asked (:meth:`JobData.functions_of`)."""
+
 
 def _empty(columns: list[str]) -> pd.DataFrame:
     return pd.DataFrame({c: [] for c in columns})
@@ -64,7 +72,14 @@ class JobData:
     steps: pd.DataFrame = field(default_factory=lambda: _empty(STEP_FIELDS))
     """One row per rank and step (``StepRow`` columns)."""
     functions: pd.DataFrame = field(default_factory=lambda: _empty(FUNCTION_FIELDS))
-    """One row per rank, window and function (``FunctionPattern`` columns)."""
+    """One row per rank, window and function (``FunctionPattern`` columns): all of them, or where
+    ``read_functions`` is set (data read from a store) those of the ``FLEET`` patterns only."""
+    read_functions: Callable[[list[int]], pd.DataFrame] | None = None
+    """Reads every function row of the given ranks over the span of the other rows (None: all are
+    in ``functions``). At 1,000 ranks, 10 minutes of windows hold 6 million rows; the diagnosis
+    reads those of the culprits and a few peers."""
+    windows: pd.DataFrame = field(default_factory=lambda: _empty(["rank", "window", "step_lo", "step_hi"]))
+    """One row per rank and profiling window (empty: those of ``functions``, see :meth:`spans`)."""
     heartbeats: pd.DataFrame = field(default_factory=lambda: _empty(HEARTBEAT_FIELDS))
     """The latest heartbeat of each rank."""
     samples: pd.DataFrame = field(default_factory=lambda: _empty(["rank", "function", "samples"]))
@@ -74,6 +89,24 @@ class JobData:
     missing: pd.DataFrame = field(default_factory=lambda: _empty(["rank", "pid", "made", "stored"]))
     """Per rank and process whose records did not all reach the store: the records it numbered
     (up to its last one stored) and those stored."""
+
+    def functions_of(self, ranks: Iterable[int]) -> pd.DataFrame:
+        """Every function row of ``ranks``."""
+        wanted = sorted({int(r) for r in ranks})
+        if self.read_functions is not None:
+            return self.read_functions(wanted) if wanted else _empty(FUNCTION_FIELDS)
+        f = self.functions
+        return f if f.empty else f[f["rank"].isin(wanted)]
+
+    def spans(self) -> pd.DataFrame:
+        """One row per rank and profiling window: ``rank, window, step_lo, step_hi``."""
+        if not self.windows.empty or self.read_functions is not None:
+            return self.windows
+        f = self.functions
+        if f.empty:
+            return _empty(["rank", "window", "step_lo", "step_hi"])
+        cols = [c for c in ("rank", "window", "step_lo", "step_hi") if c in f]
+        return f[cols].drop_duplicates(["rank", "window"]).reset_index(drop=True)
 
     def hosts(self) -> dict[int, str]:
         return dict(zip(self.ranks["rank"].astype(int), self.ranks["host"].astype(str), strict=False))
@@ -106,7 +139,10 @@ class StoreReader(Protocol):
         windows: list[int] | None = None,
         since_us: int | None = None,
         from_window: Sequence[int] | None = None,
+        ranks: Sequence[int] | None = None,
+        patterns: Sequence[tuple[str, str]] | None = None,
     ) -> pd.DataFrame: ...
+    def windows(self, job: str, since_us: int | None = None) -> pd.DataFrame: ...
     def heartbeats_latest(self, job: str) -> pd.DataFrame: ...
     def stack_samples(self, job: str, since_us: int | None = None) -> pd.DataFrame: ...
     def link_sends(self, job: str, since_us: int | None = None) -> pd.DataFrame: ...
@@ -118,13 +154,16 @@ def read_job(store: StoreReader, job: str, since_us: int | None = None) -> JobDa
 
     With ``since_us``, only the steps and the windows from then on (the ranks and each rank's
     latest heartbeat whenever they came): what a running job's diagnosis needs, in time that does
-    not grow with the job's age.
+    not grow with the job's age. Of the function rows, those of ``FLEET``; the others are read
+    when the diagnosis asks for them, from ``store``, which must then still be open.
     """
     return JobData(
         job=job,
         ranks=store.ranks(job),
         steps=store.steps(job, since_us=since_us),
-        functions=store.functions(job, since_us=since_us),
+        functions=store.functions(job, since_us=since_us, patterns=FLEET),
+        read_functions=lambda ranks: store.functions(job, since_us=since_us, ranks=ranks),
+        windows=_spans(store.windows(job, since_us=since_us)),
         heartbeats=store.heartbeats_latest(job),
         samples=store.stack_samples(job, since_us=since_us),
         links=store.link_sends(job, since_us=since_us),
@@ -133,8 +172,9 @@ def read_job(store: StoreReader, job: str, since_us: int | None = None) -> JobDa
 
 
 class RecentJob:
-    """A running job's last ``recent_s`` seconds of steps and windows, kept in memory and brought up
-    to date from what the store gained since (what ``rankscope serve`` diagnoses every cycle).
+    """A running job's last ``recent_s`` seconds of steps and windows (their ``FLEET`` patterns), kept
+    in memory and brought up to date from what the store gained since (what ``rankscope serve``
+    diagnoses every cycle).
 
     An update reads each rank's step rows that start after the last step it holds and the windows
     after the last one it holds: seconds of rows, where :func:`read_job` would read all of the last
@@ -163,9 +203,10 @@ class RecentJob:
         since = last_us - int(self.recent_s * 1e6)
         ranks, beats = store.ranks(self.job), store.heartbeats_latest(self.job)
         # A row per rank and function, and per heartbeat and link: read whole.
-        samples, links = (
+        samples, links, windows = (
             store.stack_samples(self.job, since_us=since),
             store.link_sends(self.job, since_us=since),
+            _spans(store.windows(self.job, since_us=since)),
         )
 
         def held(steps: pd.DataFrame, fns: pd.DataFrame) -> JobData:
@@ -174,6 +215,8 @@ class RecentJob:
                 ranks=ranks,
                 steps=steps,
                 functions=fns,
+                read_functions=lambda ranks: store.functions(self.job, since_us=since, ranks=ranks),
+                windows=windows,
                 heartbeats=beats,
                 samples=samples,
                 links=links,
@@ -182,7 +225,7 @@ class RecentJob:
         old = self.data
         if old is not None and ranks.equals(old.ranks):
             new_steps = store.steps(self.job, after_us=self._start_us.tolist())
-            new_fns = store.functions(self.job, from_window=self._next_window.tolist())
+            new_fns = store.functions(self.job, from_window=self._next_window.tolist(), patterns=FLEET)
             if not self._overlaps(new_steps):
                 steps, fns = _concat(old.steps, new_steps), _concat(old.functions, new_fns)
                 if since - self._trimmed_us >= self.recent_s * 1e5 and not steps.empty:
@@ -196,7 +239,10 @@ class RecentJob:
                 self.data = held(steps, fns)
                 self._mark(new_steps, new_fns)
                 return self.data
-        steps, fns = store.steps(self.job, since_us=since), store.functions(self.job, since_us=since)
+        steps, fns = (
+            store.steps(self.job, since_us=since),
+            store.functions(self.job, since_us=since, patterns=FLEET),
+        )
         self.data = held(steps, fns)
         self._start_us, self._last_step = np.zeros(0, dtype=np.int64), np.full(0, -1, dtype=np.int64)
         self._next_window = np.zeros(0, dtype=np.int64)
@@ -223,6 +269,10 @@ class RecentJob:
         if not fns.empty:
             rank = fns["rank"].to_numpy(dtype=np.int64)
             self._next_window = _grow(self._next_window, rank, fns["window"].to_numpy(dtype=np.int64) + 1, 0)
+
+
+def _spans(windows: pd.DataFrame) -> pd.DataFrame:
+    return windows[["rank", "window", "step_lo", "step_hi"]].reset_index(drop=True)
 
 
 def _grow(marks: np.ndarray, rank: np.ndarray, value: np.ndarray, empty: int) -> np.ndarray:

@@ -76,7 +76,7 @@ def diagnose(data: JobData, settings: Settings | None = None) -> Diagnosis:
     analyzed = {
         "ranks": int(data.steps["rank"].nunique()) if not data.steps.empty else len(data.ranks),
         "steps": [int(steps.min()), int(steps.max())] if not steps.empty else [],
-        "windows": int(data.functions["window"].nunique()) if not data.functions.empty else 0,
+        "windows": int(data.spans()["window"].nunique()),
         "seconds": round(time.perf_counter() - t0, 3),
     }
     if gaps := coverage_gaps(data.ranks):

@@ -148,9 +148,8 @@ def _diagnose(a: argparse.Namespace) -> int:
     from diagnosis import diagnose, read_job
     from renderers.text import print_diagnosis
 
-    with _reading(a) as store:
-        data = read_job(store, _pick_job(a, store))
-    d = diagnose(data)
+    with _reading(a) as store:  # open while it runs: it reads the culprits' functions
+        d = diagnose(read_job(store, _pick_job(a, store)))
     if a.json:
         print(json.dumps(d.to_dict(), indent=2))
     else:

@@ -63,11 +63,11 @@ def run_demo(
         print(f"      {st.records} records from {st.files} files, {st.dead_letters} dead letters")
         print("[3/4] diagnosing")
         data = read_job(store, job)
-    diagnosis = diagnose(data)
-    result = diagnosis.to_dict()
-    print_diagnosis(diagnosis)
-    (out / "diagnosis.json").write_text(json.dumps(result, indent=2))
-    report = write_report(out / "report.html", diagnosis, data)
+        diagnosis = diagnose(data)  # the store open: it reads the functions of the ranks it names
+        result = diagnosis.to_dict()
+        print_diagnosis(diagnosis)
+        (out / "diagnosis.json").write_text(json.dumps(result, indent=2))
+        report = write_report(out / "report.html", diagnosis, data)
     print(f"[4/4] wrote {out / 'diagnosis.json'} and {report}")
     print(
         f"      more of this job: rankscope efficiency --store {store_dir}  (or reliability, diagnose --json)"

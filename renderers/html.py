@@ -79,7 +79,7 @@ def pictures(diagnosis: Diagnosis, data: JobData, wide: pd.DataFrame | None = No
     :func:`per_step` of ``data``, if the caller has it already)."""
     culprits = culprit_ranks(diagnosis)
     hosts = data.hosts()
-    wide = per_step(data) if wide is None else wide
+    wide = per_step(data, culprits) if wide is None else wide
     return _heatmap(data, diagnosis, culprits, hosts, wide) + "\n" + _charts(data, culprits, hosts)
 
 
@@ -174,9 +174,12 @@ def _finding(f: Finding) -> str:
     )
 
 
-def per_step(data: JobData) -> pd.DataFrame:
-    """Time per step (us) of each (kind, name): one row per function, one column per profiled rank."""
-    f = data.functions[data.functions["kind"] != "collective"]
+def per_step(data: JobData, culprits: Sequence[int] = ()) -> pd.DataFrame:
+    """Time per step (us) of each (kind, name): one row per function, one column per profiled rank
+    (the ``culprits`` and up to ``MAX_ROWS`` others spread over the rest, as the heatmap shows them)."""
+    profiled = sorted(int(r) for r in data.spans()["rank"].unique())
+    f = data.functions_of(_sample(profiled, list(culprits), MAX_ROWS))
+    f = f[f["kind"] != "collective"]
     if f.empty:
         return pd.DataFrame()
     f = f.assign(us=f["total_us"] / (f["step_hi"] - f["step_lo"]).clip(lower=1))
@@ -251,7 +254,8 @@ def _heatmap(
     cols: list[_Column] = [(key, []) for key in parts.index] + _columns(wide, named)
     wide = pd.concat([parts, wide])
     ranks = _sample([int(r) for r in wide.columns], culprits, MAX_ROWS)
-    more = f"; {len(ranks)} of {wide.shape[1]} ranks shown" if len(ranks) < wide.shape[1] else ""
+    profiled = data.spans()["rank"].nunique()
+    more = f"; {len(ranks)} of {profiled} ranks shown" if len(ranks) < profiled else ""
     note = (
         '<p class="note">Each cell: the rank\'s time per step in the function ÷ the median over ranks '
         "(red: slower than its peers, blue: faster; ∞: only some ranks run it). Hover for ms per step. "

@@ -237,7 +237,9 @@ def test_recent_reads_hold_only_the_recent_steps_and_windows(served: tuple[Servi
     assert (recent.steps["start_us"] >= since - 4_000_000).all()
     windows = svc.store.windows("compute-r2")
     kept = set(windows.loc[windows["time_us"] >= since, "window"])
-    assert set(recent.functions["window"]) == kept and len(kept) < full.functions["window"].nunique()
+    assert set(recent.spans()["window"]) == kept and len(kept) < full.spans()["window"].nunique()
+    profiled = recent.functions_of(recent.spans()["rank"].unique())
+    assert set(profiled["window"]) == kept
     assert len(recent.ranks) == len(full.ranks) == 4
 
 

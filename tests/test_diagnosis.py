@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import shutil
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -745,8 +746,9 @@ RECORDED = {
 
 
 @pytest.fixture(scope="module")
-def recorded(tmp_path_factory: pytest.TempPathFactory) -> dict[str, JobData]:
-    """The recorded spools, ingested through the real store (chDB) and read back."""
+def recorded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, JobData]]:
+    """The recorded spools, ingested through the real store (chDB) and read back (the store open:
+    the diagnosis reads the functions of the ranks it names)."""
     root = tmp_path_factory.mktemp("recorded")
     spool = root / "spool"
     for job in RECORDED:
@@ -756,15 +758,14 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> dict[str, JobData]:
     with Store.embedded(root / "store") as store:
         stats = ingest(spool, store)
         assert stats.dead_letters == 0
-        out = {job: read_job(store, job) for job in RECORDED}
-    shutil.rmtree(spool)
-    return out
+        shutil.rmtree(spool)
+        yield {job: read_job(store, job) for job in RECORDED}
 
 
 @pytest.mark.parametrize("job", list(RECORDED))
 def test_recorded_runs(recorded: dict[str, JobData], job: str) -> None:
     data = recorded[job]
-    assert data.steps["rank"].nunique() == 4 and not data.functions.empty
+    assert data.steps["rank"].nunique() == 4 and not data.spans().empty
     d = diagnose(data)
     json.dumps(d.to_dict())  # the JSON contract: serializable as is
     if RECORDED[job] is None:

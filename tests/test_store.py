@@ -242,6 +242,34 @@ def test_a_store_of_schema_1_is_migrated_and_its_rows_read_as_before(store: Stor
     assert comments == [(f"rankscope schema {STORE_VERSION}",)]
 
 
+def test_functions_stored_under_schema_8s_sort_key_are_copied_to_the_new_one(store: Store) -> None:
+    """Schema 9 sorts function rows by kind first; a store of schema 8 (window first) has them
+    copied, every row kept, and its window summaries still land in the new table."""
+    records = all_records()
+    db = store.database
+    store.client.command(f"DROP VIEW {db}.functions_from_input")
+    store.client.command(f"DROP TABLE {db}.functions")
+    old = FUNCTIONS.ddl(db).replace("`kind`, `rank`, `window`", "`window`, `rank`, `kind`")
+    store.client.command(old)
+    ensure_schema(store.client, db)  # the view made again, into the old table
+    store.write(records)
+    store.client.command(f"ALTER TABLE {db}.functions MODIFY COMMENT 'rankscope schema 8'")
+    before = store.functions(JOB)
+    assert len(before) > 0
+    key = "SELECT sorting_key FROM system.tables WHERE database = {db:String} AND name = 'functions'"
+    assert store.client.query(key, parameters={"db": db}).result_rows == [
+        ("job, window, rank, kind, name, stack",)
+    ]
+    ensure_schema(store.client, db)
+    assert store.client.query(key, parameters={"db": db}).result_rows == [
+        ("job, kind, rank, window, name, stack",)
+    ]
+    pd.testing.assert_frame_equal(store.functions(JOB), before)
+    store.write(records)  # again: the view fills the new table, and FINAL collapses the copies
+    pd.testing.assert_frame_equal(store.functions(JOB), before)
+    assert store.counts(JOB) == EXPECTED_COUNTS
+
+
 def _rows(df: pd.DataFrame, columns: list[str]) -> list[tuple[object, ...]]:
     return sorted(map(tuple, df[columns].itertuples(index=False)))
 

@@ -88,9 +88,7 @@ def _straggler_findings(
     if rest.size > functions.MAX_PEERS:
         rest = rest[(np.arange(functions.MAX_PEERS) * (rest.size / functions.MAX_PEERS)).astype(np.int64)]
     peers = [int(r) for r in rest]
-    fs = data.functions
-    if not fs.empty:  # one pass over the functions of every rank, not one per culprit
-        fs = fs[fs["rank"].isin([*culprits, *peers])]
+    fs = data.functions_of([*culprits, *peers])  # one read for all culprits, not one per culprit
     return [
         _straggler_finding(
             st, fs, data.steps, data.samples, [p for p in peers if p != st.rank], hosts, waits.get(st.rank)
