@@ -234,9 +234,10 @@ def grid(steps: pd.DataFrame, s: StragglerSettings, columns: list[str]) -> Grid 
     lo = int(step.min()) + s.warmup_steps
     hi = int(step.max())
     lo = max(lo, hi - s.last_steps + 1)
-    sel = (step >= lo) & (step <= hi)
-    if not sel.any():
+    within = (step >= lo) & (step <= hi)
+    if not within.any():
         return None
+    sel: slice | np.ndarray = slice(None) if within.all() else within  # every row: no copies
     ranks, ri = dense_index(steps["rank"].to_numpy(dtype=np.int64)[sel])
     si = step[sel] - lo
     span = hi - lo + 1
@@ -268,17 +269,41 @@ def nanmean_rows(a: np.ndarray) -> np.ndarray:
     return np.where(n > 0, np.where(ok, a, 0.0).sum(axis=1) / np.maximum(n, 1), np.nan)
 
 
+def _step_median(values: np.ndarray, among: np.ndarray | None = None) -> np.ndarray:
+    """Each step's (column's) median over the ranks ``among`` (a row mask; all ranks if None), of
+    ``MAX_PEERS`` of them evenly spread where there are more: as exact, and 25x cheaper at 100,000."""
+    rows = np.arange(values.shape[0]) if among is None else np.flatnonzero(among)
+    if rows.size > MAX_PEERS:
+        rows = rows[np.linspace(0, rows.size - 1, MAX_PEERS).astype(np.int64)]
+    return nanmedian(values[rows] if rows.size < values.shape[0] else values, axis=0)
+
+
 def _relative(values: np.ndarray, among: np.ndarray | None = None) -> np.ndarray:
     """rank x step ``values`` over each step's median of the ranks ``among`` (a row mask; all
     ranks if None), so that what the whole job does on a step cancels."""
-    base = values if among is None else values[among]
-    return values / np.clip(nanmedian(base, axis=0), 1.0, None)[None, :]
+    return values / np.clip(_step_median(values, among), 1.0, None)[None, :]
 
 
 def chunk_means(g: Grid, column: str, chunks: int) -> np.ndarray:
-    """rank x chunk means of ``column`` (NaN where a rank has no step in a chunk)."""
+    """rank x chunk means of ``column`` (NaN where a rank has no step in a chunk): one pass over
+    the grid, as a chunk's steps are consecutive columns."""
     v = g.values[column]
-    return np.stack([nanmean_rows(v[:, g.chunk == c]) for c in range(chunks)], axis=1)
+    out = np.full((v.shape[0], chunks), np.nan)
+    present = np.unique(g.chunk)
+    if present.size == 0:
+        return out
+    at = np.searchsorted(g.chunk, present)  # where each chunk's columns start
+    ok = ~np.isnan(v)
+    if ok.all():
+        out[:, present] = np.add.reduceat(v, at, axis=1) / np.diff(np.append(at, g.chunk.size))
+        return out
+    sums, n = (
+        np.add.reduceat(np.where(ok, v, 0.0), at, axis=1),
+        np.add.reduceat(ok, at, axis=1, dtype=np.int64),
+    )
+    with np.errstate(invalid="ignore"):
+        out[:, present] = np.where(n > 0, sums / np.maximum(n, 1), np.nan)
+    return out
 
 
 def chunk_medians(g: Grid, column: str, chunks: int) -> np.ndarray:
@@ -456,8 +481,19 @@ def slow_windows(steps: pd.DataFrame, windows: pd.DataFrame, st: Straggler, peer
     return out
 
 
+def shift_grid(steps: pd.DataFrame, s: StragglerSettings) -> Grid | None:
+    """The steps :func:`shifted` analyzes, for several calls on the same steps."""
+    return grid(steps, replace(s, last_steps=s.shift_steps, chunks=s.shift_chunks), SHIFT_COLUMNS)
+
+
+SHIFT_COLUMNS = ["own_us", "data_us", "comm_us", "cpu_us", "nivcsw"]
+
+
 def shifted(
-    steps: pd.DataFrame, s: StragglerSettings | None = None, exclude: Iterable[int] = ()
+    steps: pd.DataFrame,
+    s: StragglerSettings | None = None,
+    exclude: Iterable[int] = (),
+    cut: Grid | None = None,
 ) -> list[Straggler]:
     """Ranks whose own time rose against their peers' at some step and stayed up (a change point).
 
@@ -468,12 +504,13 @@ def shifted(
     among the peers, plain against its own past. So per rank, over the last ``shift_steps``, the
     split of its chunk series that maximizes the standardized rise (a two-sample t over chunk
     means, as in CUSUM change-point detection) is found; a rank whose rise is large, certain, and
-    leaves it above its peers is a straggler since that split. ``exclude``: ranks already found.
+    leaves it above its peers is a straggler since that split. ``exclude``: ranks already found;
+    ``cut``: :func:`shift_grid` of ``steps``, if the caller has it.
     """
     s = s or StragglerSettings()
-    cols = ["own_us", "data_us", "comm_us", "cpu_us", "nivcsw"]
+    cols = SHIFT_COLUMNS
     c = s.shift_chunks
-    g = grid(steps, replace(s, last_steps=s.shift_steps, chunks=c), cols)
+    g = shift_grid(steps, s) if cut is None else cut
     if g is None or len(g.ranks) < 3 or len(g.chunk) < c * s.min_chunk_steps * 4:
         return []
     own = g.values["own_us"]
@@ -492,7 +529,7 @@ def shifted(
     by_own &= _rise(chunk_means(g, "rel_busy", c), best_k) >= s.shift_busy_share * rise
     # Where a rank's own time is CPU work, a rise in it is more CPU work or a longer wait for data.
     cpu = g.values["cpu_us"]
-    peer_own = np.clip(nanmedian(own[~skip], axis=0), 1.0, None)[None, :]
+    peer_own = np.clip(_step_median(own, ~skip), 1.0, None)[None, :]
     g.values["rel_work"] = (cpu + g.values["data_us"]) / peer_own  # in units of the peers' own time
     cpu_bound = np.nanmean(cpu, axis=1) >= s.shift_cpu_bound * np.nanmean(own, axis=1)
     by_own &= ~cpu_bound | (_rise(chunk_means(g, "rel_work", c), best_k) >= s.shift_busy_share * rise)

@@ -241,10 +241,11 @@ def _stragglers(steps: pd.DataFrame, s: stragglers.StragglerSettings) -> list[st
     800 steps). Each rank's change point is measured against the ranks not found slow."""
     found = {st.rank: st for st in stragglers.find(steps, s)}
     slow = set(found)
-    for st in stragglers.shifted(steps, s, exclude=slow):
+    cut = stragglers.shift_grid(steps, s)  # the same steps for every call
+    for st in stragglers.shifted(steps, s, exclude=slow, cut=cut):
         found[st.rank] = st
     for rank in slow:
-        for st in stragglers.shifted(steps, s, exclude=slow - {rank}):
+        for st in stragglers.shifted(steps, s, exclude=slow - {rank}, cut=cut):
             if st.rank == rank and st.strength > found[rank].strength:
                 found[rank] = st
     return sorted(found.values(), key=lambda st: st.rank)
