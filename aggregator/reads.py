@@ -142,6 +142,13 @@ class Reads:
             )
         return self._steps(job, where, params, since_step if since_step is not None else -(1 << 63))
 
+    def last_step(self, job: str) -> int | None:
+        """The last step any rank of ``job`` stored (None: none yet)."""
+        # max() does not change with duplicate rows: no FINAL.
+        sql = f"SELECT max(step + n_steps - 1), count() FROM {self._t(STEPS)} WHERE job = {{job:String}}"
+        last, n = self._query(sql, {"job": job}).result_rows[0]
+        return int(last) if n else None
+
     def attempts(self, job: str) -> pd.DataFrame:
         """Every start of every rank of ``job`` (``ATTEMPTS``), ordered by rank and time."""
         return self._select(ATTEMPTS, job, "", {}, "rank, time_us")

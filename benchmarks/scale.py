@@ -5,11 +5,11 @@
 Each size runs in a process of its own (its peak memory is its own). The records ``--ranks`` hooks
 at their defaults ship over ``--minutes``: a ``rank`` record each, a step record every 2 s (one
 block of 100 ms steps), a heartbeat every 5 s, a profiling window every 30 s of ``--functions``
-operators; rank ``ranks // 3`` works 1.5x as long per step over the second half
+patterns (its threads' run-queue wait and operators); rank ``ranks // 3`` works 1.5x as long per step over the second half
 (``serve_scale.rank_records``). They are written to a spool as the hooks write it (untimed), then:
 
 - ``ingest``: the aggregator's spool path (``rankscope ingest``) into an embedded chDB store: records/s;
-- the store's size on disk;
+- the store's size on disk (its tables' parts in use);
 - ``diagnose``: the job read and diagnosed as ``rankscope diagnose`` does, the read included
   (``read_s``: the read alone);
 - ``cycle``: the first and the second ``rankscope serve`` cycle on that store;
@@ -96,7 +96,12 @@ def one(ranks: int, minutes: float, functions: int) -> dict[str, Any]:
                 cycles.append(round(time.perf_counter() - t, 2))
             out["cycle_s"] = cycles
             out["cycle_problem"] = svc.stats.cycle_problem
-        out["store_mb"] = round(_du(store_dir) / 1e6, 3)  # closed: all of it written
+            # The parts in use: merged-away parts stay on disk for minutes before they are removed.
+            held = store.client.query(
+                "SELECT sum(bytes_on_disk) FROM system.parts WHERE active AND database = {db:String}",
+                parameters={"db": store.database},
+            ).result_rows[0][0]
+            out["store_mb"] = round(int(held) / 1e6, 3)
     out["peak_rss_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, 2)
     return out
 

@@ -87,7 +87,7 @@ def rank_records(
         )
     for w in range(s0 - s0 % 300 + (300 if s0 % 300 else 0), s0 + steps, 300):  # a window every 30 s
         slow = r == ranks // 3 and w >= slow_from
-        fns = tuple(
+        ops = (
             FunctionPattern(
                 "op",
                 f"aten::op{i}",
@@ -104,7 +104,8 @@ def rank_records(
                 0,
             )
             for i in range(functions - 1)
-        ) + (_cpu_wait(r),)
+        )
+        fns = (*ops, _cpu_wait(r))
         out.append(
             WindowSummary(
                 job=job,

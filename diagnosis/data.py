@@ -54,6 +54,12 @@ HEARTBEAT_FIELDS = [
 
 LINK_FIELDS = ["rank", "time_us", "link", "nbytes", "send_us"]
 
+LOOKBACK_STEPS = 5000
+"""The steps :func:`read_job` reads by default, back from the last: more than any detector looks
+back over at its default settings (the change-point rule 4,000 after a warm-up of 10, the job-wide
+rule 3,000). A job's whole history would grow without end: at 1,000 ranks of 100 ms steps, a day
+holds 864 million steps."""
+
 FLEET = ((WAIT_KIND, WAIT_PATTERN), ("collective", TRANSFER_PREFIX))
 """The function patterns (kind, name prefix) every rank is compared on: its threads' run-queue wait
 and its network sends, a row or two of a window's ~300. Of the others, the diagnosis needs those of
@@ -125,6 +131,7 @@ class StoreReader(Protocol):
     the diagnosis does not import the aggregator: data flows from it, not back)."""
 
     def ranks(self, job: str) -> pd.DataFrame: ...
+    def last_step(self, job: str) -> int | None: ...
     def steps(
         self,
         job: str,
@@ -149,18 +156,29 @@ class StoreReader(Protocol):
     def missing(self, job: str) -> pd.DataFrame: ...
 
 
-def read_job(store: StoreReader, job: str, since_us: int | None = None) -> JobData:
+def read_job(
+    store: StoreReader, job: str, since_us: int | None = None, last_steps: int | None = LOOKBACK_STEPS
+) -> JobData:
     """Everything the diagnosis reads about ``job`` in ``store``.
 
     With ``since_us``, only the steps and the windows from then on (the ranks and each rank's
     latest heartbeat whenever they came): what a running job's diagnosis needs, in time that does
-    not grow with the job's age. Of the function rows, those of ``FLEET``; the others are read
-    when the diagnosis asks for them, from ``store``, which must then still be open.
+    not grow with the job's age. Of a longer job, its last ``last_steps`` steps (None: all of
+    them), and the windows and heartbeats since the first of them. Of the function rows, those of
+    ``FLEET``; the others are read when the diagnosis asks for them, from ``store``, which must
+    then still be open.
     """
+    last = store.last_step(job) if last_steps is not None else None
+    if last is not None and last_steps is not None and last >= last_steps:
+        steps = store.steps(job, since_step=last - last_steps + 1, since_us=since_us)
+        if not steps.empty:
+            since_us = max(since_us or 0, int(steps["start_us"].min()))
+    else:
+        steps = store.steps(job, since_us=since_us)
     return JobData(
         job=job,
         ranks=store.ranks(job),
-        steps=store.steps(job, since_us=since_us),
+        steps=steps,
         functions=store.functions(job, since_us=since_us, patterns=FLEET),
         read_functions=lambda ranks: store.functions(job, since_us=since_us, ranks=ranks),
         windows=_spans(store.windows(job, since_us=since_us)),

@@ -49,7 +49,8 @@ from aggregator.schema import (
 )
 from aggregator.spool import MAX_LINE_BYTES, file_id
 from diagnosis import diagnose, read_job
-from diagnosis.data import RecentJob
+from diagnosis.data import LOOKBACK_STEPS, RecentJob
+from diagnosis.diagnose import Settings as diagnose_settings
 from wire.records import (
     MAX_VALUE_BYTES,
     Checkpoint,
@@ -268,6 +269,30 @@ def test_functions_stored_under_schema_8s_sort_key_are_copied_to_the_new_one(sto
     store.write(records)  # again: the view fills the new table, and FINAL collapses the copies
     pd.testing.assert_frame_equal(store.functions(JOB), before)
     assert store.counts(JOB) == EXPECTED_COUNTS
+
+
+def test_a_jobs_read_holds_its_last_steps_and_the_windows_since_the_first(store: Store) -> None:
+    """``read_job`` reads a job's last ``last_steps`` steps (``LOOKBACK_STEPS`` by default: a
+    job's whole history grows without end), and the windows taken since the first of them."""
+    store.write([*all_records(), window(0, 0), window(1, 0)])  # steps 0-7; windows at 0, 1 and 2 s
+    whole = read_job(store, JOB, last_steps=None)
+    assert sorted(whole.steps["step"].unique()) == list(range(8))
+    assert set(whole.spans()["window"]) == {0, 1, 2}
+    cut = read_job(store, JOB, last_steps=3)
+    assert sorted(cut.steps["step"].unique()) == [5, 6, 7]
+    assert int(cut.steps["start_us"].min()) > T0  # window 0, taken at T0, is older
+    assert set(cut.spans()["window"]) == {1, 2}
+    assert set(cut.functions_of([0, 1])["window"]) == {1, 2}
+    assert read_job(store, JOB, last_steps=8).steps.equals(whole.steps)
+    assert read_job(store, JOB).steps.equals(whole.steps)  # shorter than LOOKBACK_STEPS
+    assert store.last_step(JOB) == 7 and store.last_step("no such job") is None
+
+
+def test_the_default_read_reaches_back_as_far_as_every_detector_looks() -> None:
+    s = diagnose_settings()
+    assert s.straggler.steps.shift_steps + s.straggler.steps.warmup_steps <= LOOKBACK_STEPS
+    assert s.straggler.steps.last_steps + s.straggler.steps.warmup_steps <= LOOKBACK_STEPS
+    assert s.job_wide.steps + s.job_wide.warmup_steps <= LOOKBACK_STEPS
 
 
 def _rows(df: pd.DataFrame, columns: list[str]) -> list[tuple[object, ...]]:
