@@ -1,6 +1,6 @@
 """The diagnosis input: one job's stored records as data frames (one column per field).
 
-The store fills these (``aggregator.Store.job_data``); tests and the simulator build them directly.
+:func:`read_job` fills them from a store; tests and the simulator build them directly.
 """
 
 from __future__ import annotations
