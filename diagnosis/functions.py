@@ -96,6 +96,10 @@ class Sampled:
 MIN_SAMPLES = 10
 """Samples a culprit needs before they name anything (5 s of the watchdog's 2 a second)."""
 
+ENCLOSING_SHARE = 0.5
+"""A function holding this share of the peers' samples encloses their loop (nanoGPT's module-level
+loop holds ~90%): by 0.10 more of a culprit's, it says little; the line that does is named instead."""
+
 _FUNCTION = re.compile(r"^(.*)\((\d+)\): (.*)$")
 
 
@@ -123,14 +127,16 @@ def top_sampled(samples: pd.DataFrame, rank: int, peers: list[int], min_share: f
     )
     s = s[s["function"] != ""]  # samples with none of the job's code on the stack
     ranks = list(totals.index)
-    best = _beyond_peers(s, "function", rank, ranks, min_share)
-    if best is None:
-        at = s[s["line"] >= 0]
-        at = at.assign(at=[_at_line(fn, line) for fn, line in zip(at["function"], at["line"], strict=True)])
-        best = _beyond_peers(at, "at", rank, ranks, min_share)
-        key = "at"
-    else:
-        at, key = s, "function"
+    best, at, key = _beyond_peers(s, "function", rank, ranks, min_share), s, "function"
+    if best is None or best[2] >= ENCLOSING_SHARE:
+        # No function stands out, or the one that does holds most of the peers' samples too: it
+        # encloses their loop, and its lines tell the culprit's stall from their wait for it.
+        lines = s[s["line"] >= 0]
+        lines = lines.assign(
+            at=[_at_line(fn, line) for fn, line in zip(lines["function"], lines["line"], strict=True)]
+        )
+        if (at_line := _beyond_peers(lines, "at", rank, ranks, min_share)) is not None:
+            best, at, key = at_line, lines, "at"
     if best is None:
         return None
     name, share, peer_share = best
