@@ -218,17 +218,11 @@ class Reads:
             params["ranks"] = [int(r) for r in ranks]
         if patterns is not None:
             # The sort key starts with the kind: each kind's rows are read, no other.
-            where += (
-                " AND ("
-                + (
-                    " OR ".join(
-                        f"(kind = {{k{i}:String}} AND startsWith(name, {{p{i}:String}}))"
-                        for i in range(len(patterns))
-                    )
-                    or "0"
-                )
-                + ")"
-            )
+            either = [
+                f"(kind = {{k{i}:String}} AND startsWith(name, {{p{i}:String}}))"
+                for i in range(len(patterns))
+            ]
+            where += f" AND ({' OR '.join(either) or '0'})"
             for i, (kind, prefix) in enumerate(patterns):
                 params[f"k{i}"], params[f"p{i}"] = kind, prefix
         return self._select(FUNCTIONS, job, where, params, "window, rank, kind, name, stack")
@@ -325,14 +319,11 @@ class Reads:
         def spread(column: str) -> np.ndarray:
             return np.repeat(rows[column].to_numpy(), n)
 
-        per = np.repeat(n, n)
-        out = {"rank": spread("rank"), "step": spread("step") + i}
-        out["start_us"] = spread("start_us") + spread("dur_us") * i // np.maximum(per, 1)
-        for column in ("dur_us", "data_us", "comm_us", "n_coll"):
-            out[column] = spread(column) / per
-        out["first_coll_us"] = spread("first_coll_us")
-        for column in ("cpu_us", "nivcsw", "wait_us"):
-            out[column] = spread(column) / per
+        per = np.repeat(n, n)  # >= 1: a row of 0 steps spreads over none
+        out = {"rank": spread("rank"), "step": spread("step") + i, "first_coll_us": spread("first_coll_us")}
+        out["start_us"] = spread("start_us") + spread("dur_us") * i // per
+        for column in ("dur_us", "data_us", "comm_us", "n_coll", "cpu_us", "nivcsw", "wait_us"):
+            out[column] = spread(column) / per  # the block's totals, as a mean per step
         steps = pd.DataFrame(out, columns=STEP_COLUMNS)
         steps = steps[steps["step"].to_numpy() >= since_step] if since_step > -(1 << 63) else steps
         rank, step = steps["rank"].to_numpy(), steps["step"].to_numpy()

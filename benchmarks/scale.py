@@ -5,8 +5,9 @@
 Each size runs in a process of its own (its peak memory is its own). The records ``--ranks`` hooks
 at their defaults ship over ``--minutes``: a ``rank`` record each, a step record every 2 s (one
 block of 100 ms steps), a heartbeat every 5 s, a profiling window every 30 s of ``--functions``
-patterns (its threads' run-queue wait and operators); rank ``ranks // 3`` works 1.5x as long per step over the second half
-(``serve_scale.rank_records``). They are written to a spool as the hooks write it (untimed), then:
+patterns (its threads' run-queue wait and operators); rank ``ranks // 3`` works 1.5x as long per
+step over the second half (``serve_scale.rank_records``). They are written to a spool as the
+hooks write it (untimed), then:
 
 - ``ingest``: the aggregator's spool path (``rankscope ingest``) into an embedded chDB store: records/s;
 - the store's size on disk (its tables' parts in use);

@@ -269,12 +269,15 @@ def nanmean_rows(a: np.ndarray) -> np.ndarray:
     return np.where(n > 0, np.where(ok, a, 0.0).sum(axis=1) / np.maximum(n, 1), np.nan)
 
 
+def _at_most(rows: np.ndarray) -> np.ndarray:
+    """``MAX_PEERS`` of ``rows``, evenly spread, where there are more."""
+    return rows[np.linspace(0, rows.size - 1, MAX_PEERS).astype(np.int64)] if rows.size > MAX_PEERS else rows
+
+
 def _step_median(values: np.ndarray, among: np.ndarray | None = None) -> np.ndarray:
     """Each step's (column's) median over the ranks ``among`` (a row mask; all ranks if None), of
     ``MAX_PEERS`` of them evenly spread where there are more: as exact, and 25x cheaper at 100,000."""
-    rows = np.arange(values.shape[0]) if among is None else np.flatnonzero(among)
-    if rows.size > MAX_PEERS:
-        rows = rows[np.linspace(0, rows.size - 1, MAX_PEERS).astype(np.int64)]
+    rows = _at_most(np.arange(values.shape[0]) if among is None else np.flatnonzero(among))
     return nanmedian(values[rows] if rows.size < values.shape[0] else values, axis=0)
 
 
@@ -381,8 +384,7 @@ def find(steps: pd.DataFrame, s: StragglerSettings | None = None) -> list[Stragg
     peer_idx = np.flatnonzero(~is_culprit)
     if peer_idx.size == 0:
         return []  # everybody is "slow": that is a job-wide question, not a straggler
-    if peer_idx.size > MAX_PEERS:
-        peer_idx = peer_idx[np.linspace(0, peer_idx.size - 1, MAX_PEERS).astype(np.int64)]
+    peer_idx = _at_most(peer_idx)
     cul_idx = np.flatnonzero(is_culprit)
     chunk_steps = np.bincount(g.chunk, minlength=s.chunks)
     chunk_start = g.first_step + np.concatenate([[0], np.cumsum(chunk_steps)[:-1]])
