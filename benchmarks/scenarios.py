@@ -158,7 +158,7 @@ def load(path: str | Path) -> Scenario:
             ranks=tuple(exp.get("ranks") or ()),
             scope=exp.get("scope", "job" if exp.get("cause") == "job_wide" else "rank"),
             where=str(exp.get("where", "")),
-            function=str(exp.get("function", "")),
+            function=_texts(exp.get("function")),
             also=_also(exp.get("also"), kind),
         )
         sc = Scenario(
@@ -188,6 +188,13 @@ def load(path: str | Path) -> Scenario:
     return sc
 
 
+def _texts(raw: Any) -> tuple[str, ...]:
+    """``expect.function``: one text, or a list of texts any of which is right."""
+    if raw is None:
+        return ()
+    return tuple(str(x) for x in raw) if isinstance(raw, list) else (str(raw),)
+
+
 def _also(raw: Any, kind: str) -> GroundTruth | None:
     """The second fault's ground truth (``expect.also``: cause, ranks, function)."""
     if raw is None:
@@ -198,7 +205,7 @@ def _also(raw: Any, kind: str) -> GroundTruth | None:
         kind=kind,
         cause=raw.get("cause"),
         ranks=tuple(raw.get("ranks") or ()),
-        function=str(raw.get("function", "")),
+        function=_texts(raw.get("function")),
     )
 
 

@@ -44,9 +44,10 @@ class GroundTruth:
     """``rank``, ``host``, ``switch`` or ``job``: what the faulty ranks have in common."""
     where: str = ""
     """The host or switch name for scope ``host`` / ``switch``."""
-    function: str = ""
-    """Text the top finding's function must contain to name the right code (user code: the
-    function's name); '' where the scenario does not say."""
+    function: tuple[str, ...] = ()
+    """Texts, one of which the top finding's function must contain to name the right code (user
+    code: the function's name; a slower device: also its operators as a whole); none where the
+    scenario does not say."""
     also: GroundTruth | None = None
     """A second fault injected at the same time: a finding naming either one is right."""
 
@@ -102,7 +103,7 @@ def function_ok(truth: GroundTruth, f: Finding | None) -> bool | None:
         return False
     for t in (replace(truth, also=None), truth.also):
         if t is not None and located(t, f) and f.cause == t.cause:
-            return t.function in f.function if t.function else None
+            return any(text in f.function for text in t.function) if t.function else None
     return False
 
 

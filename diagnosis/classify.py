@@ -28,6 +28,8 @@ WORKING = 0.25
 """A rank whose CPU time grew by this share of its excess works more (a slower device); one whose
 CPU time grew less, and whose kernels did not hold it, sleeps or blocks (a code path)."""
 UNATTRIBUTED = "(unattributed: no profiled operator or function, and no stack sample, holds it)"
+ACROSS_OPERATORS = "(across its operators: none holds half)"
+"""A slower device's excess, spread over the operators it runs as often as its peers."""
 
 
 def classify(
@@ -151,16 +153,25 @@ def classify(
         if not working:
             ev = {**ev, "cpu_ms_per_step": ms(st.cpu_us), "peer_cpu_ms_per_step": ms(st.peer_cpu_us)}
             return Attribution("code_path", UNATTRIBUTED, compute_excess / total, 0.0, ev)
-    name = slower.name if slower else UNATTRIBUTED
-    share = slower.excess_us / total if slower else 0.0
-    # Forward runs in the job's code, backward mostly in the autograd engine: with forward about a
-    # third of the FLOPs, its share of a uniformly slower device's excess is about a third, so a
-    # quarter: the forward of a device 2x slower in bursts holds ~26% of the excess while it is slow.
-    code = functions.innermost_code(excess, 0.25 * compute_excess) if slower else None
+    # What it names must hold half of the excess: the job's own function whose operators got slower
+    # (the innermost), else one operator, else the function of its code the stack samples put it in.
+    # A slower device slows every operator, forward and backward, and none may hold half (its
+    # forward a third, ``aten::mm`` 45% on a device 2x slower): then the finding names its
+    # operators as a whole, the largest of them in the evidence.
+    held = ATTRIBUTED * compute_excess
+    code = functions.innermost_code(excess, held) if slower else None
     if code is not None:  # the job's own function whose operators got slower, and the operator
-        ev = {**ev, **code_evidence(code), "operator": name}
-        name, share = code.name, code.excess_us / total
-    return Attribution("compute", name, compute_excess / total, share, ev)
+        ev = {**ev, **code_evidence(code), "operator": slower.name if slower else ""}
+        return Attribution("compute", code.name, compute_excess / total, code.excess_us / total, ev)
+    if slower is not None and slower.excess_us >= held:
+        return Attribution("compute", slower.name, compute_excess / total, slower.excess_us / total, ev)
+    if sampled is not None and sampled_us >= held:
+        ev = {**sampled_evidence(sampled), **ev}
+        return Attribution("compute", sampled.name, compute_excess / total, sampled_us / total, ev)
+    if slower is None:
+        return Attribution("compute", UNATTRIBUTED, compute_excess / total, 0.0, ev)
+    ev["largest"] = {e.name: round(e.excess_us / total, 3) for e in functions.largest(excess, 3)}
+    return Attribution("compute", ACROSS_OPERATORS, compute_excess / total, slower.excess_us / total, ev)
 
 
 def code_evidence(code: functions.FunctionExcess) -> dict[str, Any]:

@@ -373,6 +373,13 @@ def top_slower(excess: list[FunctionExcess], kinds: tuple[str, ...] = WORK_KINDS
     return same[0] if same else None
 
 
+def largest(excess: list[FunctionExcess], n: int) -> list[FunctionExcess]:
+    """The ``n`` operators, kernels, copies and functions of the job's own code with the largest
+    excess that the culprit runs as often as its peers, frames that wait in collectives left out."""
+    kinds = (*WORK_KINDS, "python")
+    return [e for e in excess if e.kind in kinds and not e.extra and not e.waits][:n]
+
+
 def work_excess(excess: list[FunctionExcess], kinds: tuple[str, ...] = WORK_KINDS) -> float:
     """The culprit's excess per step in operators, kernels and copies (``kinds``) it runs as often
     as its peers (an upper bound: CPU operators nest, and the parent's time includes the child's)."""

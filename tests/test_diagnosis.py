@@ -15,7 +15,7 @@ import pytest
 
 from aggregator import Store, ingest
 from diagnosis import CAUSES, Finding, JobData, Settings, diagnose, read_job, stragglers
-from diagnosis.classify import UNATTRIBUTED
+from diagnosis.classify import ACROSS_OPERATORS, UNATTRIBUTED
 from diagnosis.detectors import straggler
 from diagnosis.findings import effect
 from tests.jobdata import LINK_T0, functions_frame, only, ring_links, sched_windows, synthetic
@@ -440,6 +440,47 @@ def test_a_frame_that_waits_in_a_collective_is_not_where_the_work_is() -> None:
     assert (f.cause, f.ranks, f.function) == ("compute", [6], fwd)
 
 
+def test_a_slower_device_names_what_holds_half_its_excess_or_its_operators_as_a_whole() -> None:
+    """Rank 6's device is slower (1.5 ms a step, 7.5 ms in its 5-step window). Its forward, its
+    matrix product and the product's backward each hold under half of that: none is named, the
+    finding says its operators as a whole, the largest with their shares. A forward that holds two
+    thirds is named; so is the function of the job's code its stack samples put it in for half."""
+    data = synthetic(slow={6: {"compute_us": 1500}})
+    fwd = "train.py(10): forward"
+
+    def frames(extra_fwd_us: float) -> dict[int, list[tuple]]:
+        common = [
+            ("op", "aten::mm", 15, 10_000.0),
+            ("op", "AddmmBackward0", 15, 12_000.0),
+            ("python", fwd, 5, 11_000.0),
+        ]
+        slow = [
+            ("op", "aten::mm", 15, 13_000.0),
+            ("op", "AddmmBackward0", 15, 15_000.0),
+            ("python", fwd, 5, 11_000.0 + extra_fwd_us),
+        ]
+        return {r: slow if r == 6 else common for r in range(8)}
+
+    f = only(diagnose(replace(data, functions=functions_frame(frames(2_500.0)))).findings)
+    assert (f.cause, f.ranks, f.function) == ("compute", [6], ACROSS_OPERATORS)
+    assert f.evidence["largest"] == pytest.approx(
+        {"AddmmBackward0": 0.4, "aten::mm": 0.4, fwd: 0.333}, abs=0.01
+    )
+    assert "across the board, none holding half the extra time (" in f.summary
+    assert "aten::mm 40%" in f.summary and "train.py(10): forward 33%)" in f.summary
+    f = only(diagnose(replace(data, functions=functions_frame(frames(5_000.0)))).findings)
+    assert (f.cause, f.function) == ("compute", fwd)
+    assert f.evidence["function_share"] == pytest.approx(0.667, abs=0.01)
+    step = "train.py(40): train_step"
+    samples = _samples(
+        {r: {sample_key(step, 41): 16, sample_key(fwd, 12): 8} for r in range(8) if r != 6}
+        | {6: {sample_key(step, 41): 12, sample_key(fwd, 12): 20}}
+    )
+    f = only(diagnose(replace(data, functions=functions_frame(frames(2_500.0)), samples=samples)).findings)
+    assert (f.cause, f.function) == ("compute", fwd)
+    assert f.evidence["stack_samples_in_function"] == "20/32"
+
+
 def test_a_slower_model_is_named_by_its_innermost_forward_not_the_module_around_it() -> None:
     """The frames of a transformer under DDP, as torch.profiler records them (3 callers each):
     ``module.py: _call_impl`` runs every module, so it is a caller of each model function and
@@ -456,16 +497,16 @@ def test_a_slower_model_is_named_by_its_innermost_forward_not_the_module_around_
     def frames(scale: float) -> list[tuple]:
         return [
             ("op", "aten::addmm", 40, 10_000.0 * scale),
-            ("python", "nn.Module: GPT_0", 5, 6_000.0 * scale, "distributed.py(1710): _run_ddp_forward"),
+            ("python", "nn.Module: GPT_0", 5, 16_000.0 * scale, "distributed.py(1710): _run_ddp_forward"),
             (
                 "python",
                 gpt,
                 5,
-                5_990.0 * scale,
+                15_990.0 * scale,
                 f"distributed.py(1710): _run_ddp_forward > nn.Module: GPT_0 > {call}",
             ),
-            ("python", "nn.Module: Block_0", 5, 5_000.0 * scale, f"nn.Module: GPT_0 > {call} > {gpt}"),
-            ("python", block, 5, 4_990.0 * scale, f"{gpt} > nn.Module: Block_0 > {call}"),
+            ("python", "nn.Module: Block_0", 5, 15_000.0 * scale, f"nn.Module: GPT_0 > {call} > {gpt}"),
+            ("python", block, 5, 14_990.0 * scale, f"{gpt} > nn.Module: Block_0 > {call}"),
             ("pylib", "nn.Module: Linear_0", 5, 2_000.0 * scale, f"nn.Module: Block_0 > {call} > {block}"),
             ("pylib", call, 5, 1_990.0 * scale, f"{call} > {block} > nn.Module: Linear_0"),
             (

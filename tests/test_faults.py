@@ -163,8 +163,8 @@ def test_two_faults_and_the_function_named() -> None:
         kind="two-faults",
         cause="compute",
         ranks=(1,),
-        function="forward",
-        also=scoring.GroundTruth(kind="two-faults", cause="dataloader", ranks=(3,), function="read"),
+        function=("forward",),
+        also=scoring.GroundTruth(kind="two-faults", cause="dataloader", ranks=(3,), function=("read",)),
     )
     named = lambda cause, ranks, fn: replace(_finding(cause, ranks), function=fn)  # noqa: E731
     both = scoring.score(
@@ -178,7 +178,7 @@ def test_two_faults_and_the_function_named() -> None:
     wrong = scoring.score(truth, Diagnosis(job="j", findings=[named("compute", [3], "forward")]))
     assert not wrong.top_correct and wrong.top_located  # rank 3 is faulty, but not a compute fault
     # Where only one of the two faults expects a function, naming the other is no function to score.
-    unnamed = replace(truth, function="")
+    unnamed = replace(truth, function=())
     assert (
         scoring.score(unnamed, Diagnosis(job="j", findings=[named("compute", [1], "op")])).function_ok is None
     )

@@ -12,12 +12,13 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from .. import contention, functions, stragglers
-from ..classify import CPU_WAIT, UNATTRIBUTED, classify, wait_evidence
+from ..classify import ACROSS_OPERATORS, CPU_WAIT, UNATTRIBUTED, classify, wait_evidence
 from ..data import JobData
 from ..findings import Finding, effect, ms
 
@@ -148,11 +149,7 @@ def _straggler_finding(
     summary = (
         f"rank {st.rank}{f' ({host})' if host else ''}: {cause} straggler — it works "
         f"{st.ratio:.2f}x as long per step as its peers ({ms(st.own_us)} vs {ms(st.peer_own_us)} ms), "
-        + (
-            f"{held:.0%} of the extra time in {fn}"
-            if fn != UNATTRIBUTED
-            else "no profiled operator or function, and no stack sample, holds the extra time"
-        )
+        + _where(fn, held, why.evidence)
         + f"; peers wait {ms(st.peer_comm_us - st.comm_us)} ms "
         f"longer in collectives for it"
         + (f" (it was {st.before_ratio:.2f}x until step {st.since_step})" if st.before_ratio else "")
@@ -171,6 +168,16 @@ def _straggler_finding(
         summary=summary,
         evidence=evidence,
     )
+
+
+def _where(fn: str, held: float, evidence: dict[str, Any]) -> str:
+    """Where the summary says the extra time went."""
+    if fn == UNATTRIBUTED:
+        return "no profiled operator or function, and no stack sample, holds the extra time"
+    if fn == ACROSS_OPERATORS:
+        top = ", ".join(f"{name} {share:.0%}" for name, share in evidence["largest"].items())
+        return f"its operators are slower across the board, none holding half the extra time ({top})"
+    return f"{held:.0%} of the extra time in {fn}"
 
 
 def _collective_waits(
