@@ -12,19 +12,25 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from dataclasses import fields
+from operator import attrgetter
 from typing import Any
 
 from wire.records import (
     FUNCTION_COLUMNS,
+    INT64,
+    INT_RANGES,
     MAX_VALUE_BYTES,
     STEP_COLUMNS,
     WIRE_VERSION,
     Checkpoint,
+    FunctionPattern,
     Heartbeat,
     RankInfo,
     Record,
     RecordError,
     StepBatch,
+    StepRow,
     WindowSummary,
     decode,
 )
@@ -144,38 +150,83 @@ for _table, _columns in (
         raise ImportError(f"aggregator.schema table {_table.name} is out of step with wire.records")
 
 
+_COLUMN_RANGES = {"Int32": (-(1 << 31), 1 << 31), "Int64": INT64}
+_WIRE_COLUMNS = {
+    "str": ("String", "LowCardinality(String)"),
+    "float": ("Float64",),
+    "dict[str, float]": ("Map(String, Float64)",),
+    "dict[str, int]": ("Map(String, Int64)",),
+    "dict[str, tuple[int, int]]": ("Map(String, Tuple(Int64, Int64))",),
+}
+
+
+def _wire_types() -> dict[str, set[str]]:
+    """Every field and row column of the records, by name: the types wire.records holds it to."""
+    out: dict[str, set[str]] = {}
+    for cls in (StepBatch, Heartbeat, RankInfo, Checkpoint, WindowSummary):
+        for f in fields(cls):
+            out.setdefault(f.name, set()).add(str(f.type))
+    for row in (StepRow, FunctionPattern):
+        for name, t in row.__annotations__.items():
+            out.setdefault(name, set()).add(getattr(t, "__forward_arg__", str(t)))
+    return out
+
+
+def _implied(column: str, type_: str, wire: set[str]) -> bool:
+    """Whether every value wire.records lets through for a field of these types fits the column."""
+    if wire == {"int"}:
+        lo, hi = INT_RANGES.get(column, INT64)
+        col = _COLUMN_RANGES.get(type_)
+        return col is not None and col[0] <= lo and hi <= col[1]
+    return len(wire) == 1 and type_ in _WIRE_COLUMNS.get(next(iter(wire)), ())
+
+
+# A record's rows are not checked again against the column types: decode() and check() already
+# hold each field to wire's rules, which imply the column's (a value of the wrong type, out of an
+# Int32 column's range, a non-finite float, invalid Unicode: refused there). What the rows hold
+# besides (the number of functions, the record type) is made here. Refuse to import where a
+# change to either side would let through a value its column cannot hold.
+_MADE_HERE = {(WINDOWS.name, "n_functions"), (ARRIVALS.name, "type")}
+_WIRE = _wire_types()
+for _table in (STEPS, HEARTBEATS, RANKS, ATTEMPTS, CHECKPOINTS, WINDOWS, FUNCTIONS, ARRIVALS):
+    for _name, _type in zip(_table.column_names, _table.column_types, strict=True):
+        if (_table.name, _name) not in _MADE_HERE and not _implied(_name, _type, _WIRE.get(_name, set())):
+            raise ImportError(f"{_table.name}.{_name} ({_type}) may get values wire.records lets through")
+
+
+_GETTERS = {t.name: attrgetter(*t.column_names) for t in (HEARTBEATS, RANKS, ATTEMPTS, CHECKPOINTS)}
+
+
 def _attrs(record: Record, table: Table) -> tuple[Any, ...]:
-    return tuple(getattr(record, c) for c in table.column_names)
+    return _GETTERS[table.name](record)  # type: ignore[no-any-return]
 
 
 def _record_rows(record: Record) -> list[tuple[Table, tuple[Any, ...]]]:
-    """The checked rows one record becomes, its arrival among them; raises RecordError naming the
-    first bad value."""
+    """The rows one checked record (decode()'s, or check()'s) becomes, its arrival among them."""
     rows = _rows_of(record)
     if record.seq >= 0:
-        arrival = (record.job, record.rank, record.pid, record.seq, record.TYPE, record.time_us)
-        rows.append((ARRIVALS, _checked(ARRIVALS, arrival)))
+        rows.append(
+            (ARRIVALS, (record.job, record.rank, record.pid, record.seq, record.TYPE, record.time_us))
+        )
     return rows
 
 
 def _rows_of(record: Record) -> list[tuple[Table, tuple[Any, ...]]]:
     if isinstance(record, StepBatch):
         head = (record.job, record.rank, record.host)
-        return [(STEPS, _checked(STEPS, head + tuple(row))) for row in record.rows]
+        return [(STEPS, head + row) for row in record.rows]
     if isinstance(record, Heartbeat):
-        return [(HEARTBEATS, _checked(HEARTBEATS, _attrs(record, HEARTBEATS)))]
+        return [(HEARTBEATS, _attrs(record, HEARTBEATS))]
     if isinstance(record, RankInfo):
-        return [(t, _checked(t, _attrs(record, t))) for t in (RANKS, ATTEMPTS)]
+        return [(t, _attrs(record, t)) for t in (RANKS, ATTEMPTS)]
     if isinstance(record, Checkpoint):
-        return [(CHECKPOINTS, _checked(CHECKPOINTS, _attrs(record, CHECKPOINTS)))]
+        return [(CHECKPOINTS, _attrs(record, CHECKPOINTS))]
     if isinstance(record, WindowSummary):
         window = tuple(
             len(record.functions) if c == "n_functions" else getattr(record, c) for c in WINDOWS.column_names
         )
-        rows = [(WINDOWS, _checked(WINDOWS, window))]
         head = tuple(getattr(record, c) for c in _FUNCTION_PREFIX)
-        rows += [(FUNCTIONS, _checked(FUNCTIONS, head + tuple(f))) for f in record.functions]
-        return rows
+        return [(WINDOWS, window), *((FUNCTIONS, head + f) for f in record.functions)]
     raise TypeError(f"not a record: {type(record).__name__}")
 
 

@@ -127,8 +127,9 @@ def _bootstrapped(consumer: Any) -> bool:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BatchSettings:
-    records: int = 5000
-    """Write once the batch holds this many messages…"""
+    records: int = 20_000
+    """Write once the batch holds this many messages… (each insert costs ~30 ms however small:
+    5,000 a batch held one aggregator at ~7,000 records/s, 20,000 at ~9,600, on a 1,000-rank mix)"""
     bytes: int = 64 << 20
     """…or this many bytes of messages (~1,700 window summaries)…"""
     seconds: float = 1.0

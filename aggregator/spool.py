@@ -205,7 +205,7 @@ def _open_inside(path: Path, root: str) -> tuple[BinaryIO | None, str]:
 
 
 def ingest(
-    spool_dir: str | os.PathLike[str], store: Store, batch_records: int = 5000, batch_bytes: int = 64 << 20
+    spool_dir: str | os.PathLike[str], store: Store, batch_records: int = 20_000, batch_bytes: int = 64 << 20
 ) -> IngestStats:
     """Read every spool file's new complete lines into ``store``; safe to repeat and to interrupt.
 

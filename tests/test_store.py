@@ -35,7 +35,7 @@ from aggregator import (
     ensure_schema,
     ingest,
 )
-from aggregator.batch import RAW_PREFIX_BYTES
+from aggregator.batch import RAW_PREFIX_BYTES, _implied
 from aggregator.reads import STEP_COLUMNS, SpoolOffset
 from aggregator.schema import (
     FUNCTIONS,
@@ -668,6 +668,8 @@ def test_bad_lines_become_dead_letters_and_good_lines_around_them_are_stored(
         (oversized, f"line of {len(oversized) + 1} bytes exceeds the {MAX_LINE_BYTES}-byte limit"),
         (json.dumps(bad_kind).encode(), "checkpoint kind must be one of ('save', 'load'), got 'snapshot'"),
         (json.dumps(bad_kind | {"kind": "save", "attempt": -1}).encode(), "field 'attempt' must be int in"),
+        (good[0].decode().encode("utf-16"), "not JSON"),  # RFC 8259: UTF-8, no byte order mark
+        (b"\xef\xbb\xbf" + good[0], "not JSON"),
     ]
     lines = [
         good[0],
@@ -704,6 +706,17 @@ def test_bad_lines_become_dead_letters_and_good_lines_around_them_are_stored(
             assert row["raw"] == raw.decode()  # kept whole
     assert dead["raw"][9] == '{"v":1,"type":"rank","job":"\\xff\\xfe"}'  # invalid UTF-8 kept as escapes
     assert dead["raw"][10] == oversized[:RAW_PREFIX_BYTES].decode()
+
+
+def test_a_column_that_could_get_a_value_wire_lets_through_is_found() -> None:
+    """Rows are not checked against their columns again: the aggregator refuses to import where
+    wire's rules would let through a value the column cannot hold (here, made up: a step number,
+    any Int64, into an Int32 column; an integer field into a Float64 one)."""
+    assert _implied("rank", "Int32", {"int"}) and _implied("step", "Int64", {"int"})
+    assert not _implied("step", "Int32", {"int"})
+    assert not _implied("count", "Float64", {"int"})
+    assert _implied("name", "LowCardinality(String)", {"str"}) and not _implied("name", "Int64", {"str"})
+    assert not _implied("rank", "Int32", set())  # a column no record field fills
 
 
 def test_write_refuses_a_bad_record_and_writes_nothing(store: Store) -> None:

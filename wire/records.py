@@ -265,8 +265,8 @@ def encode(record: Record) -> tuple[bytes, bytes]:
 #
 # decode() applies them all, so that the spool reader and the Kafka consumer (which share it through
 # aggregator.batch.Batch) store a value exactly as it was sent or dead-letter it with the reason,
-# never change it: the value is strict JSON (RFC 8259: no NaN or Infinity, no 07 or +7, no trailing
-# comma), no object repeats a key; an integer field holds a JSON integer (not "7", 7.0 or true)
+# never change it: the value is strict JSON in UTF-8 without a byte order mark (RFC 8259: no NaN or
+# Infinity, no 07 or +7, no trailing comma), no object repeats a key; an integer field holds a JSON integer (not "7", 7.0 or true)
 # within Int64, or the narrower range of INT_RANGES; a float field holds a JSON number (integer or
 # not), read as the nearest double as every JSON reader does, and finite (1e400 is refused); a
 # string field holds a string of valid Unicode (no lone surrogate). Fields a record type does not
@@ -382,8 +382,11 @@ _ROW_RANGES = {
 
 
 def _plainly_valid(rows: Sequence[Any], types: tuple[type, ...], ranges: tuple[tuple[int, int], ...]) -> bool:
-    """A fast check, column by column, of the common rows: lists of values of their exact types
-    (floats as floats), integers within their ranges, finite floats, ASCII strings."""
+    """A fast check of the common rows: lists of values of their exact types (floats as floats),
+    integers within their ranges, finite floats, ASCII strings. Row by row where there are few
+    (a step record holds one), else column by column."""
+    if len(rows) <= 4:
+        return all(_plain_row(r, types, ranges) for r in rows)
     if not set(map(type, rows)) <= {list, tuple} or set(map(len, rows)) != {len(types)}:
         return False
     for t, (lo, hi), column in zip(types, ranges, zip(*rows, strict=True), strict=True):
@@ -394,6 +397,21 @@ def _plainly_valid(rows: Sequence[Any], types: tuple[type, ...], ranges: tuple[t
         if t is float and not all(map(math.isfinite, column)):
             return False
         if t is str and not all(map(str.isascii, column)):
+            return False
+    return True
+
+
+def _plain_row(row: Any, types: tuple[type, ...], ranges: tuple[tuple[int, int], ...]) -> bool:
+    if (type(row) is not list and type(row) is not tuple) or tuple(map(type, row)) != types:
+        return False
+    for t, (lo, hi), v in zip(types, ranges, row, strict=True):
+        if t is int:
+            if not lo <= v < hi:
+                return False
+        elif t is float:
+            if not math.isfinite(v):
+                return False
+        elif not v.isascii():
             return False
     return True
 
@@ -422,25 +440,40 @@ def _rows(raw: Any, row_type: Any, where: str) -> tuple:
     return tuple(out)
 
 
+def _field_checks(cls: type[_Base]) -> tuple[tuple[str, bool, Callable[[Any], Any] | None], ...]:
+    """Each field of ``cls``: its name, whether a record may leave it out (it has a default), and
+    its check (None: a list of rows)."""
+    return tuple(
+        (
+            f.name,
+            f.default is not MISSING or f.default_factory is not MISSING,
+            None if f.name in ("rows", "functions") else _check(f.name, str(f.type)),
+        )
+        for f in fields(cls)
+    )
+
+
+_FIELD_CHECKS = {cls: _field_checks(cls) for cls in _TYPES.values()}
+
+
 def _fields_of(cls: type[_Base], get: Callable[[str], Any], has: Callable[[str], bool]) -> dict[str, Any]:
     """The checked constructor arguments of ``cls`` from ``get``; raises RecordError."""
     kwargs: dict[str, Any] = {}
-    for f in fields(cls):
-        name = f.name
+    for name, optional, check_value in _FIELD_CHECKS[cls]:
         if not has(name):
-            if f.default is not MISSING or f.default_factory is not MISSING:
+            if optional:
                 continue
             raise RecordError(f"{cls.TYPE} record lacks field {name!r}")
         value = get(name)
-        if name == "rows":
-            value = _rows(value, StepRow, "rows")
-        elif name == "functions":
-            value = _rows(value, FunctionPattern, "functions")
-        else:
+        if check_value is not None:
             try:
-                value = _check(name, str(f.type))(value)
+                value = check_value(value)
             except ValueError as exc:
                 raise RecordError(f"field {name!r} must be {exc}, got {value!r:.80}") from None
+        elif name == "rows":
+            value = _rows(value, StepRow, "rows")
+        else:
+            value = _rows(value, FunctionPattern, "functions")
         kwargs[name] = value
     if cls is Checkpoint and kwargs["kind"] not in CHECKPOINT_KINDS:
         raise RecordError(f"checkpoint kind must be one of {CHECKPOINT_KINDS}, got {kwargs['kind']!r:.80}")
@@ -466,12 +499,16 @@ def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return d
 
 
+_JSON = json.JSONDecoder(parse_constant=_refuse_constant, object_pairs_hook=_object)
+"""One decoder for every value (``json.loads`` with options builds one a call)."""
+
+
 def decode(value: bytes) -> Record:
     """Parse and validate one wire value; raises RecordError with the reason (see the rules above)."""
     if len(value) > MAX_VALUE_BYTES:
         raise RecordError(f"value of {len(value)} bytes exceeds the {MAX_VALUE_BYTES}-byte limit")
     try:
-        d = json.loads(value, parse_constant=_refuse_constant, object_pairs_hook=_object)
+        d = _JSON.decode(value.decode())
     except RecordError:
         raise
     except (ValueError, RecursionError) as exc:
