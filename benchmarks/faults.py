@@ -30,8 +30,8 @@ from typing import Any
 import pandas as pd
 
 from aggregator import Store, ingest
+from benchmarks.workload import JobSpec, RunningJob, first_onset, free_port
 from diagnosis import diagnose, read_job
-from rankscope.workload import JobSpec, RunningJob, first_onset, free_port
 
 from . import machine, scoring, torchrun_job
 from .injectors import CpuHog, Fabric, Unavailable, hog_core

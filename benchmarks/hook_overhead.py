@@ -60,11 +60,11 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from benchmarks.workload import free_port
 from diagnosis.functions import PYTHON_KINDS
 from profiler_hook.config import Config, Identity
 from profiler_hook.hook import Hook
 from profiler_hook.sinks import NullSink
-from rankscope.workload import free_port
 from wire.records import WindowSummary, decode
 
 WORLD = 2

@@ -23,7 +23,7 @@ import sys
 import time
 from typing import Any
 
-from rankscope.workload import JobSpec, host_of, switch_of
+from benchmarks.workload import JobSpec, host_of, switch_of
 
 _SEQ = itertools.count()
 """Numbers the links this process makes, so that a link left behind never blocks the next."""

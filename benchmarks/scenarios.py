@@ -9,7 +9,7 @@ Example (``compute-2x-r2.yaml``)::
     seconds: 40              # rank 0 ends the job after this long
     loop: ddp                # ddp (default), manual (a hand-written all-reduce) or fsdp2
     attach: start            # start (default: before the model) or loop (after DDP, at the loop)
-    fault:                   # rankscope.workload.Fault fields, plus the runner's own:
+    fault:                   # benchmarks.workload.Fault fields, plus the runner's own:
       kind: compute
       rank: 2
       factor: 2.0
@@ -21,7 +21,7 @@ Example (``compute-2x-r2.yaml``)::
 Runner-only fault fields: ``rate_mbit`` (``nic``/``switch``: the rate-limited link), ``hogs`` (``host``:
 CPU-hog processes sharing the rank's core), ``observe_s`` (stop the job this long after onset: hangs).
 
-``script: lm_ddp`` runs a user-style training script under torchrun instead (``benchmarks/jobs/``,
+``script: demo_job`` runs a user-style training script under torchrun instead (``rankscope/demo_job.py``,
 ``benchmarks/torchrun_job.py``); its ``fault:`` block then names the script's own faults.
 """
 
@@ -34,7 +34,7 @@ from typing import Any
 
 import yaml
 
-from rankscope.workload import ATTACH, LOOPS, Fault
+from benchmarks.workload import ATTACH, LOOPS, Fault
 
 from .scoring import GroundTruth
 from .torchrun_job import ScriptFault, parse_fault
@@ -83,15 +83,15 @@ class Scenario:
     hook: dict[str, Any] = field(default_factory=dict)
     """Hook settings on top of the suite's."""
     loop: str = "ddp"
-    """How the job averages gradients (``rankscope.workload.LOOPS``): DDP, as most users' jobs do."""
+    """How the job averages gradients (``benchmarks.workload.LOOPS``): DDP, as most users' jobs do."""
     attach: str = "start"
-    """Where the script attaches the hook (``rankscope.workload.ATTACH``): ``loop`` is after the
+    """Where the script attaches the hook (``benchmarks.workload.ATTACH``): ``loop`` is after the
     model is wrapped, where people add a hook to a script they have."""
     rank0_duties: bool = False
     """Rank 0 logs, evaluates and checkpoints as most scripts have it do (``JobSpec.rank0_duties``)."""
     truth: GroundTruth = field(default_factory=lambda: GroundTruth(kind="none"))
     script: str = ""
-    """A user-style script of ``benchmarks/jobs/`` run under torchrun instead of the demo workload
+    """A user-style script run under torchrun instead of the suite's workload
     (``benchmarks.torchrun_job``); it injects ``script_fault`` itself, ``fault`` is the same family's."""
     script_fault: ScriptFault | None = None
 

@@ -25,7 +25,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from rankscope.workload import JobSpec, free_port
+from benchmarks.workload import JobSpec, free_port
 
 from .faults import HOOK, START_S, run_job
 from .scenarios import load_all

@@ -1,10 +1,11 @@
-"""Run a user-style training script of ``benchmarks/jobs/`` under ``torchrun`` for the fault suite.
+"""Run a user-style training script under ``torchrun`` for the fault suite.
 
-A scenario with ``script: lm_ddp`` runs ``benchmarks/jobs/lm_ddp.py`` instead of the demo workload.
+A scenario with ``script: demo_job`` runs ``rankscope/demo_job.py`` (the job ``rankscope demo`` runs)
+instead of the suite's workload; ``script: nanogpt_like`` runs ``benchmarks/jobs/nanogpt_like.py``.
 The script injects its faults itself (command-line flags); its ``fault:`` block names one of the
 script's faults::
 
-    script: lm_ddp
+    script: demo_job
     world_size: 4
     hosts: 2
     fault:
@@ -16,7 +17,7 @@ script's faults::
 
 Each simulated host is one ``torchrun`` agent (a static rendezvous with ``--nnodes hosts
 --node-rank N``, as a multi-node job is launched), started with ``RANKSCOPE_HOST=node<N>``, so its
-ranks (``N * ranks_per_host + LOCAL_RANK``) are named as the demo workload names them. The job id
+ranks (``N * ranks_per_host + LOCAL_RANK``) are named as the suite's workload names them. The job id
 is torchrun's run id (``--rdzv-id``), the spool ``$RANKSCOPE_SPOOL``: the script attaches the hook
 at its defaults, as a user would. Each agent's output (its ranks' too) goes to
 ``<log_dir>/node<N>.log``.
@@ -34,13 +35,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rankscope.workload import Fault, JobSpec, first_onset, host_of, switch_of
+from benchmarks.workload import Fault, JobSpec, first_onset, host_of, switch_of
 
 if TYPE_CHECKING:
     from .scenarios import Scenario
 
 JOBS_DIR = Path(__file__).parent / "jobs"
-SCRIPTS = {"lm_ddp": JOBS_DIR / "lm_ddp.py", "nanogpt_like": JOBS_DIR / "nanogpt_like.py"}
+SCRIPTS = {
+    "demo_job": Path(__file__).parents[1] / "rankscope" / "demo_job.py",
+    "nanogpt_like": JOBS_DIR / "nanogpt_like.py",
+}
 """Scenario ``script:`` name -> the training script."""
 
 LM_FAULTS: dict[str, tuple[str, str]] = {
@@ -50,9 +54,9 @@ LM_FAULTS: dict[str, tuple[str, str]] = {
     "metrics_block": ("code_path", "code_path"),
     "hang_checkpoint": ("hang", "hang-checkpoint"),
 }
-"""lm_ddp's fault -> (the demo workload's fault of the same family, the report's fault kind)."""
+"""demo_job's fault -> (the suite workload's fault of the same family, the report's fault kind)."""
 FAULTS = {
-    "lm_ddp": LM_FAULTS,
+    "demo_job": LM_FAULTS,
     "nanogpt_like": {"none": ("none", "healthy"), "stall": ("code_path", "code_path")},
 }
 """Per script, its faults (as ``LM_FAULTS``)."""
@@ -65,7 +69,7 @@ _OWN_ENV = ("RANKSCOPE_JOB", "RANKSCOPE_HOST", "RANKSCOPE_NIC", "RANKSCOPE_SWITC
 class ScriptFault:
     """A fault the script injects itself (its ``--fault`` flags)."""
 
-    script: str = "lm_ddp"
+    script: str = "demo_job"
     kind: str = "none"
     rank: int = 1
     onset_s: float = 10.0
@@ -100,7 +104,7 @@ class ScriptFault:
         ]
 
     def suite_fault(self) -> Fault:
-        """The demo workload's fault of the same family: what the suite's bookkeeping reads
+        """The suite workload's fault of the same family: what the suite's bookkeeping reads
         (faulty ranks, onset, whether it is a hang)."""
         return Fault(
             kind=FAULTS[self.script][self.kind][0],
@@ -155,7 +159,7 @@ def _stop(agents: list[subprocess.Popen], ranks: list[int], grace_s: float = 15.
     for pid in ranks:  # a rank its agent could not stop (if that pid still runs a script of ours)
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as fh:
-                if str(JOBS_DIR).encode() in fh.read():
+                if any(str(s).encode() in fh.read() for s in SCRIPTS.values()):
                     os.kill(pid, signal.SIGKILL)
         except OSError:
             pass

@@ -333,7 +333,9 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("demo", help="train a real 4-rank job with an injected fault, then diagnose it")
-    d.add_argument("--fault", choices=FAULTS, default="compute", help="fault to inject (default: compute)")
+    d.add_argument(
+        "--fault", choices=list(FAULTS), default="compute", help="fault to inject (default: compute)"
+    )
     d.add_argument("--rank", type=int, default=2, help="rank that gets the fault (default: 2)")
     d.add_argument("--out", default="rankscope-demo", help="output directory (default: ./rankscope-demo)")
     d.add_argument("--seconds", type=float, default=60.0, help="training time (default: 60)")

@@ -1,17 +1,25 @@
 """``rankscope demo``: train a real 4-rank job with one injected fault, then find it.
 
-hook (in every rank) -> spool files -> ingest into embedded ClickHouse (chDB) -> diagnosis ->
-printed findings, ``diagnosis.json`` and ``report.html`` in the output directory.
+``demo_job.py`` (a small GPT trained with DDP, the hook attached as the README shows) under
+``torchrun`` -> spool files -> ingest into embedded ClickHouse (chDB) -> diagnosis -> printed
+findings, ``diagnosis.json`` and ``report.html`` in the output directory.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
-FAULTS = ("none", "compute", "dataloader", "code_path")
-"""The faults ``rankscope demo`` offers (the CLI lists them without importing the workload)."""
+FAULTS = {"none": "none", "compute": "slow_backward", "dataloader": "slow_data", "code_path": "metrics_block"}
+"""The faults ``rankscope demo`` offers, and the script's fault each one is (``demo_job.py``)."""
+ONSET_S = 5.0
+"""Seconds into training at which the fault starts: the rank is its peers' equal before."""
 
 
 def run_demo(
@@ -29,33 +37,19 @@ def run_demo(
     from renderers.html import write_report
     from renderers.text import print_diagnosis
 
-    from .workload import Fault, JobSpec, free_port, launch
-
     if not 0 <= rank < world_size:
         raise SystemExit(f"--rank must be between 0 and {world_size - 1}, got {rank}")
     out = Path(out).resolve()
     spool, store_dir, logs = out / "spool", out / "store", out / "logs"
     job = f"demo-{fault}-{time.strftime('%Y%m%d-%H%M%S')}"
-    where = "" if fault == "none" else f" on rank {rank}"
+    where = "" if fault == "none" else f" on rank {rank} from {ONSET_S:.0f} s"
     print(
-        f"[1/4] training job {job}: {world_size} ranks (gloo, CPU) for ~{seconds:.0f} s, fault: {fault}{where}"
+        f"[1/4] training job {job}: {world_size} ranks (torchrun, gloo, CPU) for ~{seconds:.0f} s, "
+        f"fault: {fault}{where}"
     )
     t0 = time.perf_counter()
-    spec = JobSpec(
-        job=job,
-        world_size=world_size,
-        port=free_port(),
-        seconds=seconds,
-        fault=Fault(kind=fault, rank=rank, factor=factor),
-        hook={"spool_dir": str(spool)},  # the hook's defaults, as a user gets them
-        log_dir=str(logs),
-    )
-    stats = launch(spec)
-    sent = sum(s.get("sent", 0) for s in stats)
-    dropped = sum(s.get("dropped", 0) for s in stats)
-    print(
-        f"      {stats[0]['steps']} steps in {time.perf_counter() - t0:.0f} s; hook shipped {sent} records, dropped {dropped}"
-    )
+    done = _train(job, spool, logs, world_size, seconds, FAULTS[fault], rank, factor)
+    print(f"      {done} in {time.perf_counter() - t0:.0f} s; logs in {logs}")
 
     print(f"[2/4] ingesting {spool} into embedded ClickHouse at {store_dir}")
     with Store.embedded(store_dir) as store:
@@ -73,3 +67,36 @@ def run_demo(
         f"      more of this job: rankscope efficiency --store {store_dir}  (or reliability, diagnose --json)"
     )
     return result
+
+
+def _train(
+    job: str, spool: Path, logs: Path, world_size: int, seconds: float, fault: str, rank: int, factor: float
+) -> str:
+    """Run ``demo_job.py`` under torchrun, as a user runs a script; its last line (steps, time)."""
+    logs.mkdir(parents=True, exist_ok=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={world_size}",
+        f"--master-port={port}",
+        str(Path(__file__).with_name("demo_job.py")),
+        *("--seconds", str(seconds), "--job", job, "--spool-dir", str(spool)),
+        *("--fault", fault, "--fault-rank", str(rank), "--onset-s", str(ONSET_S)),
+        *("--fault-factor", str(factor)),
+    ]
+    # One thread per rank, as torchrun sets it where it starts more than one rank on a machine.
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    log = logs / "torchrun.log"
+    with open(log, "w") as fh:
+        ran = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, check=False)
+    text = log.read_text()
+    if ran.returncode != 0:
+        raise SystemExit(
+            f"the demo's training job failed (exit {ran.returncode}); its log, {log}:\n{text[-3000:]}"
+        )
+    found = re.findall(r"^done: (\d+ steps)", text, re.M)
+    return found[-1] if found else "trained"

@@ -31,10 +31,10 @@ from api.auth import Forbidden, Tokens, Unauthenticated
 from api.notify import Webhook
 from api.service import VIEWS
 from api.tickets import Rules, Ticket, fingerprint, reconcile
+from benchmarks.workload import free_port
 from diagnosis import Finding, diagnose, read_job
 from diagnosis.ettr import measure, read_run
 from rankscope.cli import main
-from rankscope.workload import free_port
 from wire.errors import NotFoundError, RankscopeError, UsageError
 from wire.records import StepBatch, StepRow
 

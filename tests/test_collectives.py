@@ -17,9 +17,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import profiler_hook
+from benchmarks.workload import Fault, JobSpec, free_port, launch
 from diagnosis.detectors.hang import Settings as HangSettings
 from diagnosis.detectors.hang import locate
-from rankscope.workload import Fault, JobSpec, free_port, launch
 from tests.records import spool_records
 from wire.records import Heartbeat, StepBatch
 

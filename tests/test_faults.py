@@ -13,8 +13,8 @@ import pytest
 from benchmarks import scoring
 from benchmarks.injectors import Fabric, Unavailable
 from benchmarks.scenarios import ScenarioError, load, load_all
+from benchmarks.workload import JobSpec, _model, padding_rows
 from diagnosis.findings import Diagnosis, Finding
-from rankscope.workload import JobSpec, _model, padding_rows
 
 
 def _finding(cause: str, ranks: list[int], confidence: float = 0.8, scope: str = "rank") -> Finding:

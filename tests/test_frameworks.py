@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from rankscope.workload import free_port
+from benchmarks.workload import free_port
 from wire.records import STEP_COLUMNS
 
 JOBS = Path(__file__).parent / "jobs"

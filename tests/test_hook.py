@@ -23,6 +23,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import profiler_hook
+from benchmarks.workload import Fault, JobSpec, free_port, launch
 from profiler_hook import events, threadstates
 from profiler_hook.blocks import StepBlocks
 from profiler_hook.collectives import CollectiveTracker
@@ -32,7 +33,6 @@ from profiler_hook.schedstat import ThreadWait
 from profiler_hook.schedule import LEAD_S, Schedule
 from profiler_hook.shipper import Shipper
 from profiler_hook.summarize import library_frame, summarize
-from rankscope.workload import Fault, JobSpec, free_port, launch
 from tests.records import ListSink, spool_records
 from wire.errors import UsageError
 from wire.records import (
@@ -1490,7 +1490,7 @@ elif sys.argv[2] == "sigterm-while-closing":  # the peer died: its collective ra
 def test_a_hook_never_closed_ships_its_last_steps_when_the_process_ends(tmp_path: Path, end: str) -> None:
     """torchrun stops a failed attempt's surviving workers with SIGTERM (perhaps stuck in a
     collective: they must still die at once, as without the hook); scripts forget close()."""
-    from rankscope.workload import free_port
+    from benchmarks.workload import free_port
 
     t0 = time.monotonic()
     run = subprocess.run(

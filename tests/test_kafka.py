@@ -29,9 +29,9 @@ from kafka.errors import KafkaConnectionError
 from aggregator import Store, StoreError
 from aggregator.consumer import AggregateStats, Aggregator, BatchSettings, KafkaSettings, use_isal_gzip
 from aggregator.metrics import Metrics
+from benchmarks.workload import JobSpec, free_port, launch
 from profiler_hook.config import Config, Identity
 from profiler_hook.hook import Hook
-from rankscope.workload import JobSpec, free_port, launch
 from tests.kafka_broker import FAST_GROUP, KafkaBroker, produce, read_topic
 from tests.records import assert_stored_once, expected_counts, synthetic_records
 from wire.records import (

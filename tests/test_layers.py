@@ -49,21 +49,32 @@ def test_no_package_imports_one_downstream_of_it() -> None:
     assert not any(wrong.values()), wrong
 
 
-def test_the_demo_offers_faults_its_workload_has() -> None:
+def test_the_demo_offers_faults_its_script_has() -> None:
     from rankscope.demo import FAULTS
-    from rankscope.workload import SUITE_FAULTS
 
-    assert set(FAULTS) <= set(SUITE_FAULTS)
+    tree = ast.parse((ROOT / "rankscope" / "demo_job.py").read_text())
+    script = next(
+        ast.literal_eval(n.value)
+        for n in tree.body
+        if isinstance(n, ast.Assign) and [getattr(t, "id", "") for t in n.targets] == ["FAULTS"]
+    )
+    assert set(FAULTS.values()) <= set(script)
 
 
-def test_the_cli_does_not_load_the_demo_workload() -> None:
-    """The product's commands (``diagnose``, ``serve``…) import no demo training code: the demo's
-    workload and fault injection load only when ``rankscope demo`` runs."""
-    tree = ast.parse((ROOT / "rankscope" / "cli.py").read_text())
-    top = [n for n in tree.body if isinstance(n, ast.ImportFrom)]
-    assert not [n.module for n in top if n.module and n.module.split(".")[-1] == "workload"]
-    demo = ast.parse((ROOT / "rankscope" / "demo.py").read_text())
-    assert not [n for n in demo.body if isinstance(n, ast.ImportFrom) and n.module == "workload"]
+def test_the_product_holds_no_test_harness_and_its_commands_no_training_code() -> None:
+    """No product package imports the benchmarks' fault harness or the tests; the demo runs its
+    training script by path (as a user runs one), so no command loads training code."""
+    product = [p for p in MAY_IMPORT if p != "rankscope"] + ["rankscope"]
+    harness = {
+        str(f.relative_to(ROOT))
+        for package in product
+        for f in sorted((ROOT / package).rglob("*.py"))
+        if any(name.split(".")[0] in ("benchmarks", "tests") for name in _all_imports(f))
+    }
+    assert not harness
+    for module in ("cli.py", "demo.py"):
+        names = _all_imports(ROOT / "rankscope" / module)
+        assert not [n for n in names if n.split(".")[-1] in ("demo_job", "torch")], (module, names)
 
 
 def test_the_architecture_doc_draws_these_layers() -> None:

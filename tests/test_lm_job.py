@@ -1,4 +1,4 @@
-"""The fault suite's user-style GPT script (benchmarks/jobs/lm_ddp.py): a real 2-rank run under torchrun."""
+"""The demo's and the fault suite's user-style GPT script (rankscope/demo_job.py): a real 2-rank run under torchrun."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 
 from benchmarks.scenarios import SCENARIO_DIR, ScenarioError, load, load_all
 from benchmarks.torchrun_job import SCRIPTS, commands
-from rankscope.workload import JobSpec, free_port
+from benchmarks.workload import JobSpec, free_port
 from wire.records import STEP_COLUMNS
 
 
@@ -40,7 +40,7 @@ def test_lm_script_trains_under_torchrun_with_the_hook_at_its_defaults(tmp_path:
         str(free_port()),
         "--rdzv-id",
         "lm-test",
-        str(SCRIPTS["lm_ddp"]),
+        str(SCRIPTS["demo_job"]),
         "--seconds",
         "13",  # the hook's first scheduled window comes 10 s after attach
         "--fault",
@@ -102,7 +102,7 @@ def test_a_rank_killed_under_torchrun_restarts_the_job_and_reliability_measures_
         "--rdzv-id",
         "lm-restart",
     ]
-    cmd += [str(SCRIPTS["lm_ddp"])]
+    cmd += [str(SCRIPTS["demo_job"])]
     cmd += ["--seconds", "6", "--fault", "crash", "--fault-rank", "1", "--onset-s", "3"]
     cmd += ["--ckpt-every", "15", "--ckpt-dir", str(ckpt)]
     with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -160,7 +160,7 @@ def test_a_rank_killed_under_torchrun_restarts_the_job_and_reliability_measures_
 
 def test_lm_scenarios_load_and_map_onto_the_suites_fault_families() -> None:
     lm = {s.name: s for s in load_all("full", ["lm-"])}
-    assert len(lm) == 7 and all(s.script == "lm_ddp" and not s.ci for s in lm.values())
+    assert len(lm) == 7 and all(s.script == "demo_job" and not s.ci for s in lm.values())
     assert {n for n, s in lm.items() if s.attach == "loop"} == {
         "lm-attach_at_loop-metrics_block-15ms-r3",
         "lm-attach_at_loop-slow_backward-1.7x-r1",
@@ -183,9 +183,11 @@ def test_a_script_scenario_runs_one_torchrun_per_simulated_host(tmp_path: Path) 
         assert cmd[cmd.index("--fault") + 1] == "slow_data" and cmd[cmd.index("--fault-rank") + 1] == "2"
 
     bad = tmp_path / "bad.yaml"
-    bad.write_text("script: lm_ddp\nfault: {kind: compute, rank: 1}\nexpect: {cause: compute, ranks: [1]}\n")
+    bad.write_text(
+        "script: demo_job\nfault: {kind: compute, rank: 1}\nexpect: {cause: compute, ranks: [1]}\n"
+    )
     with pytest.raises(ScenarioError, match="unknown fault"):
         load(bad)
-    bad.write_text("script: lm_ddp\nhosts: 3\n")
+    bad.write_text("script: demo_job\nhosts: 3\n")
     with pytest.raises(ScenarioError, match="multiple of hosts"):
         load(bad)

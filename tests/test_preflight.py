@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks.injectors import Fabric, Unavailable
+from benchmarks.workload import JobSpec, free_port
 from preflight import judge
-from rankscope.workload import JobSpec, free_port
 
 
 def _node(rank: int, send: float = 1.0, gflops: float = 30.0, gbps: float = 15.0, **extra: object) -> dict:

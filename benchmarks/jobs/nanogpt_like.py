@@ -8,7 +8,7 @@ Its one fault, for rankscope's fault suite: ``stall`` — from ``--onset-s`` sec
 ``--fault-rank`` sleeps ``--fault-ms`` before each backward pass, in the loop's own code (a
 blocking call written inline, as such loops have them). With ``--marker-dir`` it writes
 ``onset-r<rank>`` there (JSON: ``time``, ``step``) at its first faulty step. It takes
-``lm_ddp.py``'s command line; flags that are not its own are ignored.
+``rankscope/demo_job.py``'s command line; flags that are not its own are ignored.
 """
 
 import argparse
@@ -17,12 +17,12 @@ import os
 import time
 
 import torch
-from lm_ddp import GPT
 from torch.distributed import all_reduce, destroy_process_group, init_process_group
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import profiler_hook
+from rankscope.demo_job import GPT
 
 ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 ap.add_argument("--seconds", type=float, default=30.0)
@@ -52,7 +52,7 @@ def get_batch(split):
 
 
 model = GPT(vocab_size, block_size, d_model=64, n_head=4, n_layer=2)
-model = DDP(model)
+model = DDP(model)  # type: ignore[assignment]  # as nanoGPT writes it
 optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate)
 hook = profiler_hook.attach()
 
@@ -63,7 +63,7 @@ t0 = time.time()
 while True:
     with hook.step(iter_num):
         for micro_step in range(gradient_accumulation_steps):
-            model.require_backward_grad_sync = micro_step == gradient_accumulation_steps - 1
+            model.require_backward_grad_sync = micro_step == gradient_accumulation_steps - 1  # type: ignore[assignment]
             logits = model(X)
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), Y.view(-1))
             loss = loss / gradient_accumulation_steps

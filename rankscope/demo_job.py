@@ -1,7 +1,7 @@
 """Train a small GPT-style language model with DistributedDataParallel, launched by torchrun.
 
-    torchrun --nproc-per-node 4 benchmarks/jobs/lm_ddp.py --seconds 60
-    RANKSCOPE_SPOOL=/tmp/spool torchrun --nproc-per-node 4 benchmarks/jobs/lm_ddp.py --fault slow_data --fault-rank 2
+    torchrun --nproc-per-node 4 rankscope/demo_job.py --seconds 60
+    RANKSCOPE_SPOOL=/tmp/spool torchrun --nproc-per-node 4 rankscope/demo_job.py --fault slow_data --fault-rank 2
 
 A user's training script, written the way such scripts are written: a map-style ``Dataset`` over
 a tokenized corpus (synthetic here, stored compressed as it would be on disk), a ``DataLoader``

@@ -1,6 +1,6 @@
 """A real data-parallel training job on CPU/gloo, with faults that can be injected into one rank.
 
-Used by ``rankscope demo`` and the fault suite. Each rank trains the same MLP on its shard of a
+The fault suite's job (``rankscope demo`` runs ``rankscope/demo_job.py``, a user-style script). Each rank trains the same MLP on its shard of a
 synthetic classification set through a real DataLoader: forward, backward, gradients averaged
 over the ranks, an optimizer step. ``JobSpec.loop`` picks how gradients are averaged: a
 hand-written ``torch.distributed.all_reduce`` (``manual``), DDP (the default) or FSDP2.
@@ -50,8 +50,7 @@ from pathlib import Path
 from typing import Any
 
 _LOCAL_FAULTS = ("compute", "dataloader", "code_path", "callback", "grad_hook", "gc")
-"""Faults that live inside one rank's code, any two of which can run at once on two ranks (the
-demo offers the first three)."""
+"""Faults that live inside one rank's code, any two of which can run at once on two ranks ."""
 SUITE_FAULTS = ("none", *_LOCAL_FAULTS, "job_wide", "hang", "host", "nic", "switch")
 """Every fault kind; the last three are applied from outside the ranks (see the fault suite)."""
 HANG_SITES = ("collective", "dataloader", "python", "checkpoint")
@@ -689,7 +688,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-if __name__ == "__main__":  # quick manual run: python -m rankscope.workload [fault] [seconds]
+if __name__ == "__main__":  # quick manual run: python -m benchmarks.workload [fault] [seconds]
     kind = sys.argv[1] if len(sys.argv) > 1 else "none"
     secs = float(sys.argv[2]) if len(sys.argv) > 2 else 10
     stats = launch(JobSpec(job="manual", port=free_port(), seconds=secs, fault=Fault(kind=kind), hook=None))
