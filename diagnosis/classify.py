@@ -159,19 +159,20 @@ def classify(
     # forward a third, ``aten::mm`` 45% on a device 2x slower): then the finding names its
     # operators as a whole, the largest of them in the evidence.
     held = ATTRIBUTED * compute_excess
-    code = functions.innermost_code(excess, held) if slower else None
-    if code is not None:  # the job's own function whose operators got slower, and the operator
-        ev = {**ev, **code_evidence(code), "operator": slower.name if slower else ""}
-        return Attribution("compute", code.name, compute_excess / total, code.excess_us / total, ev)
+    share = compute_excess / total
+    if slower is not None and (code := functions.innermost_code(excess, held)) is not None:
+        ev = {**ev, **code_evidence(code), "operator": slower.name}  # the function, and the operator
+        return Attribution("compute", code.name, share, code.excess_us / total, ev)
     if slower is not None and slower.excess_us >= held:
-        return Attribution("compute", slower.name, compute_excess / total, slower.excess_us / total, ev)
+        return Attribution("compute", slower.name, share, slower.excess_us / total, ev)
     if sampled is not None and sampled_us >= held:
-        ev = {**sampled_evidence(sampled), **ev}
-        return Attribution("compute", sampled.name, compute_excess / total, sampled_us / total, ev)
+        return Attribution(
+            "compute", sampled.name, share, sampled_us / total, {**sampled_evidence(sampled), **ev}
+        )
     if slower is None:
-        return Attribution("compute", UNATTRIBUTED, compute_excess / total, 0.0, ev)
+        return Attribution("compute", UNATTRIBUTED, share, 0.0, ev)
     ev["largest"] = {e.name: round(e.excess_us / total, 3) for e in functions.largest(excess, 3)}
-    return Attribution("compute", ACROSS_OPERATORS, compute_excess / total, slower.excess_us / total, ev)
+    return Attribution("compute", ACROSS_OPERATORS, share, slower.excess_us / total, ev)
 
 
 def code_evidence(code: functions.FunctionExcess) -> dict[str, Any]:
