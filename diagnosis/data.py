@@ -90,6 +90,9 @@ class JobData:
     """The latest heartbeat of each rank."""
     samples: pd.DataFrame = field(default_factory=lambda: _empty(["rank", "function", "samples"]))
     """Per rank and function of the job's own code, the heartbeats' stack samples of the span read."""
+    read_samples: Callable[[int], pd.DataFrame] | None = None
+    """Reads ``samples`` of the heartbeats since a time (µs) within the span (None: only the
+    span's are known)."""
     links: pd.DataFrame = field(default_factory=lambda: _empty(LINK_FIELDS))
     """Per heartbeat of the span read and network link of its rank, the sends since the rank's last."""
     missing: pd.DataFrame = field(default_factory=lambda: _empty(["rank", "pid", "made", "stored"]))
@@ -103,6 +106,11 @@ class JobData:
             return self.read_functions(wanted) if wanted else _empty(FUNCTION_FIELDS)
         f = self.functions
         return f if f.empty else f[f["rank"].isin(wanted)]
+
+    def samples_since(self, since_us: int) -> pd.DataFrame:
+        """The stack samples of the heartbeats since ``since_us``, where the store can tell; else
+        those of the span read."""
+        return self.samples if self.read_samples is None else self.read_samples(since_us)
 
     def spans(self) -> pd.DataFrame:
         """One row per rank and profiling window: ``rank, window, step_lo, step_hi``."""
@@ -184,6 +192,7 @@ def read_job(
         windows=_spans(store.windows(job, since_us=since_us)),
         heartbeats=store.heartbeats_latest(job),
         samples=store.stack_samples(job, since_us=since_us),
+        read_samples=lambda t: store.stack_samples(job, since_us=max(t, since_us or 0)),
         links=store.link_sends(job, since_us=since_us),
         missing=store.missing(job),
     )
@@ -237,6 +246,7 @@ class RecentJob:
                 windows=windows,
                 heartbeats=beats,
                 samples=samples,
+                read_samples=lambda t: store.stack_samples(self.job, since_us=max(t, since)),
                 links=links,
             )
 

@@ -633,6 +633,28 @@ def test_a_stall_no_window_saw_at_all_is_named_from_the_samples_of_the_function_
     assert (f.cause, f.function) == ("compute", UNATTRIBUTED)
 
 
+T0_US = 1_700_000_000_000_000
+
+
+def test_a_stall_that_began_within_the_span_is_named_from_the_samples_since_it_began() -> None:
+    """Rank 5's callback starts sleeping halfway through the span read: over the whole span it
+    holds a twentieth of the rank's samples, too few to name it; since the change, half. A store's
+    data reads the samples since the step the straggler began at."""
+    data = synthetic(slow={5: {"compute_us": 2000, "cpu": 5000 / 7000, "from": 150}})
+    data = replace(data, steps=data.steps.assign(start_us=T0_US + 10_000 * data.steps["step"]))
+    loop, callback = "trainer.py(2200): _inner_training_loop", "train.py(30): on_step_end"
+    peers = {r: {sample_key(loop, 2300): 16} for r in range(8) if r != 5}
+    whole = _samples(peers | {5: {sample_key(loop, 2300): 19, sample_key(callback, 31): 1}})
+    since = _samples(peers | {5: {sample_key(loop, 2300): 8, sample_key(callback, 31): 8}})
+    f = only(diagnose(replace(data, samples=whole)).findings)
+    assert (f.cause, f.ranks, f.function) == ("code_path", [5], UNATTRIBUTED)
+    asked: list[int] = []
+    f = only(diagnose(replace(data, samples=whole, read_samples=lambda t: asked.append(t) or since)).findings)
+    assert (f.cause, f.ranks, f.function) == ("code_path", [5], callback)
+    began = data.steps.query(f"rank == 5 and step >= {f.evidence['held_since_step']}")["start_us"].min()
+    assert asked == [began] and f.evidence["held_since_step"] >= 150
+
+
 def test_intermittent_stalls_and_bursts_are_stragglers_though_their_median_step_is_healthy() -> None:
     # A 20 ms data-loader stall on every 20th step: the median step of rank 4 is its peers'.
     f = only(diagnose(synthetic(slow={4: {"data_us": 20_000, "on": 1, "off": 19}})).findings)
