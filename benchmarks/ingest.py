@@ -159,9 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.ingest", description=__doc__.split("\n\n")[0])
     p.add_argument("--summaries", type=int, default=20_000, help="window summaries to ingest (default 20000)")
     p.add_argument("--functions", type=int, default=300, help="function patterns per summary (default 300)")
-    p.add_argument(
-        "--batch", type=int, default=20_000, help="aggregator batch size in messages (default 20000)"
-    )
+    p.add_argument("--batch", type=int, default=5000, help="aggregator batch size in messages (default 5000)")
     p.add_argument("--kafka", help="bootstrap servers of a running broker (default: start a Kafka 0.9 here)")
     p.add_argument("--kafka-api-version", default="0.9", help="(default 0.9, the bundled broker)")
     p.add_argument("--json", help="write the results here")

@@ -354,9 +354,7 @@ def parser() -> argparse.ArgumentParser:
     )
     _kafka_options(a)
     _store_options(a)
-    a.add_argument(
-        "--batch-records", type=int, default=20_000, help="write every N messages (default: 20000)"
-    )
+    a.add_argument("--batch-records", type=int, default=5000, help="write every N messages (default: 5000)")
     a.add_argument("--batch-seconds", type=float, default=1.0, help="…or every S seconds (default: 1)")
     a.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     a.add_argument(
