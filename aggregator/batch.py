@@ -9,9 +9,7 @@ stores it.
 from __future__ import annotations
 
 import logging
-import math
 import time
-from collections.abc import Callable
 from dataclasses import fields
 from operator import attrgetter
 from typing import Any
@@ -46,7 +44,6 @@ from .schema import (
     QUOTES_FIELD,
     RANKS,
     STEPS,
-    TABLES,
     WINDOWS,
     Table,
 )
@@ -54,31 +51,17 @@ from .schema import (
 log = logging.getLogger(__name__)
 
 
-# --- checking values against column types -------------------------------------------------------
+# --- checking a dead letter's values against its columns ----------------------------------------
+#
+# A record's rows need no such check: see ``_implied`` below.
 
 
-def _int_check(lo: int, hi: int) -> Callable[[Any], Any]:
-    def check(v: Any) -> Any:
-        if type(v) is not int:  # bool is an int subclass, and JSON true is not a count
-            raise ValueError("must be an integer")
-        if not lo <= v < hi:
-            raise ValueError(f"is outside [{lo}, {hi})")
-        return v
-
-    return check
-
-
-def _float(v: Any) -> float:
-    if type(v) is int:
-        try:
-            v = float(v)
-        except OverflowError:
-            raise ValueError("is too large for Float64") from None
-    elif type(v) is not float:
-        raise ValueError("must be a number")
-    if not math.isfinite(v):
-        raise ValueError("must be finite")
-    return v  # type: ignore[no-any-return]
+def _int64(v: Any) -> Any:
+    if type(v) is not int:  # bool is an int subclass, and JSON true is not a count
+        raise ValueError("must be an integer")
+    if not INT64[0] <= v < INT64[1]:
+        raise ValueError(f"is outside [{INT64[0]}, {INT64[1]})")
+    return v
 
 
 def _str(v: Any) -> str:
@@ -92,50 +75,18 @@ def _str(v: Any) -> str:
     return v
 
 
-def _map_check(value_check: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    def check(v: Any) -> Any:
-        if type(v) is not dict:
-            raise ValueError("must be an object")
-        return {_str(k): value_check(x) for k, x in v.items()}
-
-    return check
+_DEAD_LETTER_CHECKS = tuple(
+    (name, {"Int64": _int64, "String": _str}[type_]) for name, type_ in DEAD_LETTERS.columns
+)
 
 
-def _pair_check(item_check: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    def check(v: Any) -> Any:
-        if not isinstance(v, (tuple, list)) or len(v) != 2:
-            raise ValueError("must be a pair")
-        return item_check(v[0]), item_check(v[1])
-
-    return check
-
-
-_Int64 = _int_check(-(1 << 63), 1 << 63)
-_CHECKS: dict[str, Callable[[Any], Any]] = {
-    "UInt8": _int_check(0, 1 << 8),
-    "Int32": _int_check(-(1 << 31), 1 << 31),
-    "Int64": _Int64,
-    "UInt64": _int_check(0, 1 << 64),
-    "Float64": _float,
-    "String": _str,
-    "LowCardinality(String)": _str,
-    "Map(String, Int64)": _map_check(_Int64),
-    "Map(String, Float64)": _map_check(_float),
-    "Map(String, Tuple(Int64, Int64))": _map_check(_pair_check(_Int64)),
-}
-_TABLE_CHECKS = {
-    t.name: tuple(zip(t.column_names, (_CHECKS[type_] for type_ in t.column_types), strict=True))
-    for t in TABLES.values()
-}
-
-
-def _checked(table: Table, values: tuple[Any, ...]) -> tuple[Any, ...]:
+def _checked_dead_letter(values: tuple[Any, ...]) -> tuple[Any, ...]:
     out = []
-    for (name, check), v in zip(_TABLE_CHECKS[table.name], values, strict=True):
+    for (name, check), v in zip(_DEAD_LETTER_CHECKS, values, strict=True):
         try:
             out.append(check(v))
         except ValueError as exc:
-            raise RecordError(f"{table.name}.{name} {exc}, got {v!r:.80}") from None
+            raise RecordError(f"{DEAD_LETTERS.name}.{name} {exc}, got {v!r:.80}") from None
     return tuple(out)
 
 
@@ -356,5 +307,5 @@ class Batch:
             reason,
             _now_us(),
         )
-        self.rows.setdefault(DEAD_LETTERS.name, []).append(_checked(DEAD_LETTERS, row))
+        self.rows.setdefault(DEAD_LETTERS.name, []).append(_checked_dead_letter(row))
         self.dead_letters += 1

@@ -266,11 +266,11 @@ def encode(record: Record) -> tuple[bytes, bytes]:
 # decode() applies them all, so that the spool reader and the Kafka consumer (which share it through
 # aggregator.batch.Batch) store a value exactly as it was sent or dead-letter it with the reason,
 # never change it: the value is strict JSON in UTF-8 without a byte order mark (RFC 8259: no NaN or
-# Infinity, no 07 or +7, no trailing comma), no object repeats a key; an integer field holds a JSON integer (not "7", 7.0 or true)
-# within Int64, or the narrower range of INT_RANGES; a float field holds a JSON number (integer or
-# not), read as the nearest double as every JSON reader does, and finite (1e400 is refused); a
-# string field holds a string of valid Unicode (no lone surrogate). Fields a record type does not
-# know are ignored. aggregator.schema holds ClickHouse to the same rules for the window summaries
+# Infinity, no 07 or +7, no trailing comma), no object repeats a key; an integer field holds a JSON
+# integer (not "7", 7.0 or true) within Int64, or the narrower range of INT_RANGES; a float field
+# holds a JSON number (integer or not), read as the nearest double as every JSON reader does, and
+# finite (1e400 is refused); a string field holds a string of valid Unicode (no lone surrogate).
+# Fields a record type does not know are ignored. aggregator.schema holds ClickHouse to the same rules for the window summaries
 # it parses itself.
 
 INT64 = (-(1 << 63), 1 << 63)
