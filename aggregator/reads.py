@@ -17,7 +17,7 @@ from clickhouse_connect.driver.exceptions import ClickHouseError
 
 from .errors import StoreError
 from .schema import (
-    ARRIVALS,
+    ARRIVALS_BY_PROCESS,
     ATTEMPTS,
     CHECKPOINTS,
     DEAD_LETTERS,
@@ -287,8 +287,8 @@ class Reads:
         on the way (dropped by the hook, lost by the transport, dead-lettered); records lost after
         a process's last stored one cannot be seen."""
         sql = f"""
-            SELECT rank, pid, max(seq) + 1 AS made, uniqExact(seq) AS stored
-            FROM {self._t(ARRIVALS)} WHERE job = {{job:String}}
+            SELECT rank, pid, maxMerge(last) + 1 AS made, groupBitmapMerge(seqs) AS stored
+            FROM `{self._db}`.`{ARRIVALS_BY_PROCESS}` WHERE job = {{job:String}}
             GROUP BY rank, pid HAVING stored < made ORDER BY rank, pid"""
         return self._frame(sql, {"job": job}, ("rank", "pid", "made", "stored"))
 

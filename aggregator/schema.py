@@ -224,6 +224,35 @@ ARRIVALS = Table(
 rank: the numbers a rank's process made and the store lacks are records lost on the way
 (``Reads.missing``). Records of hooks that do not number them (``seq`` -1) have none."""
 
+ARRIVALS_BY_PROCESS = "arrivals_by_process"
+"""Per job, rank and process, the largest record number stored and the set of those stored (a
+compressed bitmap: a process's numbers are dense), kept up to date from ``arrivals`` by a view, so
+that the records lost on the way (``Reads.missing``) are read from one row per process, not one
+per record."""
+
+
+ARRIVALS_BY_PROCESS_OBJECTS = (ARRIVALS_BY_PROCESS, f"{ARRIVALS_BY_PROCESS}_from_arrivals")
+"""The table and the view that fills it."""
+
+
+def _arrivals_by_process_ddl(database: str) -> list[str]:
+    t = f"`{database}`.`{ARRIVALS_BY_PROCESS}`"
+    select = (
+        "SELECT job, rank, pid, maxState(seq) AS last, groupBitmapState(toUInt64(seq)) AS seqs "
+        f"FROM `{database}`.`{ARRIVALS.name}` WHERE seq >= 0 GROUP BY job, rank, pid"
+    )
+    return [
+        f"CREATE TABLE IF NOT EXISTS {t} (\n    `job` LowCardinality(String),\n    `rank` Int32,\n"
+        "    `pid` Int64,\n    `last` AggregateFunction(max, Int64),\n"
+        "    `seqs` AggregateFunction(groupBitmap, UInt64)\n)\n"
+        f"ENGINE = AggregatingMergeTree\nORDER BY (`job`, `rank`, `pid`)\nCOMMENT '{_COMMENT}'",
+        f"CREATE MATERIALIZED VIEW IF NOT EXISTS `{database}`.`{ARRIVALS_BY_PROCESS_OBJECTS[1]}` TO {t} AS {select}",
+        # A store made before this table: what ``arrivals`` holds already. Both aggregates are
+        # idempotent, so rows the view also counted (inserted meanwhile) change nothing.
+        f"INSERT INTO {t} {select}",
+    ]
+
+
 DEAD_LETTERS = Table(
     "dead_letters",
     (
@@ -471,6 +500,9 @@ def ensure_schema(client: Any, database: str = DEFAULT_DATABASE) -> None:
             _rekey(client, database, TABLES[name])
         _migrate(client, database, name, dict(found)[name])
     for ddl in _window_input_ddl(database):
+        client.command(ddl)
+    made = _arrivals_by_process_ddl(database)
+    for ddl in made if ARRIVALS_BY_PROCESS not in dict(found) and ARRIVALS.name in dict(found) else made[:2]:
         client.command(ddl)
     log.debug("schema %s ready in database %s", STORE_VERSION, database)
 

@@ -102,7 +102,7 @@ class Notifier:
     ) -> None:
         self.webhooks = webhooks
         self._record = record
-        self._attempts, self._backoff_s, self._timeout_s = attempts, backoff_s, timeout_s
+        self.attempts, self.backoff_s, self.timeout_s = attempts, backoff_s, timeout_s
         self._due: list[tuple[float, int, Webhook, dict[str, Any], str, int]] = []
         self._order = itertools.count()
         self._cv = threading.Condition()
@@ -147,8 +147,8 @@ class Notifier:
                 self.delivered += 1
                 continue
             self.failed += 1
-            if attempt < self._attempts:
-                delay = self._backoff_s * 2 ** (attempt - 1)
+            if attempt < self.attempts:
+                delay = self.backoff_s * 2 ** (attempt - 1)
                 with self._cv:
                     heapq.heappush(
                         self._due,
@@ -164,7 +164,7 @@ class Notifier:
             url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
         )
         try:
-            with urllib.request.urlopen(req, timeout=self._timeout_s) as resp:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
                 return "" if 200 <= resp.status < 300 else f"HTTP {resp.status}"
         except Exception as exc:
             return f"{type(exc).__name__}: {exc}"[:500]

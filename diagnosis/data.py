@@ -230,10 +230,11 @@ class RecentJob:
         since = last_us - int(self.recent_s * 1e6)
         ranks, beats = store.ranks(self.job), store.heartbeats_latest(self.job)
         # A row per rank and function, and per heartbeat and link: read whole.
-        samples, links, windows = (
+        samples, links, windows, missing = (
             store.stack_samples(self.job, since_us=since),
             store.link_sends(self.job, since_us=since),
             _spans(store.windows(self.job, since_us=since)),
+            store.missing(self.job),  # over the job's life: one row per process
         )
 
         def held(steps: pd.DataFrame, fns: pd.DataFrame) -> JobData:
@@ -248,6 +249,7 @@ class RecentJob:
                 samples=samples,
                 read_samples=lambda t: store.stack_samples(self.job, since_us=max(t, since)),
                 links=links,
+                missing=missing,
             )
 
         old = self.data

@@ -23,7 +23,7 @@ import time
 import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from wire.records import (
     Checkpoint,
@@ -60,6 +60,18 @@ SUPPORTED_TORCH = ((2, 8), (2, 15))
 """The oldest and newest torch releases (major, minor) the hook is tested on (``./dev test``)."""
 MAX_GROUPS_SAID = 8
 """Process groups the rank record names one by one (a 3D-parallel job has hundreds)."""
+
+
+class Window(NamedTuple):
+    """A profiling window while it is open."""
+
+    number: int
+    """The step it was planned for: the window's id."""
+    first: int
+    end: int
+    """The step it is due to end before (later where collectives are still held: ``MAX_POSTPONED``)."""
+    started_ns: int
+    """When it started (``time.time_ns()``)."""
 
 
 def _now_us() -> int:
@@ -111,7 +123,7 @@ class Hook:
         self._epoch_offset_ns = time.time_ns() - self._mark_ns
         self._data_ns = 0
         self._prof: Any = None
-        self._window: tuple[int, int, int, int] | None = None
+        self._window: Window | None = None
         self._waits: Waits = {}
         """The threads' CPU wait at the window's start."""
         self._summarizers: list[threading.Thread] = []
@@ -169,6 +181,19 @@ class Hook:
         )
         exits.closing_at_exit(self)
         self._blocks.restart()  # the first step's CPU time is not attach's own (imports, patching)
+
+    @property
+    def window(self) -> Window | None:
+        """The profiling window open now, if one is."""
+        return self._window
+
+    def wait_summaries(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the windows taken so far to be summarized and handed
+        to the shipper; whether they all were."""
+        deadline = time.monotonic() + timeout
+        for t in self._summarizers:
+            t.join(max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in self._summarizers)
 
     def _origin(self) -> dict[str, Any]:
         return {"job": self.cfg.job, "rank": self.ident.rank, "host": self.ident.host, "time_us": _now_us()}
@@ -317,8 +342,7 @@ class Hook:
                     self._settled()
                     self._prof.stop()
                     self._prof = None
-                for t in self._summarizers:
-                    t.join(max(0.0, deadline - time.monotonic()))
+                self.wait_summaries(max(0.0, deadline - time.monotonic()))
                 self._wait.close()
                 self.watchdog.close(max(1.0, deadline - time.monotonic()))
                 self.shipper.submit(self.watchdog.beat())
@@ -449,9 +473,7 @@ class Hook:
         # The last window's summarizer must be done: torch's Python tracer hooks every thread at
         # start and unhooks each at stop, and reading one result while the next session starts
         # shares kineto's state. It takes tens of milliseconds, and windows are seconds apart.
-        for t in self._summarizers:
-            t.join(SUMMARIZE_WAIT_S)
-        if any(t.is_alive() for t in self._summarizers):
+        if not self.wait_summaries(SUMMARIZE_WAIT_S):
             log.warning("rankscope: the last window is still being summarized: window %d skipped", s)
             return
         if not self._settled():  # nothing is kept unless with_stack installed it
@@ -471,11 +493,11 @@ class Hook:
             # turns every event into a Python object at stop(): 0.5-1 s on the training thread.
             warnings.filterwarnings("ignore", message=".*clears events at the end of each cycle")
             self._prof.start()
-        self._window = (s, s, s + cfg.window_steps, time.time_ns())
+        self._window = Window(s, s, s + cfg.window_steps, time.time_ns())
         self.tracker.recording = []
 
     def _maybe_stop_window(self) -> None:
-        if self._prof is None or self._window is None or self.step_num + 1 < self._window[2]:
+        if self._prof is None or self._window is None or self.step_num + 1 < self._window.end:
             return
         prof, (number, lo, hi, t0) = self._prof, self._window
         if not self._settled() and self.step_num + 1 < hi + MAX_POSTPONED:

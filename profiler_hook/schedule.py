@@ -116,6 +116,10 @@ class Schedule:
         self.plans = 0
         self.missed = 0
         """Windows this rank learnt of only after their step had passed."""
+        self.asking = False
+        """This rank's trigger fired (or a caller asks for a window) and the request is not sent yet."""
+        self.requests_read = 0
+        """The ranks' requests for a window rank 0 has read from the job's store."""
         self._store_fn, self._clock = store, clock
         self._key, self._req_key = f"rankscope/{job}/window", f"rankscope/{job}/requests"
         self._ready_key = f"rankscope/{job}/ready"
@@ -143,9 +147,6 @@ class Schedule:
         """The same for this rank's own time per step (outside collectives)."""
         self._bucket_ns = self._bucket_own_ns = self._bucket_n = 0
         self._recent: deque[int] = deque(maxlen=LEAD_STEPS)
-        self._want = False
-        """This rank's trigger fired and the request is not sent yet."""
-        self._requests_seen = 0
         self._last_plan = clock()
         self._last_trigger = -math.inf
         self._follow_ups = FOLLOW_UPS
@@ -186,7 +187,7 @@ class Schedule:
         if self.trigger_ratio and (
             _jumped(self._means, self.trigger_ratio) or _jumped(self._own_means, TRIGGER_OWN_RATIO)
         ):
-            self._want = True
+            self.asking = True
 
     def note_block(self, own_us: float, cpu_us: float) -> None:
         """A step block ended: its own time and CPU time per step (µs), compared with the peers'."""
@@ -224,9 +225,9 @@ class Schedule:
                     self._compare_warned = True
                     log.warning("rankscope: ranks' rates not compared (%s: %s)", type(exc).__name__, exc)
         if self.rank != 0 and store is not None:
-            if self._want:
+            if self.asking:
                 store.add(self._req_key, 1)
-                self._want = False
+                self.asking = False
             if store.check([self._key]):
                 first, _, stacks = store.get(self._key).decode().partition(":")
                 if not self._adopt(int(first), step, stacks != "0"):
@@ -240,8 +241,8 @@ class Schedule:
             self._all_ready = True
         now = self._clock()
         requests = store.add(self._req_key, 0) if store is not None else 0
-        asked = self._want or requests > self._requests_seen
-        self._want, self._requests_seen = False, requests
+        asked = self.asking or requests > self.requests_read
+        self.asking, self.requests_read = False, requests
         if asked and now - self._last_trigger < TRIGGER_COOLDOWN_S:
             asked = False
         follow_up = self._follow_ups > 0 and now - self._last_plan >= TRIGGER_COOLDOWN_S
@@ -289,7 +290,7 @@ class Schedule:
         if rates[0] >= STAND_OUT_OWN * own or rates[1] >= STAND_OUT_CPU * cpu > 0:
             self._standing_out += 1
             if self._standing_out == STAND_OUT_BLOCKS:
-                self._want = True
+                self.asking = True
                 store.add(self._standing_key, 1)
         else:
             if self._standing_out >= STAND_OUT_BLOCKS:

@@ -258,7 +258,7 @@ def test_a_restarted_service_keeps_its_tickets_and_opens_none_twice(
 def test_a_dead_webhook_is_retried_with_backoff_and_every_attempt_kept(store_dir: Path, spool: Path) -> None:
     flaky = Receiver(codes=(500, 503))
     store, svc = _service(store_dir, spool, webhooks=[Webhook(flaky.url)])
-    svc.notifier._backoff_s = 0.05
+    svc.notifier.backoff_s = 0.05
     try:
         _running(svc)
         assert flaky.wait_for(1)
@@ -333,20 +333,28 @@ def test_replicas_on_one_store_keep_one_ticket_and_see_each_others_changes(
 
 
 def test_the_pictures_are_drawn_once_a_diagnosis_by_the_cycle_while_someone_watches(
-    served: tuple[Service, TestClient],
+    served: tuple[Service, TestClient], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     svc, client = served
+    drawn: dict[str, list[Any]] = {name: [] for name in VIEWS}  # name -> the data each drawing read
+    for name, draw in list(VIEWS.items()):
+        monkeypatch.setitem(
+            VIEWS, name, lambda s, job, data, _d=draw, _n=name: drawn[_n].append(data) or _d(s, job, data)
+        )
     now = _running(svc)
     svc.cycle(now_us=now)  # nobody has asked for the job's pictures: none drawn
-    assert svc.stats.last_views_s == 0 and "compute-r2" not in svc._views
+    assert svc.stats.last_views_s == 0 and not any(drawn.values())
     page = client.get("/jobs/compute-r2", headers={"Authorization": f"Bearer {READ}"}).text
-    drawn = svc._views["compute-r2"]
-    assert drawn[0] is svc.job_data("compute-r2") and "pictures" in drawn[1] and drawn[1]["pictures"] in page
-    assert svc.view("compute-r2", "pictures") is drawn[1]["pictures"]  # drawn once
+    pictures = svc.view("compute-r2", "pictures")
+    assert pictures in page and svc.view("compute-r2", "pictures") is pictures
+    (data,) = drawn["pictures"]  # drawn once, from the data the diagnosis read
+    assert data is svc.job_data("compute-r2")
+    before = {name: len(d) for name, d in drawn.items()}
     svc.jobs["compute-r2"].data_last_us = -1  # as if new records had come
     svc.cycle(now_us=now + 1_000_000)
-    again = svc._views["compute-r2"]
-    assert again is not drawn and set(again[1]) == set(VIEWS)  # the cycle drew them all anew
+    again = svc.job_data("compute-r2")
+    assert all(len(d) == before[n] + 1 and d[-1] is again for n, d in drawn.items()), drawn  # all drawn anew
+    assert svc.view("compute-r2", "pictures") is not pictures
     assert svc.stats.last_views_s > 0
 
 

@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -511,10 +512,10 @@ def test_a_slowdown_on_any_rank_triggers_a_window_for_all_ranks_at_once() -> Non
     # 1 ms steps for 12 s; rank 1 alone sees them grow to 3 ms from step 12,000. Two seconds of
     # slow steps (two buckets) later, it asks for a window.
     for step in range(12_000 + 668):
-        assert not follower._want  # until the second slow second is over
+        assert not follower.asking  # until the second slow second is over
         planner.note_step(1_000_000)
         follower.note_step(3_000_000 if step >= 12_000 else 1_000_000)
-    assert follower._want
+    assert follower.asking
     for s in (follower, planner, follower):  # the request goes out, rank 0 plans, rank 1 reads it
         s.poll(step)
     assert planner.planned == follower.planned > step
@@ -540,7 +541,7 @@ def test_windows_that_look_for_a_cause_record_stacks_and_periodic_ones_do_not_on
 
     def window(request: bool = False) -> None:
         nonlocal step
-        follower._want = request
+        follower.asking = request
         for s in (follower, planner, follower):  # the request goes out, rank 0 plans, rank 1 reads
             s.poll(step)
         assert planner.planned == follower.planned > step
@@ -580,15 +581,15 @@ def test_a_rank_that_stands_out_from_its_peers_with_no_jump_asks_for_a_window_on
                 s.poll(step)
 
     blocks(11_000.0, 8_500.0, 5)  # 1.1x and 1.06x: within a healthy job's spread
-    assert planner.plans == 0 and planner._requests_seen == 0
+    assert planner.plans == 0 and planner.requests_read == 0
     blocks(10_000.0, 9_600.0, 2)  # two blocks in a row: it asks, and rank 0 plans
-    assert planner._requests_seen == 1 and planner.plans == 1 and planner.stacks
+    assert planner.requests_read == 1 and planner.plans == 1 and planner.stacks
     follower.poll(step)
     assert follower.planned == planner.planned > step and follower.stacks
     for _ in range(2):  # the two follow-ups, 10 s apart; it still stands out: no second request
         clock[0] += 10
         blocks(10_000.0, 9_600.0, 1)
-    assert planner.plans == 3 and planner._requests_seen == 1
+    assert planner.plans == 3 and planner.requests_read == 1
     clock[0] += 3600
     blocks(10_000.0, 9_600.0, 1)
     assert planner.plans == 4 and planner.stacks  # a periodic window, with stacks while it stands out
@@ -597,10 +598,12 @@ def test_a_rank_that_stands_out_from_its_peers_with_no_jump_asks_for_a_window_on
     blocks(10_000.0, 8_000.0, 1)
     assert planner.plans == 5 and not planner.stacks  # no rank stands out: operators only
     blocks(13_500.0, 8_000.0, 3)  # own time 1.35x, after it stopped standing out: asks again
-    assert planner._requests_seen == 2
+    assert planner.requests_read == 2
 
 
-def test_ranks_compare_their_rates_through_a_store_without_multi_get() -> None:
+def test_ranks_compare_their_rates_through_a_store_without_multi_get(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """An older torch's store has no ``multi_get``: rank 0 reads the sample's keys one by one."""
 
     class OldStore:
@@ -618,7 +621,8 @@ def test_ranks_compare_their_rates_through_a_store_without_multi_get() -> None:
         follower.note_block(10_000.0, 9_600.0)
         for s in (follower, planner):
             s.poll(step)
-    assert not follower._compare_warned and planner._requests_seen == 1 and planner.plans == 1
+    assert planner.requests_read == 1 and planner.plans == 1
+    assert "not compared" not in caplog.text
 
 
 def test_a_healthy_busy_job_does_not_trigger_but_a_lasting_slowdown_does() -> None:
@@ -636,15 +640,15 @@ def test_a_healthy_busy_job_does_not_trigger_but_a_lasting_slowdown_does() -> No
         )
         for d, o in zip(trace["dur_us"], trace["own_us"], strict=True):
             s.note_step(d * 1000, o * 1000)
-            assert not s._want
+            assert not s.asking
         t = 0.0
         for d, o in zip(trace["dur_us"], trace["own_us"], strict=True):
             slow_d, slow_o = slower(d * 1000, o * 1000)
             s.note_step(int(slow_d), int(slow_o))
             t += slow_d
-            if s._want or t > 3.2e9:
+            if s.asking or t > 3.2e9:
                 break
-        assert s._want and t <= 3.2e9
+        assert s.asking and t <= 3.2e9
 
 
 def test_a_request_made_while_a_window_is_planned_is_served_after_it() -> None:
@@ -657,7 +661,7 @@ def test_a_request_made_while_a_window_is_planned_is_served_after_it() -> None:
     for step in range(8_700):  # rank 1's steps triple after 8 s, while that window is still ahead
         planner.note_step(1_000_000)
         follower.note_step(3_000_000 if step >= 8_000 else 1_000_000)
-    assert follower._want
+    assert follower.asking
     follower.poll(first - 1)  # the request goes out
     planner.poll(first - 1)  # planned ahead already: the request must wait, not be lost
     assert planner.plans == 1
@@ -915,8 +919,7 @@ def test_a_window_records_python_functions_only_where_its_plan_asks_for_stacks()
         for _ in range(8):
             with hook.step():
                 x = torch.tanh(x @ x)
-        for t in hook._summarizers:
-            t.join(30)
+        assert hook.wait_summaries(30)
     hook.close(timeout=30)
     wins = [r for r in map(decode, sink.got) if isinstance(r, WindowSummary)]
     kinds = [{f.kind for f in w.functions} for w in sorted(wins, key=lambda w: w.window)]
@@ -931,23 +934,23 @@ def _in_a_window(sink: ListSink, steps: int) -> Hook:
     for _ in range(steps):
         with hook.step():
             pass
-    assert hook._prof is not None, "the planned window is open"
+    assert hook.window is not None, "the planned window is open"
     return hook
 
 
-def test_close_ships_the_step_rows_before_it_stops_an_open_window() -> None:
+def test_close_ships_the_step_rows_before_it_stops_an_open_window(monkeypatch: pytest.MonkeyPatch) -> None:
     """At SIGTERM our thread ends the process 2 s into the close: the step rows (a restart's redone
     work is measured by them) are out before a window's stop, which can take longer, even begins."""
     sink = ListSink()
     hook = _in_a_window(sink, steps=3)
-    stop, shipped_by_then = hook._prof.stop, []
+    stop, shipped_by_then = torch.profiler.profile.stop, []
 
-    def slow_stop() -> None:
+    def slow_stop(prof: torch.profiler.profile) -> None:
         time.sleep(0.5)  # the shipper thread's time to ship what was handed to it before
         shipped_by_then.extend(r for r in map(decode, sink.got) if isinstance(r, StepBatch))
-        stop()
+        stop(prof)
 
-    hook._prof.stop = slow_stop
+    monkeypatch.setattr(torch.profiler.profile, "stop", slow_stop)
     hook.close(timeout=30)
     assert sum(row.n_steps for r in shipped_by_then for row in r.rows) == 3, shipped_by_then
 
@@ -957,7 +960,7 @@ def test_pausing_inside_a_window_ends_the_window() -> None:
     sink = ListSink()
     hook = _in_a_window(sink, steps=2)
     hook.pause()
-    assert hook._prof is None and hook._window is None and hook.tracker.recording is None
+    assert hook.window is None and hook.tracker.recording is None
     hook.resume()
     for _ in range(10):
         with hook.step():
@@ -976,22 +979,23 @@ def test_a_window_starts_only_once_the_last_one_is_summarized(monkeypatch: pytes
         sink,
     )
     summarized: list[int] = []
-    real = hook._summarize
 
-    def slow(*args: object) -> None:
+    def slow(*args: Any) -> Any:
         time.sleep(0.3)
-        real(*args)
-        summarized.append(time.time_ns())
+        try:
+            return summarize(*args)
+        finally:
+            summarized.append(time.time_ns())
 
-    monkeypatch.setattr(hook, "_summarize", slow)
+    monkeypatch.setattr("profiler_hook.summarize.summarize", slow)
     started = []
     for planned, wait_s in ((1, 5.0), (4, 5.0), (7, 0.05)):
         monkeypatch.setattr("profiler_hook.hook.SUMMARIZE_WAIT_S", wait_s)
         hook.schedule.planned = planned
         while hook.step_num < planned + 2:
             with hook.step():
-                if hook._window is not None and hook._window[1] == hook.step_num:
-                    started.append(hook._window[3])
+                if hook.window is not None and hook.window.first == hook.step_num:
+                    started.append(hook.window.started_ns)
     hook.close(timeout=30)
     assert len(started) == 2, "the third window is skipped: the second's summarizer was still running"
     assert started[1] >= summarized[0]
@@ -1038,7 +1042,7 @@ def test_a_window_waits_for_a_collective_in_flight_but_not_for_a_context_a_live_
             if step == 4:
                 late = hook.tracker.enter("world", "all_reduce", 0, blocking=False)
             with hook.step():
-                profiling[step] = hook._prof is not None
+                profiling[step] = hook.window is not None
                 (w * 2).sum().backward()
             if late is not None:
                 hook.tracker.exit(late)
@@ -1074,7 +1078,7 @@ def test_ddp_with_unused_parameters_found_gets_its_windows() -> None:
             if step in (2, 7):
                 hook.schedule.planned = step
             with hook.step():
-                started.append(hook._prof is not None)
+                started.append(hook.window is not None)
                 model(torch.randn(32, 64)).sum().backward()
         held = len(threadstates._shared())
         hook.close(timeout=30)
@@ -1355,14 +1359,13 @@ def test_close_honours_its_timeout_with_a_dead_broker_and_counts_what_it_abandon
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     hook = Hook(
-        Config(sink="kafka", kafka_bootstrap=f"127.0.0.1:{port}", window_s=0, queue_size=64, step_block_s=0),
+        Config(sink="kafka", kafka_bootstrap=f"127.0.0.1:{port}", window_s=0, queue_size=64, step_block_s=0,
+               flush_s=1e-9),  # each step's row shipped as it ends
         Identity(rank=0, local_rank=0, world_size=1, host="h"),
-    )
+    )  # fmt: skip
     submit, submitted = hook.shipper.submit, [1]  # its rank record is queued already
     hook.shipper.submit = lambda rec: submitted.append(1) or submit(rec)  # type: ignore[method-assign]
-    for _ in range(40):
-        _steps(hook, 5)
-        hook._flush_steps()
+    _steps(hook, 200)
     t0 = time.monotonic()
     hook.close(timeout=2.0)
     took = time.monotonic() - t0
@@ -1556,18 +1559,20 @@ def test_nvml_samples_the_ranks_own_gpu_through_cuda_visible_devices(monkeypatch
 
     from profiler_hook.gpu import GpuSampler
 
+    asked: list[tuple[str, object]] = []  # the device handles NVML is asked about
     fake = SimpleNamespace(
         nvmlInit=lambda: None,
         nvmlDeviceGetHandleByIndex=lambda i: ("index", i),
         nvmlDeviceGetHandleByUUID=lambda u: ("uuid", u),
-        nvmlDeviceGetUtilizationRates=lambda h: SimpleNamespace(gpu=87),
-        nvmlDeviceGetMemoryInfo=lambda h: SimpleNamespace(used=3 << 30),
+        nvmlDeviceGetUtilizationRates=lambda h: asked.append(h) or SimpleNamespace(gpu=87),
+        nvmlDeviceGetMemoryInfo=lambda h: asked.append(h) or SimpleNamespace(used=3 << 30),
     )
     monkeypatch.setitem(sys.modules, "pynvml", fake)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,GPU-5f2e")
     first, second = GpuSampler(0), GpuSampler(1)
-    assert (first._handle, second._handle) == (("index", 3), ("uuid", "GPU-5f2e"))
     assert first.sample() == {"gpu_util": 87.0, "gpu_mem_mb": 3072.0}
+    assert second.sample() == {"gpu_util": 87.0, "gpu_mem_mb": 3072.0}
+    assert asked == [("index", 3), ("index", 3), ("uuid", "GPU-5f2e"), ("uuid", "GPU-5f2e")]
     fake.nvmlDeviceGetUtilizationRates = lambda h: (_ for _ in ()).throw(RuntimeError("GPU is lost"))
     assert first.sample() == {}, "a failing NVML call gives no sample, never an exception"
     monkeypatch.setitem(sys.modules, "pynvml", None)  # not installed: import fails
@@ -1587,10 +1592,10 @@ def test_close_waits_for_the_watchdog_thread_inside_a_slow_call_of_the_jobs_stor
         inside.set()
         time.sleep(1.5)
 
-    hook.watchdog._tick = slow_store_call
+    hook.schedule.poll = lambda step: slow_store_call()  # type: ignore[method-assign]
     assert inside.wait(5)
     hook.close(timeout=5)
-    assert not hook.watchdog._thread.is_alive()
+    assert "rankscope-watchdog" not in [t.name for t in threading.enumerate()]
 
 
 @pytest.mark.parametrize(

@@ -38,6 +38,7 @@ from aggregator import (
 from aggregator.batch import RAW_PREFIX_BYTES, _implied
 from aggregator.reads import STEP_COLUMNS, SpoolOffset
 from aggregator.schema import (
+    ARRIVALS_BY_PROCESS_OBJECTS,
     FUNCTIONS,
     HEARTBEATS,
     JOB_TABLES,
@@ -202,7 +203,9 @@ def test_schema_creation_twice_is_harmless(store: Store) -> None:
     tables = store.client.query(
         "SELECT name FROM system.tables WHERE database = {db:String}", parameters={"db": store.database}
     ).result_rows
-    assert sorted(name for (name,) in tables) == sorted([*TABLES, *WINDOW_INPUT_OBJECTS])
+    assert sorted(name for (name,) in tables) == sorted(
+        [*TABLES, *WINDOW_INPUT_OBJECTS, *ARRIVALS_BY_PROCESS_OBJECTS]
+    )
 
 
 def test_schema_of_another_version_is_refused(store: Store) -> None:
@@ -501,6 +504,14 @@ def test_the_records_a_process_numbered_and_the_store_lacks_are_reported_missing
     assert store.missing("another job").empty
     data = read_job(store, JOB)
     assert diagnose(data).analyzed["records_missing"] == f"2 of {len(made)} records (rank 0)"
+    # What ``rankscope serve`` diagnoses says so too.
+    recent = RecentJob(JOB, recent_s=3600).update(store, int(store.ranks(JOB)["time_us"].max()))
+    assert diagnose(recent).analyzed["records_missing"] == f"2 of {len(made)} records (rank 0)"
+    # A store made before the per-process table gets it filled from the arrivals it holds.
+    for name, kind in zip(ARRIVALS_BY_PROCESS_OBJECTS, ("TABLE", "VIEW"), strict=True):
+        store.client.command(f"DROP {kind} `{store.database}`.`{name}`")
+    ensure_schema(store.client, store.database)
+    assert store.missing(JOB).to_dict("records") == missing.to_dict("records")
 
 
 # --- replays ------------------------------------------------------------------------------------
