@@ -321,11 +321,22 @@ def _callers(frames: Iterable[tuple[str, str]]) -> dict[tuple[str, str], set[str
     return out
 
 
+PROFILER_FRAME = "torch/profiler/"
+
+
 def top_extra(excess: list[FunctionExcess]) -> FunctionExcess | None:
     """The costliest function only the culprit runs (or runs more often), the job's own Python
     functions first, then library Python functions, then operators."""
-    # A collective is no code path of the culprit's own; the run-queue wait's count is threads, not calls.
-    extra = [e for e in excess if e.extra and e.kind not in ("collective", WAIT_KIND)]
+    # A collective is no code path of the culprit's own; the run-queue wait's count is threads, not
+    # calls; what the profiler calls as its window starts or stops is the window's (the process
+    # group's size, read once when the tracer caught it on this rank only).
+    extra = [
+        e
+        for e in excess
+        if e.extra
+        and e.kind not in ("collective", WAIT_KIND)
+        and not any(PROFILER_FRAME in c for c in e.callers)
+    ]
     if not extra:
         return None
     best = max(e.excess_us for e in extra)

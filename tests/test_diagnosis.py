@@ -340,6 +340,23 @@ def test_a_built_in_that_no_code_path_holds_is_where_a_slower_rank_lost_the_cpu_
     assert (f.cause, f.ranks, f.function) == ("code_path", [6], "train.py(60): check_grads")
 
 
+def test_what_the_profiler_calls_as_its_window_starts_or_stops_is_no_code_path() -> None:
+    """Rank 6's device is slower; its one window caught the profiler reading the process group's
+    size as it stopped, 4 ms (the thread lost the CPU there), a call its peers' windows did not
+    catch. That is the window's own work, not a path of the job's: its operators are the account."""
+    data = synthetic(slow={6: {"compute_us": 1500}})
+    common = [("op", "aten::addmm", 15, 10_000.0)]
+    stop = "train.py(80): train_step > torch/profiler/profiler.py(1262): _transit_action"
+    size = ("pylib", "torch/distributed/distributed_c10d.py(1191): _get_group_size", 1, 4_000.0, stop)
+    slow = [("op", "aten::addmm", 15, 17_000.0), size]
+    f = only(
+        diagnose(
+            replace(data, functions=functions_frame({r: slow if r == 6 else common for r in range(8)}))
+        ).findings
+    )
+    assert (f.cause, f.ranks, f.function) == ("compute", [6], "aten::addmm")
+
+
 def test_a_function_the_peers_windows_left_out_may_have_run_there_and_makes_no_code_path() -> None:
     """Rank 6's device is slower. In its window a context manager's ``__exit__`` that every rank
     runs once a step took 2.4 ms (one call preempted; the median call 2 µs); the peers' windows, at
@@ -715,7 +732,10 @@ def test_a_rank_that_sleeps_in_its_own_code_is_that_code_path_though_its_threads
             for w in range(4)
         ]
     )
-    for waits in ({5: 3.0}, {5: 3.0, 0: 4.0}):
+    # Its threads' wait, summed over them, can exceed the time the upload holds (a code path
+    # that works, on shared cores, queues its threads): here ~4 ms a step beyond its peers', the
+    # upload 3. An upload that holds half the excess or more is the account.
+    for waits in ({5: 3.0}, {5: 3.0, 0: 4.0}, {5: 5.0}):
         functions = pd.concat([sched_windows(waits), upload], ignore_index=True)
         f = only(diagnose(replace(data, functions=functions)).findings)
         assert (f.cause, f.ranks, f.function) == ("code_path", [5], up)
