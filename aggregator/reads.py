@@ -37,6 +37,9 @@ log = logging.getLogger(__name__)
 
 STEP_COLUMNS = [c for c in STEPS.column_names if c not in ("job", "host", "n_steps")]
 """The columns of :meth:`Reads.steps`."""
+WIDTH = "width"
+"""The column of :meth:`Reads.steps` read by buckets of steps: how many (the diagnosis's name for
+it is ``diagnosis.stragglers.WIDTH``)."""
 
 
 class SpoolOffset(NamedTuple):
@@ -111,12 +114,19 @@ class Reads:
         since_us: int | None = None,
         rank: int | None = None,
         after_us: Sequence[int] | None = None,
+        width: int = 1,
     ) -> pd.DataFrame:
         """One row per step of ``job`` (only steps ``>= since_step``, those of rows that ended
         after ``since_us``, and those of ``rank``, if given), ordered by rank and step: the stored
         rows of ``n_steps`` steps each read back as that many steps with the row's mean values
         (durations and counts as floats). Without the ``job`` and ``host`` columns: strings
         cost more to read than all the numbers (``ranks`` has each rank's host).
+
+        ``width`` > 1: one row per rank and bucket of that many steps (``step`` a multiple of it),
+        with the means per step of the stored rows that begin in it, summed up by ClickHouse, and
+        a column ``width`` (``diagnosis.stragglers.WIDTH``): what the diagnosis of a job too large
+        to hold step by step reads. A rank's rows of two attempts over the same steps (a restart
+        from a checkpoint) both count in their bucket's means.
 
         ``after_us[r]``: of rank ``r`` only the rows that start after it (all rows of the ranks
         past the list's end): given the start of the last step a reader holds of each rank, what
@@ -140,6 +150,8 @@ class Reads:
                 f"{where} AND start_us + dur_us > {{since_us:Int64}}",
                 {**params, "since_us": since_us},
             )
+        if width > 1:
+            return self._buckets(job, where, params, width)
         return self._steps(job, where, params, since_step if since_step is not None else -(1 << 63))
 
     def last_step(self, job: str) -> int | None:
@@ -334,6 +346,20 @@ class Reads:
             steps = steps.sort_values(["rank", "step", "start_us"], ascending=[True, True, False])
             steps = steps.drop_duplicates(["rank", "step"])
         return steps.reset_index(drop=True)
+
+    def _buckets(self, job: str, where: str, params: dict[str, Any], width: int) -> pd.DataFrame:
+        """The step rows that match ``where`` summed up per rank and bucket of ``width`` steps."""
+        means = ("dur_us", "data_us", "comm_us", "n_coll", "first_coll_us", "cpu_us", "nivcsw", "wait_us")
+        # Aliases may not shadow a column: ``m_<column>``, renamed after.
+        sql = f"""
+            SELECT rank, intDiv(step, {{width:Int64}}) * {{width:Int64}} AS bucket, min(start_us) AS start,
+                   {", ".join(f"sum({c}) / sum(n_steps) AS m_{c}" for c in means)}
+            FROM {self._t(STEPS)} FINAL WHERE job = {{job:String}} AND n_steps > 0 {where}
+            GROUP BY rank, bucket ORDER BY rank, bucket"""
+        names = ["rank", "bucket", "start", *(f"m_{c}" for c in means)]
+        rows = self._frame(sql, {**params, "job": job, "width": width}, names)
+        rows = rows.rename(columns={"bucket": "step", "start": "start_us", **{f"m_{c}": c for c in means}})
+        return rows.reindex(columns=STEP_COLUMNS).assign(**{WIDTH: width})
 
     def _select(self, table: Table, job: str, where: str, params: dict[str, Any], order: str) -> pd.DataFrame:
         sql = f"SELECT * FROM {self._t(table)} FINAL WHERE job = {{job:String}} {where} ORDER BY {order}"

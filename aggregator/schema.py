@@ -43,6 +43,7 @@ class Table:
     order_by: tuple[str, ...]
     version: str = ""
     """ReplacingMergeTree's version column: the row with the largest value wins; '' keeps the last insert."""
+    engine: str = "ReplacingMergeTree"
 
     @property
     def column_names(self) -> tuple[str, ...]:
@@ -52,16 +53,39 @@ class Table:
     def column_types(self) -> tuple[str, ...]:
         return tuple(type_ for _, type_ in self.columns)
 
-    def ddl(self, database: str) -> str:
-        """``CREATE TABLE IF NOT EXISTS`` for this table in ``database``."""
+    def ddl(self, database: str, cluster: str = "") -> list[str]:
+        """``CREATE TABLE IF NOT EXISTS`` for this table in ``database``; on a ``cluster``, its
+        shards' replicated tables (``<name>_local``) and the ``Distributed`` table over them that
+        takes its name, sharded by the first column of the sort key (a job's rows, and a row's
+        copies, on one shard: ``FINAL`` collapses them there)."""
         # Backquotes because some column names are SQL keywords (offset, switch, count).
         cols = ",\n    ".join(f"`{name}` {type_}" for name, type_ in self.columns)
         order = ", ".join(f"`{name}`" for name in self.order_by)
         version = f"`{self.version}`" if self.version else ""
-        return (
-            f"CREATE TABLE IF NOT EXISTS `{database}`.`{self.name}` (\n    {cols}\n)\n"
-            f"ENGINE = ReplacingMergeTree({version})\nORDER BY ({order})\nCOMMENT '{_COMMENT}'"
-        )
+        if not cluster:
+            return [
+                f"CREATE TABLE IF NOT EXISTS `{database}`.`{self.name}` (\n    {cols}\n)\n"
+                f"ENGINE = {self.engine}({version})\nORDER BY ({order})\nCOMMENT '{_COMMENT}'"
+            ]
+        local, on = f"{self.name}{LOCAL}", on_cluster(cluster)
+        keeper = f"'/clickhouse/tables/{{shard}}/{database}/{local}', '{{replica}}'"
+        return [
+            f"CREATE TABLE IF NOT EXISTS `{database}`.`{local}`{on} (\n    {cols}\n)\n"
+            f"ENGINE = Replicated{self.engine}({', '.join(filter(None, (keeper, version)))})\n"
+            f"ORDER BY ({order})\nCOMMENT '{_COMMENT}'",
+            f"CREATE TABLE IF NOT EXISTS `{database}`.`{self.name}`{on} AS `{database}`.`{local}`\n"
+            f"ENGINE = Distributed(`{cluster}`, `{database}`, `{local}`, cityHash64(`{self.order_by[0]}`))\n"
+            f"COMMENT '{_COMMENT}'",
+        ]
+
+
+LOCAL = "_local"
+"""On a cluster, the suffix of a table's shards' own tables (its name is the ``Distributed`` one's)."""
+
+
+def on_cluster(cluster: str) -> str:
+    """`` ON CLUSTER `name` `` for DDL run on every node of ``cluster`` ('' for one server)."""
+    return f" ON CLUSTER `{check_identifier(cluster)}`" if cluster else ""
 
 
 _JOB = ("job", "LowCardinality(String)")
@@ -231,22 +255,35 @@ that the records lost on the way (``Reads.missing``) are read from one row per p
 per record."""
 
 
+ARRIVALS_BY_PROCESS_TABLE = Table(
+    ARRIVALS_BY_PROCESS,
+    (
+        _JOB,
+        _RANK,
+        ("pid", "Int64"),
+        ("last", "AggregateFunction(max, Int64)"),
+        ("seqs", "AggregateFunction(groupBitmap, UInt64)"),
+    ),
+    order_by=("job", "rank", "pid"),
+    engine="AggregatingMergeTree",
+)
 ARRIVALS_BY_PROCESS_OBJECTS = (ARRIVALS_BY_PROCESS, f"{ARRIVALS_BY_PROCESS}_from_arrivals")
 """The table and the view that fills it."""
 
 
-def _arrivals_by_process_ddl(database: str) -> list[str]:
-    t = f"`{database}`.`{ARRIVALS_BY_PROCESS}`"
+def _arrivals_by_process_ddl(database: str, cluster: str = "") -> list[str]:
+    """The table, its view, and last what fills it from a store made before it (one server)."""
+    # On a cluster, each shard's view reads the arrivals its shard stores, into its own table.
+    local = LOCAL if cluster else ""
     select = (
         "SELECT job, rank, pid, maxState(seq) AS last, groupBitmapState(toUInt64(seq)) AS seqs "
-        f"FROM `{database}`.`{ARRIVALS.name}` WHERE seq >= 0 GROUP BY job, rank, pid"
+        f"FROM `{database}`.`{ARRIVALS.name}{local}` WHERE seq >= 0 GROUP BY job, rank, pid"
     )
+    t = f"`{database}`.`{ARRIVALS_BY_PROCESS}{local}`"
     return [
-        f"CREATE TABLE IF NOT EXISTS {t} (\n    `job` LowCardinality(String),\n    `rank` Int32,\n"
-        "    `pid` Int64,\n    `last` AggregateFunction(max, Int64),\n"
-        "    `seqs` AggregateFunction(groupBitmap, UInt64)\n)\n"
-        f"ENGINE = AggregatingMergeTree\nORDER BY (`job`, `rank`, `pid`)\nCOMMENT '{_COMMENT}'",
-        f"CREATE MATERIALIZED VIEW IF NOT EXISTS `{database}`.`{ARRIVALS_BY_PROCESS_OBJECTS[1]}` TO {t} AS {select}",
+        *ARRIVALS_BY_PROCESS_TABLE.ddl(database, cluster),
+        f"CREATE MATERIALIZED VIEW IF NOT EXISTS `{database}`.`{ARRIVALS_BY_PROCESS_OBJECTS[1]}`"
+        f"{on_cluster(cluster)} TO {t} AS {select}",
         # A store made before this table: what ``arrivals`` holds already. Both aggregates are
         # idempotent, so rows the view also counted (inserted meanwhile) change nothing.
         f"INSERT INTO {t} {select}",
@@ -422,8 +459,10 @@ _INPUT_CHECK = " AND ".join(
 )
 
 
-def _window_input_ddl(database: str) -> list[str]:
-    """The Null input tables and the two views that fill ``windows`` and ``functions``."""
+def _window_input_ddl(database: str, cluster: str = "") -> list[str]:
+    """The Null input tables and the views that fill ``windows``, ``functions`` and ``arrivals``
+    (on a cluster, on every node, into the ``Distributed`` tables)."""
+    on = on_cluster(cluster)
     cols = ",\n    ".join(f"`{name}` {type_}" for name, type_ in _INPUT_COLUMNS)
     t = f"`{database}`.`{WINDOW_INPUT_NAME}`"
 
@@ -434,17 +473,18 @@ def _window_input_ddl(database: str) -> list[str]:
         f"assumeNotNull(f.{i}) AS `{name}`" if t == "Int64" else f"f.{i} AS `{name}`"
         for i, (name, t) in enumerate(_FUNCTION_ROW, 1)
     )
+    view = "CREATE MATERIALIZED VIEW IF NOT EXISTS"
     return [
-        f"CREATE TABLE IF NOT EXISTS `{database}`.`{WINDOW_JSON_NAME}` (\n    json String,\n"
+        f"CREATE TABLE IF NOT EXISTS `{database}`.`{WINDOW_JSON_NAME}`{on} (\n    json String,\n"
         f"    CONSTRAINT strict_json CHECK isValidJSON(json)\n)\nENGINE = Null\nCOMMENT '{_INPUT_COMMENT}'",
-        f"CREATE TABLE IF NOT EXISTS {t} (\n    {cols},\n    CONSTRAINT complete CHECK {_INPUT_CHECK}\n)\n"
+        f"CREATE TABLE IF NOT EXISTS {t}{on} (\n    {cols},\n    CONSTRAINT complete CHECK {_INPUT_CHECK}\n)\n"
         f"ENGINE = Null\nCOMMENT '{_INPUT_COMMENT}'",
-        f"CREATE MATERIALIZED VIEW IF NOT EXISTS `{database}`.`{WINDOW_INPUT_OBJECTS[1]}` TO `{database}`.`windows` "
+        f"{view} `{database}`.`{WINDOW_INPUT_OBJECTS[1]}`{on} TO `{database}`.`windows` "
         f"AS SELECT {header([n for n, _ in _HEADER])}, toInt32(length(functions)) AS n_functions FROM {t}",
-        f"CREATE MATERIALIZED VIEW IF NOT EXISTS `{database}`.`{WINDOW_INPUT_OBJECTS[2]}` TO `{database}`.`functions` "
+        f"{view} `{database}`.`{WINDOW_INPUT_OBJECTS[2]}`{on} TO `{database}`.`functions` "
         f"AS SELECT {header([n for n, _ in FUNCTIONS.columns if n not in dict(_FUNCTION_ROW)])}, {fn} "
         f"FROM {t} ARRAY JOIN functions AS f",
-        f"CREATE MATERIALIZED VIEW IF NOT EXISTS `{database}`.`{WINDOW_INPUT_OBJECTS[3]}` TO `{database}`.`arrivals` "
+        f"{view} `{database}`.`{WINDOW_INPUT_OBJECTS[3]}`{on} TO `{database}`.`arrivals` "
         f"AS SELECT {header(['job', 'rank'])}, pid, seq, 'window' AS type, {header(['time_us'])} "
         f"FROM {t} WHERE seq >= 0",
     ]
@@ -468,13 +508,18 @@ def check_identifier(database: str) -> str:
     return database
 
 
-def ensure_schema(client: Any, database: str = DEFAULT_DATABASE) -> None:
+def ensure_schema(client: Any, database: str = DEFAULT_DATABASE, cluster: str = "") -> None:
     """Create the database and every table if missing; harmless to call again.
 
     ``client`` is a clickhouse_connect client (chDB or server). Raises :class:`SchemaError` when an
-    existing table carries another schema version's comment.
+    existing table carries another schema version's comment. With ``cluster``, on every node of
+    that ClickHouse cluster (see :meth:`Table.ddl`); a cluster's store is made at this schema
+    version, older ones are refused, not migrated.
     """
     check_identifier(database)
+    if cluster:
+        _ensure_on_cluster(client, database, cluster)
+        return
     # Checked before creating anything, so a refused database is left as it was found.
     found = client.query(
         "SELECT name, comment FROM system.tables WHERE database = {db:String}",
@@ -494,7 +539,7 @@ def ensure_schema(client: Any, database: str = DEFAULT_DATABASE) -> None:
     client.command(f"CREATE DATABASE IF NOT EXISTS `{database}`")
     _drop_stale_input(client, database, dict(found))
     for table in TABLES.values():
-        client.command(table.ddl(database))
+        client.command(table.ddl(database)[0])
     for name in sorted(older):
         if name in REKEYED:
             _rekey(client, database, TABLES[name])
@@ -502,9 +547,34 @@ def ensure_schema(client: Any, database: str = DEFAULT_DATABASE) -> None:
     for ddl in _window_input_ddl(database):
         client.command(ddl)
     made = _arrivals_by_process_ddl(database)
-    for ddl in made if ARRIVALS_BY_PROCESS not in dict(found) and ARRIVALS.name in dict(found) else made[:2]:
+    for ddl in made if ARRIVALS_BY_PROCESS not in dict(found) and ARRIVALS.name in dict(found) else made[:-1]:
         client.command(ddl)
     log.debug("schema %s ready in database %s", STORE_VERSION, database)
+
+
+def cluster_ddl(database: str, cluster: str) -> list[str]:
+    """Every statement that makes the store in ``database`` on every node of ``cluster``."""
+    on = on_cluster(cluster)
+    return [
+        f"CREATE DATABASE IF NOT EXISTS `{database}`{on}",
+        *(ddl for table in TABLES.values() for ddl in table.ddl(database, cluster)),
+        *_window_input_ddl(database, cluster),
+        *_arrivals_by_process_ddl(database, cluster)[:-1],
+    ]
+
+
+def _ensure_on_cluster(client: Any, database: str, cluster: str) -> None:
+    found = client.query(
+        "SELECT name, comment FROM system.tables WHERE database = {db:String}", parameters={"db": database}
+    ).result_rows
+    if wrong := {name: comment for name, comment in found if name in TABLES and comment != _COMMENT}:
+        raise SchemaError(
+            f"database {database!r} on cluster {cluster!r} has tables from another schema version "
+            f"{wrong}; this code writes {_COMMENT!r} and migrates no cluster: use another database"
+        )
+    for ddl in cluster_ddl(database, cluster):
+        client.command(ddl)
+    log.debug("schema %s ready in database %s on cluster %s", STORE_VERSION, database, cluster)
 
 
 _TO_3 = {
@@ -553,7 +623,7 @@ def _rekey(client: Any, database: str, table: Table) -> None:
 
     Safe to run again if interrupted: until the exchange, ``table`` is the old one, whole."""
     t, new = f"`{database}`.`{table.name}`", f"`{database}`.`{table.name}_rekeyed`"
-    client.command(table.ddl(database).replace(t, new, 1))
+    client.command(table.ddl(database)[0].replace(t, new, 1))
     client.command(f"TRUNCATE TABLE {new}")  # rows of an interrupted copy
     names = ", ".join(f"`{c}`" for c in table.column_names)
     client.command(f"INSERT INTO {new} ({names}) SELECT {names} FROM {t}")

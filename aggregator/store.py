@@ -73,16 +73,22 @@ class Store(Reads):
     """
 
     def __init__(
-        self, client: Any, database: str = DEFAULT_DATABASE, reopen: Callable[[], Store] | None = None
+        self,
+        client: Any,
+        database: str = DEFAULT_DATABASE,
+        reopen: Callable[[], Store] | None = None,
+        cluster: str = "",
     ) -> None:
         """Wrap an open clickhouse_connect ``client`` and create the schema if missing; ``reopen``
-        opens another Store on the same database (a second connection), where one can be made."""
+        opens another Store on the same database (a second connection), where one can be made.
+        ``cluster``: the ClickHouse cluster the store spans (see ``schema.Table.ddl``)."""
         self._client = client
         self._db = check_identifier(database)
         self._last_commit_us = 0
         self._closed = False
         self.reopen = reopen
-        ensure_schema(client, database)
+        self.cluster = cluster
+        ensure_schema(client, database, cluster)
 
     @classmethod
     def embedded(
@@ -129,23 +135,30 @@ class Store(Reads):
         password: str = "",
         database: str = DEFAULT_DATABASE,
         secure: bool = False,
+        cluster: str = "",
     ) -> Store:
-        """Connect to a ClickHouse server over HTTP(S); ``port`` defaults to 8123, or 8443 if ``secure``."""
+        """Connect to a ClickHouse server over HTTP(S); ``port`` defaults to 8123, or 8443 if
+        ``secure``. ``cluster``: a server of that ClickHouse cluster, over which the store is
+        sharded by job (``schema.Table.ddl``); an insert returns once the shards hold its rows."""
         try:
             # The database may not exist yet, so the client is not bound to it; tables are qualified.
             client = clickhouse_connect.get_client(
-                host=host, port=port, username=username, password=password, secure=secure
+                host=host,
+                port=port,
+                username=username,
+                password=password,
+                secure=secure,
+                settings={"insert_distributed_sync": 1} if cluster else None,
             )
         except ClickHouseError as exc:
             raise StoreError(f"cannot connect to ClickHouse at {host}:{port} as {username!r}: {exc}") from exc
-        return cls._owning(
-            client, database, functools.partial(cls.server, host, port, username, password, database, secure)
-        )
+        reopen = functools.partial(cls.server, host, port, username, password, database, secure, cluster)
+        return cls._owning(client, database, reopen, cluster)
 
     @classmethod
-    def _owning(cls, client: Any, database: str, reopen: Callable[[], Store]) -> Store:
+    def _owning(cls, client: Any, database: str, reopen: Callable[[], Store], cluster: str = "") -> Store:
         try:
-            return cls(client, database, reopen)
+            return cls(client, database, reopen, cluster)
         except BaseException:
             # A chDB client left open would keep its engine, and refuse every other path, for good.
             client.close()
@@ -251,7 +264,8 @@ class Store(Reads):
     def create(self, table: Table) -> None:
         """Create ``table`` (a :class:`~aggregator.schema.Table` another layer owns) if missing."""
         try:
-            self._client.command(table.ddl(self._db))
+            for ddl in table.ddl(self._db, self.cluster):
+                self._client.command(ddl)
         except ClickHouseError as exc:
             raise StoreError(f"cannot create {self._db}.{table.name}: {exc}") from exc
 

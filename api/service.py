@@ -6,13 +6,22 @@ sent something since its last diagnosis, keep the diagnosis in the history, and 
 tickets (:mod:`api.tickets`), notifying the webhooks of tickets opened and resolved. A job that
 sent nothing for ``ended_after_s`` has ended: its tickets resolve.
 
+Replicas on one ClickHouse server share the jobs: each cycle a replica notes itself in the store
+(``serve_replicas``), and of the replicas seen within ``lease_s`` each job is diagnosed by one,
+chosen by rendezvous hashing (the largest hash of job and replica): a replica that joins or dies
+moves only the jobs it takes or held. The others show that replica's diagnoses and tickets, read
+from the store.
+
 The store is used by one thread at a time (``lock``): chDB is one engine per process.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -57,6 +66,11 @@ class ServeSettings:
     webhooks: list[Webhook] = field(default_factory=list)
     base_url: str = "http://127.0.0.1:8080"
     """Where people reach this service: links in notifications."""
+    replica: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
+    """This replica's name among those sharing the store."""
+    lease_s: float = 0.0
+    """A replica not seen for this long is gone and its jobs go to the others (0: two ``interval_s``,
+    so they are taken at the first cycle after two of its cycles were missed)."""
 
 
 @dataclass(slots=True)
@@ -129,6 +143,8 @@ class Service:
         self._thread: threading.Thread | None = None
         self.aggregator: Aggregator | None = None
         self._consumer: threading.Thread | None = None
+        self.replicas = [settings.replica]
+        """The live replicas as of the last cycle (this one among them)."""
 
     # --- the loop -------------------------------------------------------------------------------
 
@@ -192,6 +208,9 @@ class Service:
                 self.stats.ingested += st.records
                 self.stats.dead_letters += st.dead_letters
             jobs, rates = self.store.jobs(), self.store.step_rates().set_index("job")
+            storage.beat(self.store, self.settings.replica, now_us)
+            lease_us = int((self.settings.lease_s or 2 * self.settings.interval_s) * 1e6)
+            self.replicas = storage.live_replicas(self.store, now_us - lease_us) or [self.settings.replica]
         for row in jobs.itertuples(index=False):
             job = str(row.job)
             js = self.jobs.get(job)
@@ -202,10 +221,33 @@ class Service:
             if job in rates.index:
                 js.step, js.steps_per_s = int(rates.at[job, "step"]), float(rates.at[job, "steps_per_s"])
             ended = now_us - js.last_us >= self.settings.ended_after_s * 1e6
-            if js.last_us != js.data_last_us:
+            if not self.owns(job):
+                js.recent = None
+                if js.last_us != js.data_last_us:
+                    self._follow(js)
+            elif js.last_us != js.data_last_us:
                 self._diagnose(js, now_us, ended)
             elif ended and any(t.active for t in self.tickets.values() if t.job == job):
                 self._reconcile(js, [], now_us, ended=True)
+
+    def owns(self, job: str) -> bool:
+        """Whether this replica diagnoses ``job``: of the live replicas, the one whose name hashed
+        with the job's is the largest."""
+
+        def rank(replica: str) -> bytes:
+            return hashlib.blake2b(f"{job}\0{replica}".encode(), digest_size=8).digest()
+
+        return max(self.replicas, key=rank) == self.settings.replica
+
+    def _follow(self, js: JobState) -> None:
+        """A job another replica diagnoses: its latest diagnosis and tickets, from the store."""
+        with self.lock:
+            last = storage.diagnoses(self.store, js.job, 1)
+            self._refresh_tickets(js.job)
+        if last and last[0]["time_us"] > js.diagnosed_us:
+            doc = last[0]["diagnosis"]
+            js.diagnosis, js.diagnosed_us = doc, last[0]["time_us"]
+            js.data_last_us = int(doc.get("data_last_us", -1))
 
     def _diagnose(self, js: JobState, now_us: int, ended: bool) -> None:
         if js.recent is None:

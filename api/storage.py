@@ -44,7 +44,14 @@ DELIVERIES = Table(
     ),
     order_by=("ticket", "time_us", "url", "attempt"),
 )
-TABLES = (TICKETS, DIAGNOSES, DELIVERIES)
+REPLICAS = Table(
+    "serve_replicas",
+    (("replica", "String"), ("seen_us", "Int64")),
+    order_by=("replica",),
+    version="seen_us",
+)
+"""Each ``serve`` replica's last cycle: the live ones share the jobs (``Service.owns``)."""
+TABLES = (TICKETS, DIAGNOSES, DELIVERIES, REPLICAS)
 
 
 def create_tables(store: Store) -> None:
@@ -88,3 +95,13 @@ def deliveries(store: Store, ticket: str) -> list[dict[str, Any]]:
     return [
         {k: (v.item() if hasattr(v, "item") else v) for k, v in row.items()} for row in df.to_dict("records")
     ]
+
+
+def beat(store: Store, replica: str, now_us: int) -> None:
+    store.insert(REPLICAS, [(replica, now_us)])
+
+
+def live_replicas(store: Store, since_us: int) -> list[str]:
+    """The replicas seen since ``since_us``."""
+    df = store.select(REPLICAS, "seen_us >= {t:Int64}", {"t": since_us})
+    return sorted(df["replica"])

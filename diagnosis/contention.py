@@ -18,6 +18,7 @@ import numpy as np
 import pandas as pd
 
 from .robust import needed, spread
+from .stragglers import width
 
 WAIT_KIND, WAIT_PATTERN = "sched", "cpu_wait@sched"
 
@@ -74,9 +75,10 @@ def _window_step_us(functions: pd.DataFrame, steps: pd.DataFrame) -> pd.Series:
     if steps.empty:
         return pd.Series(np.nan, index=spans["window"])
     per_step = steps.groupby("step")["dur_us"].median()
+    w = width(steps) - 1  # rows that start this many steps before a window overlap it
     return pd.Series(
         [
-            float(per_step.loc[lo : max(lo, hi - 1)].median())
+            float(per_step.loc[lo - w : max(lo, hi - 1)].median())
             for lo, hi in zip(spans["step_lo"], spans["step_hi"], strict=True)
         ],
         index=spans["window"],

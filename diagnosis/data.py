@@ -60,6 +60,14 @@ back over at its default settings (the change-point rule 4,000 after a warm-up o
 rule 3,000). A job's whole history would grow without end: at 1,000 ranks of 100 ms steps, a day
 holds 864 million steps."""
 
+MAX_STEP_CELLS = 8_000_000
+"""Rank-steps :func:`read_job` reads one by one at most (~1 GB of step rows, and as much again in
+the detectors' rank x step arrays); of a larger job it reads buckets of steps, the fewest steps a
+bucket (a power of two) that keep it under this, each summed up by the store (``Reads.steps``
+``width``): at 10,000 ranks, 5,000 steps in buckets of 8; at 100,000, of 64. The hooks ship a
+rank's steps in blocks of ~2 s (``profiler_hook.Config.step_block_s``), read back as steps of
+their mean values: a bucket no wider than a block, aligned as blocks are, loses nothing of them."""
+
 FLEET = ((WAIT_KIND, WAIT_PATTERN), ("collective", TRANSFER_PREFIX))
 """The function patterns (kind, name prefix) every rank is compared on: its threads' run-queue wait
 and its network sends, a row or two of a window's ~300. Of the others, the diagnosis needs those of
@@ -147,6 +155,7 @@ class StoreReader(Protocol):
         since_us: int | None = None,
         rank: int | None = None,
         after_us: Sequence[int] | None = None,
+        width: int = 1,
     ) -> pd.DataFrame: ...
     def functions(
         self,
@@ -176,16 +185,19 @@ def read_job(
     ``FLEET``; the others are read when the diagnosis asks for them, from ``store``, which must
     then still be open.
     """
-    last = store.last_step(job) if last_steps is not None else None
+    last = store.last_step(job)
+    ranks = store.ranks(job)
+    held = min(last + 1, last_steps or last + 1) if last is not None else 0
+    w = _bucket(ranks["rank"].nunique() if "rank" in ranks else 0, held)
     if last is not None and last_steps is not None and last >= last_steps:
-        steps = store.steps(job, since_step=last - last_steps + 1, since_us=since_us)
+        steps = store.steps(job, since_step=last - last_steps + 1, since_us=since_us, width=w)
         if not steps.empty:
             since_us = max(since_us or 0, int(steps["start_us"].min()))
     else:
-        steps = store.steps(job, since_us=since_us)
+        steps = store.steps(job, since_us=since_us, width=w)
     return JobData(
         job=job,
-        ranks=store.ranks(job),
+        ranks=ranks,
         steps=steps,
         functions=store.functions(job, since_us=since_us, patterns=FLEET),
         read_functions=lambda ranks: store.functions(job, since_us=since_us, ranks=ranks),
@@ -196,6 +208,14 @@ def read_job(
         links=store.link_sends(job, since_us=since_us),
         missing=store.missing(job),
     )
+
+
+def _bucket(ranks: int, steps: int) -> int:
+    """The steps per row for ``ranks`` x ``steps`` (see ``MAX_STEP_CELLS``)."""
+    w = 1
+    while ranks * -(-steps // w) > MAX_STEP_CELLS:
+        w *= 2
+    return w
 
 
 class RecentJob:

@@ -204,16 +204,42 @@ def nanmedian(a: np.ndarray, axis: int) -> np.ndarray:
     return np.squeeze(out, axis=axis)
 
 
+WIDTH = "width"
+"""A step frame's column in which a large job's reader says how many steps each row stands for
+(``diagnosis.data.read_job``): each row is then a bucket of that many consecutive steps from its
+``step`` on (a multiple of it), with the mean values per step. Without it, a row is one step."""
+
+
+def width(steps: pd.DataFrame) -> int:
+    """How many steps each row of ``steps`` stands for (see ``WIDTH``)."""
+    return int(steps[WIDTH].iloc[0]) if WIDTH in steps.columns and not steps.empty else 1
+
+
 @dataclass(frozen=True, slots=True)
 class Grid:
-    """The analyzed steps as rank x step arrays (NaN where a rank has no row for a step)."""
+    """The analyzed steps as rank x column arrays (NaN where a rank has no row for a column); a
+    column is one step, or ``width`` consecutive steps of a large job (see ``WIDTH``)."""
 
     ranks: np.ndarray
     chunk: np.ndarray
-    """The chunk number of each step column."""
+    """The chunk number of each column."""
     values: dict[str, np.ndarray]
     first_step: int = 0
     """The step of the first column."""
+    width: int = 1
+    """Steps per column."""
+
+    @property
+    def steps(self) -> int:
+        return self.chunk.size * self.width
+
+    def chunk_steps(self, chunks: int) -> np.ndarray:
+        """The steps in each chunk."""
+        return np.bincount(self.chunk, minlength=chunks) * self.width
+
+    def chunk_starts(self, chunks: int) -> np.ndarray:
+        """The first step of each chunk."""
+        return self.first_step + np.concatenate([[0], np.cumsum(self.chunk_steps(chunks))[:-1]])
 
 
 OWN_PARTS = ("dur_us", "comm_us", "wait_us")
@@ -230,17 +256,19 @@ def grid(steps: pd.DataFrame, s: StragglerSettings, columns: list[str]) -> Grid 
     ``last_steps`` after ``warmup_steps``, split into ``chunks`` consecutive chunks."""
     if steps.empty:
         return None
+    w = width(steps)
     step = steps["step"].to_numpy(dtype=np.int64)
     lo = int(step.min()) + s.warmup_steps
     hi = int(step.max())
-    lo = max(lo, hi - s.last_steps + 1)
+    lo = max(lo, hi + w - s.last_steps)  # the last ``last_steps`` (whole columns: from one's start)
+    lo = -(-lo // w) * w
     within = (step >= lo) & (step <= hi)
     if not within.any():
         return None
     sel: slice | np.ndarray = slice(None) if within.all() else within  # every row: no copies
     ranks, ri = dense_index(steps["rank"].to_numpy(dtype=np.int64)[sel])
-    si = step[sel] - lo
-    span = hi - lo + 1
+    si = (step[sel] - lo) // w
+    span = (hi - lo) // w + 1
     cell = ri * span + si
     # The store returns rows ordered by rank and step: then the grid is the column, reshaped.
     dense = len(cell) == len(ranks) * span and bool(np.all(cell == np.arange(len(cell))))
@@ -259,7 +287,7 @@ def grid(steps: pd.DataFrame, s: StragglerSettings, columns: list[str]) -> Grid 
         wait = values["wait_us"] if "wait_us" in own_parts else 0.0
         values["own_us"] = np.clip(values["dur_us"] - values["comm_us"] - wait, 0, None)
     chunk = np.minimum(np.arange(span) * s.chunks // max(span, 1), s.chunks - 1)
-    return Grid(ranks=ranks, chunk=chunk, values=values, first_step=lo)
+    return Grid(ranks=ranks, chunk=chunk, values=values, first_step=lo, width=w)
 
 
 def nanmean_rows(a: np.ndarray) -> np.ndarray:
@@ -354,7 +382,7 @@ def find(steps: pd.DataFrame, s: StragglerSettings | None = None) -> list[Stragg
     g = grid(steps, s, cols)
     if g is None or len(g.ranks) < 3:
         return []  # two ranks cannot outvote each other
-    if len(g.chunk) < s.chunks * s.min_chunk_steps:
+    if g.steps < s.chunks * s.min_chunk_steps:
         return []
     g.values["rel"] = _relative(g.values["own_us"])
     per = chunk_means(g, "rel", s.chunks)
@@ -386,8 +414,7 @@ def find(steps: pd.DataFrame, s: StragglerSettings | None = None) -> list[Stragg
         return []  # everybody is "slow": that is a job-wide question, not a straggler
     peer_idx = _at_most(peer_idx)
     cul_idx = np.flatnonzero(is_culprit)
-    chunk_steps = np.bincount(g.chunk, minlength=s.chunks)
-    chunk_start = g.first_step + np.concatenate([[0], np.cumsum(chunk_steps)[:-1]])
+    chunk_steps, chunk_start = g.chunk_steps(s.chunks), g.chunk_starts(s.chunks)
     names = ["rel", *cols]
     own_mean = {c: nanmean_rows(g.values[c][cul_idx]) for c in names}
     pm = {c: float(np.nanmedian(nanmean_rows(g.values[c][peer_idx]))) for c in names}
@@ -414,8 +441,8 @@ def find(steps: pd.DataFrame, s: StragglerSettings | None = None) -> list[Stragg
             how = {
                 "chunks_flagged": int(burst_slow[i].sum()),
                 "chunks": s.burst_chunks,
-                "since_step": g.first_step + int(np.argmax(at)),
-                "held_steps": int(at.sum()),
+                "since_step": g.first_step + int(np.argmax(at)) * g.width,
+                "held_steps": int(at.sum()) * g.width,
                 "bursts": s.burst_min_chunks,
             }
             found.append(
@@ -431,9 +458,9 @@ def _bursts(g: Grid, s: StragglerSettings) -> tuple[np.ndarray, np.ndarray]:
     n, k = g.chunk.size, s.burst_chunks
     fine = np.minimum(np.arange(n) * k // max(n, 1), k - 1)
     slow = np.zeros((len(g.ranks), k), dtype=bool)
-    if "rel_cpu" not in g.values or n < k * s.burst_min_chunk_steps:
+    if "rel_cpu" not in g.values or g.steps < k * s.burst_min_chunk_steps:
         return slow, fine
-    fg = Grid(ranks=g.ranks, chunk=fine, values=g.values, first_step=g.first_step)
+    fg = Grid(ranks=g.ranks, chunk=fine, values=g.values, first_step=g.first_step, width=g.width)
     cpu, own = chunk_means(fg, "rel_cpu", k), chunk_means(fg, "rel", k)
     with np.errstate(invalid="ignore"):
         slow = (cpu >= s.burst_cpu_ratio * nanmedian(cpu, axis=0)) & (
@@ -472,14 +499,14 @@ def slow_windows(steps: pd.DataFrame, windows: pd.DataFrame, st: Straggler, peer
     cut = pd.DataFrame(
         {"rank": cut["rank"].to_numpy(), "step": cut["step"].to_numpy(), "own": own.to_numpy()}
     )
-    bar = 1 + (st.ratio - 1) / 2
+    bar, w = 1 + (st.ratio - 1) / 2, width(steps)
     out = []
-    for w, lo, hi in spans.itertuples(index=False):
-        x = cut[(cut["step"] >= lo) & (cut["step"] < hi)].groupby("rank")["own"].mean()
+    for window, lo, hi in spans.itertuples(index=False):
+        x = cut[(cut["step"] + w > lo) & (cut["step"] < hi)].groupby("rank")["own"].mean()  # overlapping
         if st.rank in x.index and len(x) > 1:
             peer = float(x.drop(st.rank).median())
             if peer > 0 and x[st.rank] >= bar * peer:
-                out.append(int(w))
+                out.append(int(window))
     return out
 
 
@@ -513,7 +540,7 @@ def shifted(
     cols = SHIFT_COLUMNS
     c = s.shift_chunks
     g = shift_grid(steps, s) if cut is None else cut
-    if g is None or len(g.ranks) < 3 or len(g.chunk) < c * s.min_chunk_steps * 4:
+    if g is None or len(g.ranks) < 3 or g.steps < c * s.min_chunk_steps * 4:
         return []
     own = g.values["own_us"]
     skip = np.isin(g.ranks, list(exclude))
@@ -546,8 +573,7 @@ def shifted(
         by_cpu = ~by_own & (cpu_t >= s.shift_cpu_min_t) & (cpu_rise >= s.shift_cpu_min_rise)
         best_k = np.where(by_cpu, cpu_k, best_k)
     out = []
-    chunk_steps = np.bincount(g.chunk, minlength=c)
-    chunk_start = g.first_step + np.concatenate([[0], np.cumsum(chunk_steps)[:-1]])
+    chunk_steps, chunk_start = g.chunk_steps(c), g.chunk_starts(c)
     for i in np.flatnonzero((by_own | by_cpu) & ~skip):
         k = int(best_k[i])
         before, after = float(rel[i, :k].mean()), float(rel[i, k:].mean())

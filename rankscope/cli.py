@@ -59,12 +59,21 @@ def _clickhouse_address(address: str) -> tuple[str, int | None]:
     return host, int(port)
 
 
-def _open_store(a: argparse.Namespace, create: bool = True) -> Any:
-    """The store the options name: ``--clickhouse`` (a server) or ``--store`` (embedded chDB)."""
-    from aggregator import Store
+def _check_store_options(a: argparse.Namespace) -> None:
     from aggregator.schema import check_identifier
 
     check_identifier(a.database)
+    if a.clickhouse_cluster and not a.clickhouse:
+        raise UsageError("--clickhouse-cluster needs --clickhouse HOST[:PORT]: a server of that cluster")
+    if a.clickhouse:
+        _clickhouse_address(a.clickhouse)
+
+
+def _open_store(a: argparse.Namespace, create: bool = True) -> Any:
+    """The store the options name: ``--clickhouse`` (a server) or ``--store`` (embedded chDB)."""
+    from aggregator import Store
+
+    _check_store_options(a)
     if a.clickhouse:
         host, port = _clickhouse_address(a.clickhouse)
         return Store.server(
@@ -74,6 +83,7 @@ def _open_store(a: argparse.Namespace, create: bool = True) -> Any:
             password=os.environ.get("RANKSCOPE_CLICKHOUSE_PASSWORD", ""),
             database=a.database,
             secure=a.clickhouse_secure,
+            cluster=a.clickhouse_cluster,
         )
     return Store.embedded(a.store, database=a.database, create=create)
 
@@ -96,14 +106,11 @@ def _kafka_settings(a: argparse.Namespace) -> Any:
 def _aggregate(a: argparse.Namespace) -> int:
     from aggregator.consumer import Aggregator, BatchSettings
     from aggregator.metrics import Metrics
-    from aggregator.schema import check_identifier
 
     # Everything the user gave is checked before anything is opened or served.
     if not a.kafka:
         raise UsageError("give --kafka HOST:PORT or set $RANKSCOPE_KAFKA")
-    check_identifier(a.database)
-    if a.clickhouse:
-        _clickhouse_address(a.clickhouse)
+    _check_store_options(a)
     kafka = _kafka_settings(a)
     metrics = Metrics()
     if a.metrics_port is not None:
@@ -274,6 +281,7 @@ def _serve(a: argparse.Namespace) -> int:
         rules=Rules(resolve_after_s=a.resolve_after),
         webhooks=[Webhook(u) for u in a.webhook] + [Webhook(u, "slack") for u in a.slack_webhook],
         base_url=a.base_url or f"http://{a.host}:{a.port}",
+        **({"replica": a.replica} if a.replica else {}),
     )
     with _open_store(a) as store:
         service = Service(store, settings)
@@ -426,6 +434,7 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("--host", default="127.0.0.1", help="listen address (default: 127.0.0.1)")
     v.add_argument("--port", type=int, default=8080, help="listen port (default: 8080)")
     v.add_argument("--interval", type=float, default=5.0, help="seconds between cycles (default: 5)")
+    v.add_argument("--replica", help="this replica's name among those sharing the store (default: HOST-PID)")
     v.add_argument(
         "--resolve-after", type=float, default=60.0, help="resolve a ticket healthy this long (default: 60 s)"
     )
@@ -478,6 +487,12 @@ def _store_options(p: argparse.ArgumentParser) -> None:
         "--clickhouse-user", default="default", help="password from $RANKSCOPE_CLICKHOUSE_PASSWORD"
     )
     p.add_argument("--clickhouse-secure", action="store_true", help="HTTPS (default port 8443)")
+    p.add_argument(
+        "--clickhouse-cluster",
+        default="",
+        metavar="NAME",
+        help="the store spans this ClickHouse cluster, sharded by job (docs/operations.md)",
+    )
     p.add_argument("--database", default="rankscope", help="database (default: rankscope)")
 
 

@@ -301,21 +301,32 @@ def test_the_diagnosis_is_what_rankscope_diagnose_prints(served: tuple[Service, 
     assert got == want
 
 
-def test_replicas_on_one_store_keep_one_ticket_and_see_each_others_changes(
+def test_replicas_share_the_jobs_keep_one_ticket_and_take_over_a_dead_ones_jobs(
     served: tuple[Service, TestClient],
 ) -> None:
     """Two ``serve`` replicas on one database (a ClickHouse server in production; here one chDB
-    store, which two connections share in one process): one ticket between them, and a person's
-    acknowledgement through one replica holds in the other's later diagnoses."""
+    store, which two connections share in one process): each job is diagnosed by one of them, the
+    other shows its diagnosis and tickets; one ticket between them, and a person's acknowledgement
+    through either holds in later diagnoses. A replica that stops cycling (dead) is gone once its
+    lease (two cycles' time) runs out: the other takes its jobs at its next cycle, tickets and all."""
     svc, client = served
     assert svc.store.reopen is not None
     other_store = svc.store.reopen()
     try:
-        other = Service(other_store, ServeSettings(ended_after_s=3600.0))  # svc ingests the spool
-        now = _running(svc)
-        other.cycle(now_us=now)
+        now = _running(svc)  # alone so far: it diagnoses both jobs
         (tid,) = (t.id for t in svc.tickets.values() if t.job == "compute-r2")
-        assert [t.id for t in other.tickets.values() if t.job == "compute-r2"] == [tid]
+        other = Service(other_store, ServeSettings(ended_after_s=3600.0, replica="other"))  # svc ingests
+        other.cycle(now_us=now + 100_000)
+        svc.cycle(now_us=now + 200_000)
+        assert sorted(svc.replicas) == sorted(other.replicas) == sorted([svc.settings.replica, "other"])
+        jobs = sorted(svc.jobs)
+        assert jobs == ["compute-r2", "healthy"] and sorted(other.jobs) == jobs
+        assert all(svc.owns(j) != other.owns(j) for j in jobs), "each job has one replica"
+        owner, follower = (svc, other) if svc.owns("compute-r2") else (other, svc)
+        for s in (svc, other):  # the follower shows what the owner found
+            assert [t.id for t in s.tickets.values() if t.job == "compute-r2"] == [tid]
+            assert s.diagnosis("compute-r2") == owner.diagnosis("compute-r2")
+            assert s.diagnosis("compute-r2").findings
         assert [d["id"] for d in storage.load_tickets(svc.store, "compute-r2")] == [tid]
         r = client.post(
             f"/api/v1/tickets/{tid}/acknowledge",
@@ -323,9 +334,23 @@ def test_replicas_on_one_store_keep_one_ticket_and_see_each_others_changes(
             headers={"Authorization": f"Bearer {WRITE}"},
         )
         assert r.status_code == 200
-        other.jobs["compute-r2"].data_last_us = -1  # new records: the other replica diagnoses again
-        other.cycle(now_us=now + 1_000_000)
-        assert other.tickets[tid].state == "acknowledged"
+        owner.jobs["compute-r2"].data_last_us = -1  # new records: its replica diagnoses again
+        t = now + 1_000_000
+        owner.cycle(now_us=t)
+        assert owner.tickets[tid].state == "acknowledged"
+        # The owner dies (cycles no more). Its lease, 2 x 5 s, holds 10 s after its last cycle.
+        held = follower.jobs["compute-r2"].diagnosed_us
+        follower.jobs["compute-r2"].data_last_us = -1
+        follower.cycle(now_us=t + 5_000_000)
+        assert not follower.owns("compute-r2")
+        assert follower.jobs["compute-r2"].diagnosed_us == owner.jobs["compute-r2"].diagnosed_us != held
+        follower.jobs["compute-r2"].data_last_us = -1
+        follower.cycle(now_us=t + 10_500_000)
+        assert follower.replicas == [follower.settings.replica] and follower.owns("compute-r2")
+        assert follower.jobs["compute-r2"].diagnosed_us == t + 10_500_000  # diagnosed by the survivor
+        assert [(x.id, x.state) for x in follower.tickets.values() if x.job == "compute-r2"] == [
+            (tid, "acknowledged")
+        ]
         (stored,) = storage.load_tickets(svc.store, "compute-r2")
         assert stored["state"] == "acknowledged" and stored["events"][-1]["reason"] != "opened"
     finally:

@@ -177,6 +177,7 @@ def test_a_metrics_port_in_use_is_refused_in_one_line_before_anything_is_opened(
     [
         (["--database", "x;DROP"], "database name 'x;DROP' must match"),
         (["--clickhouse", "h:abc"], "--clickhouse h:abc: the port must be a number from 1 to 65535"),
+        (["--clickhouse-cluster", "prod"], "--clickhouse-cluster needs --clickhouse HOST[:PORT]"),
         (["--kafka-option", "bogus_key=1"], "unknown Kafka consumer option 'bogus_key'"),
         (["--kafka-option", "sesion_timeout_ms=1"], "(did you mean session_timeout_ms?)"),
         (["--kafka-option", "session_timeout_ms=abc"], "session_timeout_ms='abc' must be an integer"),

@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -425,33 +425,50 @@ def test_malformed_messages_are_dead_lettered_with_the_reason_and_the_rest_is_st
     assert f"rankscope_aggregator_stored_total {float(len(good))}" in text
 
 
-def test_aggregators_in_one_group_share_the_partitions(broker: KafkaBroker, tmp_path: Path) -> None:
+def test_aggregators_in_one_group_share_the_partitions_as_members_join_and_leave(
+    broker: KafkaBroker, tmp_path: Path
+) -> None:
+    """Two members of one group: the second joins while the first consumes (a rebalance), both get
+    partitions; then one leaves while more records come, and the other takes its partitions. Every
+    record of both spells is stored once: none lost, none twice."""
     records = synthetic_records("shared", ranks=16, batches=4)
+    later = synthetic_records("shared-later", ranks=16, batches=4)
     produce(broker, "shared", (encode(r) for r in records))
-    stop = threading.Event()
+    stops = [threading.Event(), threading.Event()]
     with Store.embedded(tmp_path / "db") as store:  # one process: the members share one chDB engine
         members = [
             Aggregator(store, settings(broker, "shared"), BatchSettings(records=20, seconds=0.2))
             for _ in range(2)
         ]
-        threads = [threading.Thread(target=m.run, kwargs={"stop": stop}) for m in members]
+        threads = [
+            threading.Thread(target=m.run, kwargs={"stop": stop})
+            for m, stop in zip(members, stops, strict=True)
+        ]
         seen: list[set[Any]] = [set(), set()]
+
+        def until(done: Callable[[], bool]) -> None:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and not done():
+                for s, m in zip(seen, members, strict=True):
+                    s.update(m.assignment)
+                time.sleep(0.3)
+
         for t in threads:
             t.start()
             time.sleep(1.0)  # the second joins while the first consumes: a rebalance
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not (
-            store.counts("shared") == expected_counts(records) and all(seen)
-        ):
-            for s, m in zip(seen, members, strict=True):
-                s.update(m.assignment)
-            time.sleep(0.3)
-        stop.set()
-        for t in threads:
-            t.join(60)
+        until(lambda: store.counts("shared") == expected_counts(records) and all(seen))
         assert all(seen), f"a member never got a partition: {seen}"
-        assert sum(m.stats.consumed for m in members) >= len(records)
+        stops[1].set()  # the second leaves
+        threads[1].join(60)
+        produce(broker, "shared", (encode(r) for r in later))
+        seen[0].clear()
+        until(lambda: store.counts("shared-later") == expected_counts(later) and seen[0] >= seen[1])
+        stops[0].set()
+        threads[0].join(60)
+        assert seen[0] >= seen[1], "the remaining member holds the partitions of the one that left"
+        assert sum(m.stats.consumed for m in members) >= len(records) + len(later)
         assert_stored_once(store, "shared", records)
+        assert_stored_once(store, "shared-later", later)
 
 
 def test_gzip_message_sets_are_inflated_by_isal_and_come_out_the_same() -> None:

@@ -20,6 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import pytest
 from hypothesis import HealthCheck, event, given, settings
@@ -39,6 +40,7 @@ from aggregator.batch import RAW_PREFIX_BYTES, _implied
 from aggregator.reads import STEP_COLUMNS, SpoolOffset
 from aggregator.schema import (
     ARRIVALS_BY_PROCESS_OBJECTS,
+    ARRIVALS_BY_PROCESS_TABLE,
     FUNCTIONS,
     HEARTBEATS,
     JOB_TABLES,
@@ -47,11 +49,13 @@ from aggregator.schema import (
     WINDOW_INPUT_OBJECTS,
     WINDOWS,
     Table,
+    cluster_ddl,
 )
 from aggregator.spool import MAX_LINE_BYTES, file_id
 from diagnosis import diagnose, read_job
 from diagnosis.data import LOOKBACK_STEPS, RecentJob
 from diagnosis.diagnose import Settings as diagnose_settings
+from tests.jobdata import only
 from wire.records import (
     MAX_VALUE_BYTES,
     Checkpoint,
@@ -208,6 +212,35 @@ def test_schema_creation_twice_is_harmless(store: Store) -> None:
     )
 
 
+def test_a_store_on_a_cluster_is_sharded_by_job_over_replicated_tables(store: Store) -> None:
+    """``--clickhouse-cluster``: each table becomes its shards' replicated table (``<name>_local``,
+    the same columns and sort key as on one server) and a ``Distributed`` table of its name over
+    them, sharded by the first sort column (a job's rows and a row's copies on one shard, where
+    ``FINAL`` collapses them); input tables and views on every node. chDB runs no cluster (no
+    Keeper, no remote servers): checked here, every statement parses (``formatQuery``), and the
+    queries of the diagnosis and the service read the names the ``Distributed`` tables take."""
+    ddl = cluster_ddl("rs", "prod")
+    for statement in ddl:
+        store.client.query("SELECT formatQuery({q:String})", parameters={"q": statement})
+        assert " ON CLUSTER `prod`" in statement, statement
+    for table in [*TABLES.values(), ARRIVALS_BY_PROCESS_TABLE]:
+        (one,) = table.ddl("rs")
+        local, shared = table.ddl("rs", "prod")
+        assert local in ddl and shared in ddl
+        keeper = f"'/clickhouse/tables/{{shard}}/rs/{table.name}_local', '{{replica}}'"
+        assert local == one.replace(
+            f"`rs`.`{table.name}` (", f"`rs`.`{table.name}_local` ON CLUSTER `prod` ("
+        ).replace(f"{table.engine}(", f"Replicated{table.engine}({keeper}" + (", " if table.version else ""))
+        comment = one[one.index("COMMENT") :]
+        assert shared.endswith(
+            f"AS `rs`.`{table.name}_local`\nENGINE = Distributed(`prod`, `rs`, `{table.name}_local`, "
+            f"cityHash64(`{table.order_by[0]}`))\n{comment}"
+        )
+    views = [d for d in ddl if "MATERIALIZED VIEW" in d]
+    assert len(views) == 4 and "TO `rs`.`arrivals_by_process_local` " in views[-1]
+    assert "FROM `rs`.`arrivals_local` " in views[-1]  # each shard counts the arrivals it stores
+
+
 def test_schema_of_another_version_is_refused(store: Store) -> None:
     store.client.command("CREATE DATABASE old_schema")
     store.client.command(
@@ -253,7 +286,7 @@ def test_functions_stored_under_schema_8s_sort_key_are_copied_to_the_new_one(sto
     db = store.database
     store.client.command(f"DROP VIEW {db}.functions_from_input")
     store.client.command(f"DROP TABLE {db}.functions")
-    old = FUNCTIONS.ddl(db).replace("`kind`, `rank`, `window`", "`window`, `rank`, `kind`")
+    old = FUNCTIONS.ddl(db)[0].replace("`kind`, `rank`, `window`", "`window`, `rank`, `kind`")
     store.client.command(old)
     ensure_schema(store.client, db)  # the view made again, into the old table
     store.write(records)
@@ -379,6 +412,45 @@ def test_a_row_of_a_block_of_steps_reads_back_as_its_steps(store: Store) -> None
     store.write([StepBatch(job=JOB, rank=0, host="h", time_us=T0, rows=(again,))])
     df = store.steps(JOB)
     assert df["step"].tolist() == [100, 101, 102, 103] and df["dur_us"].tolist()[2] == 9_000
+
+
+def test_a_large_jobs_steps_are_read_in_buckets_summed_up_by_the_store(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows of blocks of 4 steps, read in buckets of 8: each bucket's means per step are those of
+    its steps read one by one. ``read_job`` reads buckets where ranks x steps exceed
+    ``MAX_STEP_CELLS``, the fewest steps a bucket that keep under it, and the diagnosis names the
+    same straggler from them."""
+    blocks = [
+        StepBatch(
+            job=JOB, rank=r, host=f"node{r}", time_us=T0 + lo * 10_000,
+            rows=tuple(
+                StepRow(b, T0 + b * 10_000, 4 * (10_000 + 5_000 * (r == 2)), 400, 4 * 3_000, 12, 900,
+                        4 * (6_000 + 5_000 * (r == 2)), 2, 4, 4 * (100 + b))
+                for b in range(lo, lo + 64, 4)
+            ),
+        )
+        for r in range(8)
+        for lo in range(0, 1024, 64)
+    ]  # fmt: skip
+    store.write([*map(rank_info, range(8)), *blocks])
+    one_by_one = store.steps(JOB)
+    got = store.steps(JOB, width=8, since_step=16)
+    assert got["width"].eq(8).all() and got["step"].min() == 16 and len(got) == 8 * (1024 - 16) // 8
+    assert (got["step"] % 8 == 0).all() and list(got.columns) == [*STEP_COLUMNS, "width"]
+    cut = one_by_one[one_by_one["step"] >= 16]
+    means = cut.groupby(["rank", cut["step"] // 8 * 8]).agg(
+        {**dict.fromkeys(["dur_us", "data_us", "comm_us", "cpu_us", "wait_us"], "mean"), "start_us": "min"}
+    )
+    assert np.allclose(got.set_index(["rank", "step"])[means.columns].to_numpy(), means.to_numpy())
+    whole = read_job(store, JOB)
+    assert whole.steps.equals(one_by_one)  # 8 x 1,024 steps: one by one
+    monkeypatch.setattr("diagnosis.data.MAX_STEP_CELLS", 8 * 1024 // 3)
+    data = read_job(store, JOB)
+    assert data.steps["width"].eq(4).all() and len(data.steps) == 8 * 1024 // 4
+    f, g = only(diagnose(data).findings), only(diagnose(whole).findings)
+    assert (f.cause, f.ranks) == (g.cause, g.ranks) == ("compute", [2])
+    assert f.evidence["ratio"] == pytest.approx(g.evidence["ratio"], rel=0.01)
 
 
 def test_stack_samples_are_summed_per_rank_and_function_each_heartbeat_once(store: Store) -> None:

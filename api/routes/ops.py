@@ -45,6 +45,14 @@ class _Collector:
         yield GaugeMetricFamily(
             "rankscope_serve_jobs_watched", "Jobs known to the service", len(self.svc.jobs)
         )
+        yield GaugeMetricFamily(
+            "rankscope_serve_jobs_diagnosed",
+            "Jobs this replica diagnoses (the others' go to the other live replicas)",
+            sum(map(self.svc.owns, list(self.svc.jobs))),
+        )
+        yield GaugeMetricFamily(
+            "rankscope_serve_replicas", "Live replicas sharing the store", len(self.svc.replicas)
+        )
         yield CounterMetricFamily(
             "rankscope_serve_ingested_records", "Records read from the spool", st.ingested
         )

@@ -44,7 +44,11 @@ def find(data: JobData, s: Settings) -> list[Finding]:
 
 def _find(data: JobData, s: Settings) -> Finding | None:
     recent = data.steps[data.steps["step"] > data.steps["step"].max() - s.steps]
-    if recent.empty or recent.groupby("step")["dur_us"].median().sum() < s.min_s * 1e6:
+    # The steps' time: a row of a large job's read stands for ``width`` steps (its means per step).
+    if (
+        recent.empty
+        or recent.groupby("step")["dur_us"].median().sum() * stragglers.width(recent) < s.min_s * 1e6
+    ):
         return None
     cut = stragglers.StragglerSettings(warmup_steps=s.warmup_steps, last_steps=s.steps, chunks=s.chunks)
     g = stragglers.grid(data.steps, cut, ["dur_us", "own_us", "cpu_us"])

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from diagnosis import stragglers
+from diagnosis import JobData, stragglers
 from diagnosis.detectors import straggler
 from tests.jobdata import functions_frame, only, sched_windows, synthetic
 
@@ -61,3 +61,37 @@ def test_the_ranks_that_wait_for_a_contended_host_are_no_straggler_of_their_own(
     # Ranks that wait the least hold the job back, whoever else queues: node0's, now arriving last.
     st.loc[waiting, "comm_us"] -= 2500
     assert [f.ranks for f in straggler.find(replace(data, steps=st), SETTINGS)] == [[0], [1]]
+
+
+def _in_buckets(data: JobData, width: int) -> JobData:
+    """``data`` with its steps as a store reads a large job's: per rank and bucket of ``width``
+    steps, their means (``Reads.steps(width=)``)."""
+    s = data.steps
+    b = s.assign(step=s["step"] // width * width)
+    means = {c: "min" if c == "start_us" else "mean" for c in s.columns if c not in ("rank", "step")}
+    out = b.groupby(["rank", "step"], as_index=False).agg(means)
+    return replace(data, steps=out.assign(**{stragglers.WIDTH: width}))
+
+
+@pytest.mark.parametrize(
+    ("slow", "steps", "cause"),
+    [
+        ({6: {"compute_us": 1500}}, 300, "compute"),
+        ({5: {"data_us": 3000}}, 300, "dataloader"),
+        ({2: {"compute_us": 1500, "from": 700}}, 1400, "compute"),  # the change-point rule's
+        ({3: {"compute_us": 6000, "on": 40, "off": 80}}, 1200, "compute"),  # in bursts
+    ],
+)
+def test_a_large_jobs_steps_read_in_buckets_name_the_same_straggler(
+    slow: dict[int, dict[str, float]], steps: int, cause: str
+) -> None:
+    """Read in buckets of 4 or 8 steps, the rank, the cause and how long it held are those of
+    the steps read one by one (blocks of steps, as the hooks ship them, are as wide)."""
+    data = synthetic(16, steps, slow=slow, hosts_of=2)
+    f = only(straggler.find(data, SETTINGS))
+    assert (f.cause, f.ranks) == (cause, list(slow))
+    for width in (4, 8):
+        g = only(straggler.find(_in_buckets(data, width), SETTINGS))
+        assert (g.cause, g.ranks) == (f.cause, f.ranks), width
+        assert g.evidence["ratio"] == pytest.approx(f.evidence["ratio"], rel=0.05), width
+        assert abs(g.evidence["held_since_step"] - f.evidence["held_since_step"]) <= steps // 10, width
