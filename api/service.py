@@ -7,7 +7,7 @@ tickets (:mod:`api.tickets`), notifying the webhooks of tickets opened and resol
 sent nothing for ``ended_after_s`` has ended: its tickets resolve.
 
 Replicas on one ClickHouse server share the jobs: each cycle a replica notes itself in the store
-(``serve_replicas``), and of the replicas seen within ``lease_s`` each job is diagnosed by one,
+(``serve_replicas``) with its lease, and of the replicas whose lease runs each job is diagnosed by one,
 chosen by rendezvous hashing (the largest hash of job and replica): a replica that joins or dies
 moves only the jobs it takes or held. The others show that replica's diagnoses and tickets, read
 from the store.
@@ -69,8 +69,9 @@ class ServeSettings:
     replica: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
     """This replica's name among those sharing the store."""
     lease_s: float = 0.0
-    """A replica not seen for this long is gone and its jobs go to the others (0: two ``interval_s``,
-    so they are taken at the first cycle after two of its cycles were missed)."""
+    """A replica not seen for this long after a cycle began is gone, and its jobs go to the others
+    (0: two ``interval_s`` and two of its last cycle's duration, so that a replica whose cycles
+    take long, a large job's, is not taken for dead between them)."""
 
 
 @dataclass(slots=True)
@@ -208,9 +209,9 @@ class Service:
                 self.stats.ingested += st.records
                 self.stats.dead_letters += st.dead_letters
             jobs, rates = self.store.jobs(), self.store.step_rates().set_index("job")
-            storage.beat(self.store, self.settings.replica, now_us)
-            lease_us = int((self.settings.lease_s or 2 * self.settings.interval_s) * 1e6)
-            self.replicas = storage.live_replicas(self.store, now_us - lease_us) or [self.settings.replica]
+            lease_s = self.settings.lease_s or 2 * (self.settings.interval_s + self.stats.last_cycle_s)
+            storage.beat(self.store, self.settings.replica, now_us, now_us + int(lease_s * 1e6))
+            self.replicas = storage.live_replicas(self.store, now_us) or [self.settings.replica]
         for row in jobs.itertuples(index=False):
             job = str(row.job)
             js = self.jobs.get(job)

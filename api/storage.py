@@ -46,11 +46,12 @@ DELIVERIES = Table(
 )
 REPLICAS = Table(
     "serve_replicas",
-    (("replica", "String"), ("seen_us", "Int64")),
+    (("replica", "String"), ("seen_us", "Int64"), ("until_us", "Int64")),
     order_by=("replica",),
     version="seen_us",
 )
-"""Each ``serve`` replica's last cycle: the live ones share the jobs (``Service.owns``)."""
+"""Each ``serve`` replica's last cycle, and until when it holds its jobs without another: the live
+ones share the jobs (``Service.owns``)."""
 TABLES = (TICKETS, DIAGNOSES, DELIVERIES, REPLICAS)
 
 
@@ -97,11 +98,11 @@ def deliveries(store: Store, ticket: str) -> list[dict[str, Any]]:
     ]
 
 
-def beat(store: Store, replica: str, now_us: int) -> None:
-    store.insert(REPLICAS, [(replica, now_us)])
+def beat(store: Store, replica: str, now_us: int, until_us: int) -> None:
+    store.insert(REPLICAS, [(replica, now_us, until_us)])
 
 
-def live_replicas(store: Store, since_us: int) -> list[str]:
-    """The replicas seen since ``since_us``."""
-    df = store.select(REPLICAS, "seen_us >= {t:Int64}", {"t": since_us})
+def live_replicas(store: Store, now_us: int) -> list[str]:
+    """The replicas whose lease runs at ``now_us``."""
+    df = store.select(REPLICAS, "until_us >= {t:Int64}", {"t": now_us})
     return sorted(df["replica"])

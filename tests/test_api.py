@@ -315,7 +315,8 @@ def test_replicas_share_the_jobs_keep_one_ticket_and_take_over_a_dead_ones_jobs(
     try:
         now = _running(svc)  # alone so far: it diagnoses both jobs
         (tid,) = (t.id for t in svc.tickets.values() if t.job == "compute-r2")
-        other = Service(other_store, ServeSettings(ended_after_s=3600.0, replica="other"))  # svc ingests
+        svc.settings.lease_s = 10.0  # by default also twice the last cycle's time: here, the clock's
+        other = Service(other_store, ServeSettings(ended_after_s=3600.0, replica="other", lease_s=10.0))
         other.cycle(now_us=now + 100_000)
         svc.cycle(now_us=now + 200_000)
         assert sorted(svc.replicas) == sorted(other.replicas) == sorted([svc.settings.replica, "other"])
@@ -338,7 +339,7 @@ def test_replicas_share_the_jobs_keep_one_ticket_and_take_over_a_dead_ones_jobs(
         t = now + 1_000_000
         owner.cycle(now_us=t)
         assert owner.tickets[tid].state == "acknowledged"
-        # The owner dies (cycles no more). Its lease, 2 x 5 s, holds 10 s after its last cycle.
+        # The owner dies (cycles no more). Its lease holds 10 s after its last cycle began.
         held = follower.jobs["compute-r2"].diagnosed_us
         follower.jobs["compute-r2"].data_last_us = -1
         follower.cycle(now_us=t + 5_000_000)
