@@ -17,7 +17,7 @@ from clickhouse_connect.driver.exceptions import ClickHouseError
 
 from .errors import StoreError
 from .schema import (
-    ARRIVALS_BY_PROCESS,
+    ARRIVALS_BY_PROCESS_TABLE,
     ATTEMPTS,
     CHECKPOINTS,
     DEAD_LETTERS,
@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 
 STEP_COLUMNS = [c for c in STEPS.column_names if c not in ("job", "host", "n_steps")]
 """The columns of :meth:`Reads.steps`."""
+_TOTALS = ("dur_us", "data_us", "comm_us", "n_coll", "cpu_us", "nivcsw", "wait_us")
+"""A stored row's sums over its ``n_steps`` steps (``first_coll_us`` is its mean already)."""
 WIDTH = "width"
 """The column of :meth:`Reads.steps` read by buckets of steps: how many (the diagnosis's name for
 it is ``diagnosis.stragglers.WIDTH``)."""
@@ -300,7 +302,7 @@ class Reads:
         a process's last stored one cannot be seen."""
         sql = f"""
             SELECT rank, pid, maxMerge(last) + 1 AS made, groupBitmapMerge(seqs) AS stored
-            FROM `{self._db}`.`{ARRIVALS_BY_PROCESS}` WHERE job = {{job:String}}
+            FROM {self._t(ARRIVALS_BY_PROCESS_TABLE)} WHERE job = {{job:String}}
             GROUP BY rank, pid HAVING stored < made ORDER BY rank, pid"""
         return self._frame(sql, {"job": job}, ("rank", "pid", "made", "stored"))
 
@@ -334,7 +336,7 @@ class Reads:
         per = np.repeat(n, n)  # >= 1: a row of 0 steps spreads over none
         out = {"rank": spread("rank"), "step": spread("step") + i, "first_coll_us": spread("first_coll_us")}
         out["start_us"] = spread("start_us") + spread("dur_us") * i // per
-        for column in ("dur_us", "data_us", "comm_us", "n_coll", "cpu_us", "nivcsw", "wait_us"):
+        for column in _TOTALS:
             out[column] = spread(column) / per  # the block's totals, as a mean per step
         steps = pd.DataFrame(out, columns=STEP_COLUMNS)
         steps = steps[steps["step"].to_numpy() >= since_step] if since_step > -(1 << 63) else steps
@@ -349,11 +351,14 @@ class Reads:
 
     def _buckets(self, job: str, where: str, params: dict[str, Any], width: int) -> pd.DataFrame:
         """The step rows that match ``where`` summed up per rank and bucket of ``width`` steps."""
-        means = ("dur_us", "data_us", "comm_us", "n_coll", "first_coll_us", "cpu_us", "nivcsw", "wait_us")
-        # Aliases may not shadow a column: ``m_<column>``, renamed after.
+        means = (*_TOTALS, "first_coll_us")
+        # Aliases may not shadow a column: ``m_<column>``, renamed after. A row's first collective
+        # is its steps' mean (-1: none entered one): the bucket's is the rows' mean, of those with one.
         sql = f"""
             SELECT rank, intDiv(step, {{width:Int64}}) * {{width:Int64}} AS bucket, min(start_us) AS start,
-                   {", ".join(f"sum({c}) / sum(n_steps) AS m_{c}" for c in means)}
+                   {", ".join(f"sum({c}) / sum(n_steps) AS m_{c}" for c in _TOTALS)},
+                   if(countIf(first_coll_us >= 0) = 0, -1, avgIf(first_coll_us, first_coll_us >= 0))
+                       AS m_first_coll_us
             FROM {self._t(STEPS)} FINAL WHERE job = {{job:String}} AND n_steps > 0 {where}
             GROUP BY rank, bucket ORDER BY rank, bucket"""
         names = ["rank", "bucket", "start", *(f"m_{c}" for c in means)]

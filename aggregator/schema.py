@@ -517,14 +517,14 @@ def ensure_schema(client: Any, database: str = DEFAULT_DATABASE, cluster: str = 
     version, older ones are refused, not migrated.
     """
     check_identifier(database)
-    if cluster:
-        _ensure_on_cluster(client, database, cluster)
-        return
     # Checked before creating anything, so a refused database is left as it was found.
     found = client.query(
         "SELECT name, comment FROM system.tables WHERE database = {db:String}",
         parameters={"db": database},
     ).result_rows
+    if cluster:
+        _ensure_on_cluster(client, database, cluster, found)
+        return
     older = {name for name, comment in found if name in TABLES and comment in MIGRATIONS}
     wrong = {
         name: comment
@@ -563,10 +563,7 @@ def cluster_ddl(database: str, cluster: str) -> list[str]:
     ]
 
 
-def _ensure_on_cluster(client: Any, database: str, cluster: str) -> None:
-    found = client.query(
-        "SELECT name, comment FROM system.tables WHERE database = {db:String}", parameters={"db": database}
-    ).result_rows
+def _ensure_on_cluster(client: Any, database: str, cluster: str, found: list[tuple[str, str]]) -> None:
     if wrong := {name: comment for name, comment in found if name in TABLES and comment != _COMMENT}:
         raise SchemaError(
             f"database {database!r} on cluster {cluster!r} has tables from another schema version "

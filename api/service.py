@@ -92,6 +92,12 @@ class JobState:
     recent: RecentJob | None = None
     """Its recent data, brought up to date each time it is diagnosed (what the pictures show)."""
 
+    def adopt(self, stored: dict[str, Any]) -> None:
+        """Take a stored diagnosis (one of ``storage.diagnoses``) as the job's latest."""
+        doc = stored["diagnosis"]
+        self.diagnosis, self.diagnosed_us = doc, stored["time_us"]
+        self.data_last_us = int(doc.get("data_last_us", -1))
+
     def state(self, now_us: int, ended_after_s: float) -> str:
         if now_us - self.last_us >= ended_after_s * 1e6:
             return "ended"
@@ -246,9 +252,7 @@ class Service:
             last = storage.diagnoses(self.store, js.job, 1)
             self._refresh_tickets(js.job)
         if last and last[0]["time_us"] > js.diagnosed_us:
-            doc = last[0]["diagnosis"]
-            js.diagnosis, js.diagnosed_us = doc, last[0]["time_us"]
-            js.data_last_us = int(doc.get("data_last_us", -1))
+            js.adopt(last[0])
 
     def _diagnose(self, js: JobState, now_us: int, ended: bool) -> None:
         if js.recent is None:
@@ -299,11 +303,8 @@ class Service:
         for job in jobs["job"]:
             last = storage.diagnoses(self.store, str(job), 1)
             if last:
-                doc = last[0]["diagnosis"]
-                self.jobs[str(job)] = JobState(
-                    str(job), 0, 0, 0, 0, diagnosis=doc, diagnosed_us=last[0]["time_us"],
-                    data_last_us=int(doc.get("data_last_us", -1)),
-                )  # fmt: skip
+                js = self.jobs[str(job)] = JobState(str(job), 0, 0, 0, 0)
+                js.adopt(last[0])
 
     # --- what the API reads ---------------------------------------------------------------------
 

@@ -65,9 +65,8 @@ MAX_GROUPS_SAID = 8
 class Window(NamedTuple):
     """A profiling window while it is open."""
 
-    number: int
-    """The step it was planned for: the window's id."""
     first: int
+    """The step it was planned for, its first: the window's number."""
     end: int
     """The step it is due to end before (later where collectives are still held: ``MAX_POSTPONED``)."""
     started_ns: int
@@ -493,13 +492,13 @@ class Hook:
             # turns every event into a Python object at stop(): 0.5-1 s on the training thread.
             warnings.filterwarnings("ignore", message=".*clears events at the end of each cycle")
             self._prof.start()
-        self._window = Window(s, s, s + cfg.window_steps, time.time_ns())
+        self._window = Window(s, s + cfg.window_steps, time.time_ns())
         self.tracker.recording = []
 
     def _maybe_stop_window(self) -> None:
         if self._prof is None or self._window is None or self.step_num + 1 < self._window.end:
             return
-        prof, (number, lo, hi, t0) = self._prof, self._window
+        prof, (lo, hi, t0) = self._prof, self._window
         if not self._settled() and self.step_num + 1 < hi + MAX_POSTPONED:
             return  # the next step's end tries again
         hi = self.step_num + 1
@@ -513,7 +512,7 @@ class Hook:
         # Reading the events takes tens of milliseconds: do it off the training thread.
         t = threading.Thread(
             target=self._summarize,
-            args=(prof, calls, number, lo, hi, dur_ns, origin, extra),
+            args=(prof, calls, lo, lo, hi, dur_ns, origin, extra),
             name="rankscope-summarize",
             daemon=True,
         )

@@ -440,7 +440,10 @@ def test_a_large_jobs_steps_are_read_in_buckets_summed_up_by_the_store(
     assert (got["step"] % 8 == 0).all() and list(got.columns) == [*STEP_COLUMNS, "width"]
     cut = one_by_one[one_by_one["step"] >= 16]
     means = cut.groupby(["rank", cut["step"] // 8 * 8]).agg(
-        {**dict.fromkeys(["dur_us", "data_us", "comm_us", "cpu_us", "wait_us"], "mean"), "start_us": "min"}
+        {
+            **dict.fromkeys(["dur_us", "data_us", "comm_us", "first_coll_us", "cpu_us", "wait_us"], "mean"),
+            "start_us": "min",
+        }
     )
     assert np.allclose(got.set_index(["rank", "step"])[means.columns].to_numpy(), means.to_numpy())
     whole = read_job(store, JOB)
