@@ -207,6 +207,7 @@ class Aggregator:
         self._in_flight: deque[_Write] = deque()
         self._writers = 1
         self._gave_up = False
+        self._partitions: set[int] = set()  # of the topic, seen by the idle check
         self._stores: queue.SimpleQueue[Store] = queue.SimpleQueue()
         self._stop = threading.Event()
 
@@ -518,11 +519,19 @@ class Aggregator:
         self._finish(wait=True)
         c = self._consumer
         try:
-            # Right after a broker restart the topic's metadata can come back without partitions
-            # (no leader elected yet): that says nothing about what is left to read.
-            parts = c.partitions_for_topic(self.kafka.topic)
-            if not parts:
-                log.info("not idle: the broker knows no partitions of %s (yet)", self.kafka.topic)
+            # Right after a broker restart the topic's metadata can come back without some of its
+            # partitions (no leader elected yet), while producers hold what they will send there:
+            # that says nothing about what is left to read. A topic's partitions never go away.
+            parts = set(c.partitions_for_topic(self.kafka.topic))
+            away = self._partitions - parts
+            self._partitions |= parts
+            if not parts or away:
+                log.info(
+                    "not idle: the broker knows %d of the %d partitions of %s (yet)",
+                    len(parts),
+                    len(self._partitions),
+                    self.kafka.topic,
+                )
                 return None
             tps = [TopicPartition(self.kafka.topic, p) for p in parts]
             ends = c.end_offsets(tps, timeout_ms=2000)

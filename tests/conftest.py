@@ -8,7 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.kafka_broker import KafkaBroker, kafka_home
+# The shared checks say what differs when they fail, as the tests' own asserts do.
+pytest.register_assert_rewrite("tests.records")
+
+from tests.kafka_broker import KafkaBroker, kafka_home  # noqa: E402
 
 
 @pytest.fixture
