@@ -192,14 +192,15 @@ class Reads:
         )
         return self._frame(sql, {"job": job, "rank": rank}, ("time_us", "step", "progress_age_s"))
 
-    def windows(self, job: str, since_us: int | None = None) -> pd.DataFrame:
+    def windows(
+        self, job: str, since_us: int | None = None, columns: Sequence[str] | None = None
+    ) -> pd.DataFrame:
         """Window summaries of ``job`` (without functions; those taken from ``since_us`` on, if
-        given), ordered by window and rank."""
-        if since_us is None:
-            return self._select(WINDOWS, job, "", {}, "window, rank")
-        return self._select(
-            WINDOWS, job, "AND time_us >= {since_us:Int64}", {"since_us": since_us}, "window, rank"
+        given; only ``columns``, if given), ordered by window and rank."""
+        where, params = (
+            ("", {}) if since_us is None else ("AND time_us >= {since_us:Int64}", {"since_us": since_us})
         )
+        return self._select(WINDOWS, job, where, params, "window, rank", columns)
 
     def functions(
         self,
@@ -242,13 +243,15 @@ class Reads:
         return self._select(FUNCTIONS, job, where, params, "window, rank, kind, name, stack")
 
     def heartbeats_latest(self, job: str) -> pd.DataFrame:
-        """The latest heartbeat of each rank of ``job``, ordered by rank."""
+        """The latest heartbeat of each rank of ``job``, ordered by rank, without its stack samples
+        and link sends (:meth:`stack_samples` and :meth:`link_sends` sum them up over heartbeats)."""
         # Duplicate heartbeats are identical rows, so LIMIT 1 BY needs no FINAL.
+        names = [c for c in HEARTBEATS.column_names if c not in ("samples", "sends")]
         sql = (
-            f"SELECT * FROM {self._t(HEARTBEATS)} WHERE job = {{job:String}} "
+            f"SELECT {', '.join(names)} FROM {self._t(HEARTBEATS)} WHERE job = {{job:String}} "
             "ORDER BY rank, time_us DESC LIMIT 1 BY rank"
         )
-        return self._frame(sql, {"job": job}, HEARTBEATS.column_names)
+        return self._frame(sql, {"job": job}, names)
 
     def stack_samples(self, job: str, since_us: int | None = None) -> pd.DataFrame:
         """Per rank of ``job`` and function of its code, the stack samples its heartbeats carry
@@ -366,9 +369,21 @@ class Reads:
         rows = rows.rename(columns={"bucket": "step", "start": "start_us", **{f"m_{c}": c for c in means}})
         return rows.reindex(columns=STEP_COLUMNS).assign(**{WIDTH: width})
 
-    def _select(self, table: Table, job: str, where: str, params: dict[str, Any], order: str) -> pd.DataFrame:
-        sql = f"SELECT * FROM {self._t(table)} FINAL WHERE job = {{job:String}} {where} ORDER BY {order}"
-        return self._frame(sql, {"job": job, **params}, table.column_names)
+    def _select(
+        self,
+        table: Table,
+        job: str,
+        where: str,
+        params: dict[str, Any],
+        order: str,
+        columns: Sequence[str] | None = None,
+    ) -> pd.DataFrame:
+        names = table.column_names if columns is None else list(columns)
+        sql = (
+            f"SELECT {', '.join(f'`{c}`' for c in names)} FROM {self._t(table)} FINAL "
+            f"WHERE job = {{job:String}} {where} ORDER BY {order}"
+        )
+        return self._frame(sql, {"job": job, **params}, names)
 
     def _t(self, table: Table) -> str:
         return f"`{self._db}`.`{table.name}`"

@@ -13,7 +13,8 @@ hooks write it (untimed), then:
 - the store's size on disk (its tables' parts in use);
 - ``diagnose``: the job read and diagnosed as ``rankscope diagnose`` does, the read included
   (``read_s``: the read alone);
-- ``cycle``: the first and the second ``rankscope serve`` cycle on that store;
+- ``cycle``: ``rankscope serve``'s cycles as the job runs: the first on all but its last 40 s,
+  then one after each 10 s more (spooled untimed, ingested timed): ``cycle_steady_s`` their median;
 - the process's peak resident memory, and whether the top finding names the slow rank.
 
 A size that fails (out of memory, a limit) is reported with its error, the next one still runs.
@@ -38,20 +39,29 @@ from profiler_hook.sinks import SpoolSink
 from wire.records import RankInfo, encode
 
 JOB = "scale"
+GROWTH = 100
+"""Steps a running job gains between two serve cycles: 10 s (two of serve's default interval; a
+multiple of the hooks' 2 s blocks and 5 s heartbeats)."""
+CYCLES = 4
+"""Serve cycles after the first, each with the job ``GROWTH`` steps on."""
 
 
-def _spool(root: Path, ranks: int, steps: int, functions: int, t0: int) -> int:
-    """Every rank's records in its spool file, as its hook writes them (numbered by its process, as
-    its shipper numbers them); how many."""
-    n = 0
+def _spool(root: Path, seqs: list[int], s0: int, steps: int, total: int, functions: int, t0: int) -> int:
+    """Every rank's records of steps ``s0 .. s0 + steps`` (of a job of ``total`` steps) appended to
+    its spool file, as its hook writes them: a ``rank`` record first, numbered by its process from
+    ``seqs[rank]`` on, as its shipper numbers them (``seqs`` is moved on); how many."""
+    n, ranks = 0, len(seqs)
     for r in range(ranks):
         ident = Identity(rank=r, local_rank=r % 8, world_size=ranks, host=f"node{r // 8}", pid=1000 + r)
-        info = RankInfo(job=JOB, rank=r, host=ident.host, time_us=t0, local_rank=r % 8, world_size=ranks)
-        recs = [info, *rank_records(JOB, r, ranks, t0, 0, steps, steps // 2, functions, batch_rows=1)]
+        recs = rank_records(JOB, r, ranks, t0, s0, steps, total // 2, functions, batch_rows=1)
+        if seqs[r] == 0:
+            info = RankInfo(job=JOB, rank=r, host=ident.host, time_us=t0, local_rank=r % 8, world_size=ranks)
+            recs.insert(0, info)
         sink = SpoolSink(root, JOB, ident)
-        for seq, rec in enumerate(recs):
+        for seq, rec in enumerate(recs, seqs[r]):
             sink.send(*encode(dataclasses.replace(rec, pid=ident.pid, seq=seq)))
         sink.close()
+        seqs[r] += len(recs)
         n += len(recs)
     return n
 
@@ -66,19 +76,35 @@ def one(ranks: int, minutes: float, functions: int) -> dict[str, Any]:
     from api import ServeSettings, Service
     from diagnosis import diagnose, read_job
 
-    steps = int(minutes * 60e6 / STEP_US)
+    steps = int(minutes * 60e6 / STEP_US) // GROWTH * GROWTH
     t0 = time.time_ns() // 1000 - steps * STEP_US
     out: dict[str, Any] = {"ranks": ranks, "minutes": minutes, "functions": functions}
     with tempfile.TemporaryDirectory() as tmp:
         spool, store_dir = Path(tmp) / "spool", Path(tmp) / "store"
-        t = time.perf_counter()
-        out["records"] = _spool(spool, ranks, steps, functions, t0)
-        out["spool_s"], out["spool_mb"] = round(time.perf_counter() - t, 1), round(_du(spool) / 1e6, 3)
+        seqs, records, spool_s, ingest_s = [0] * ranks, 0, 0.0, 0.0
+        out["cycle_s"] = []
         with Store.embedded(store_dir) as store:
-            stats = ingest(spool, store)
-            out["ingest_s"] = round(stats.seconds, 1)
-            out["records_per_s"] = round(stats.records / stats.seconds)
-            out["dead_letters"] = stats.dead_letters
+            svc = Service(store, ServeSettings())
+            # The job's records but its last cycles', then a cycle's more before each later cycle.
+            head = steps - CYCLES * GROWTH
+            for s0, n in ((0, head), *((s, GROWTH) for s in range(head, steps, GROWTH))):
+                t = time.perf_counter()
+                records += _spool(spool, seqs, s0, n, steps, functions, t0)
+                spool_s += time.perf_counter() - t
+                stats = ingest(spool, store)
+                ingest_s += stats.seconds
+                out["dead_letters"] = out.get("dead_letters", 0) + stats.dead_letters
+                t = time.perf_counter()
+                svc.cycle(now_us=t0 + (s0 + n) * STEP_US + 1_000_000)
+                out["cycle_s"].append(round(time.perf_counter() - t, 2))
+            out["records"], out["spool_s"], out["spool_mb"] = (
+                records,
+                round(spool_s, 1),
+                round(_du(spool) / 1e6, 3),
+            )
+            out["ingest_s"], out["records_per_s"] = round(ingest_s, 1), round(records / ingest_s)
+            out["cycle_problem"] = svc.stats.cycle_problem
+            out["cycle_steady_s"] = sorted(out["cycle_s"][1:])[CYCLES // 2]
             gaps = store.missing(JOB)
             out["records_missing"] = int((gaps["made"] - gaps["stored"]).sum())
             t = time.perf_counter()
@@ -89,14 +115,6 @@ def one(ranks: int, minutes: float, functions: int) -> dict[str, Any]:
             del data
             out["top_finding"] = f"{found[0].cause} @ ranks {found[0].ranks}" if found else ""
             out["straggler_named"] = bool(found) and found[0].ranks == [ranks // 3]
-            svc = Service(store, ServeSettings())
-            cycles = []
-            for c in (1, 2):
-                t = time.perf_counter()
-                svc.cycle(now_us=t0 + steps * STEP_US + c * 5_000_000)
-                cycles.append(round(time.perf_counter() - t, 2))
-            out["cycle_s"] = cycles
-            out["cycle_problem"] = svc.stats.cycle_problem
             # The parts in use: merged-away parts stay on disk for minutes before they are removed.
             held = store.client.query(
                 "SELECT sum(bytes_on_disk) FROM system.parts WHERE active AND database = {db:String}",
@@ -145,6 +163,7 @@ COLUMNS = (
     ("diagnose_s", "diagnose s (read incl.)"),
     ("read_s", "of which read s"),
     ("cycle_s", "serve cycles s"),
+    ("cycle_steady_s", "steady cycle s"),
     ("peak_rss_gb", "peak RSS GB"),
     ("top_finding", "top finding"),
     ("straggler_named", "straggler named"),

@@ -54,6 +54,9 @@ HEARTBEAT_FIELDS = [
 
 LINK_FIELDS = ["rank", "time_us", "link", "nbytes", "send_us"]
 
+SPAN_COLUMNS = ["rank", "window", "step_lo", "step_hi"]
+"""What the diagnosis reads of a profiling window: the steps it spans."""
+
 LOOKBACK_STEPS = 5000
 """The steps :func:`read_job` reads by default, back from the last: more than any detector looks
 back over at its default settings (the change-point rule 4,000 after a warm-up of 10, the job-wide
@@ -92,7 +95,7 @@ class JobData:
     """Reads every function row of the given ranks over the span of the other rows (None: all are
     in ``functions``). At 1,000 ranks, 10 minutes of windows hold 6 million rows; the diagnosis
     reads those of the culprits and a few peers."""
-    windows: pd.DataFrame = field(default_factory=lambda: _empty(["rank", "window", "step_lo", "step_hi"]))
+    windows: pd.DataFrame = field(default_factory=lambda: _empty(SPAN_COLUMNS))
     """One row per rank and profiling window (empty: those of ``functions``, see :meth:`spans`)."""
     heartbeats: pd.DataFrame = field(default_factory=lambda: _empty(HEARTBEAT_FIELDS))
     """The latest heartbeat of each rank."""
@@ -126,8 +129,8 @@ class JobData:
             return self.windows
         f = self.functions
         if f.empty:
-            return _empty(["rank", "window", "step_lo", "step_hi"])
-        cols = [c for c in ("rank", "window", "step_lo", "step_hi") if c in f]
+            return _empty(SPAN_COLUMNS)
+        cols = [c for c in SPAN_COLUMNS if c in f]
         return f[cols].drop_duplicates(["rank", "window"]).reset_index(drop=True)
 
     def hosts(self) -> dict[int, str]:
@@ -166,7 +169,9 @@ class StoreReader(Protocol):
         ranks: Sequence[int] | None = None,
         patterns: Sequence[tuple[str, str]] | None = None,
     ) -> pd.DataFrame: ...
-    def windows(self, job: str, since_us: int | None = None) -> pd.DataFrame: ...
+    def windows(
+        self, job: str, since_us: int | None = None, columns: Sequence[str] | None = None
+    ) -> pd.DataFrame: ...
     def heartbeats_latest(self, job: str) -> pd.DataFrame: ...
     def stack_samples(self, job: str, since_us: int | None = None) -> pd.DataFrame: ...
     def link_sends(self, job: str, since_us: int | None = None) -> pd.DataFrame: ...
@@ -187,8 +192,7 @@ def read_job(
     """
     last = store.last_step(job)
     ranks = store.ranks(job)
-    held = min(last + 1, last_steps or last + 1) if last is not None else 0
-    w = _bucket(ranks["rank"].nunique() if "rank" in ranks else 0, held)
+    w = _bucket(ranks, last, last_steps)
     if last is not None and last_steps is not None and last >= last_steps:
         steps = store.steps(job, since_step=last - last_steps + 1, since_us=since_us, width=w)
         if not steps.empty:
@@ -201,7 +205,7 @@ def read_job(
         steps=steps,
         functions=store.functions(job, since_us=since_us, patterns=FLEET),
         read_functions=lambda ranks: store.functions(job, since_us=since_us, ranks=ranks),
-        windows=_spans(store.windows(job, since_us=since_us)),
+        windows=store.windows(job, since_us=since_us, columns=SPAN_COLUMNS),
         heartbeats=store.heartbeats_latest(job),
         samples=store.stack_samples(job, since_us=since_us),
         read_samples=lambda t: store.stack_samples(job, since_us=max(t, since_us or 0)),
@@ -210,10 +214,13 @@ def read_job(
     )
 
 
-def _bucket(ranks: int, steps: int) -> int:
-    """The steps per row for ``ranks`` x ``steps`` (see ``MAX_STEP_CELLS``)."""
+def _bucket(ranks: pd.DataFrame, last: int | None, last_steps: int | None) -> int:
+    """The steps per row to read of a job of ``ranks`` up to its step ``last``, back ``last_steps``
+    steps (None: all; see ``MAX_STEP_CELLS``)."""
+    n = ranks["rank"].nunique() if "rank" in ranks else 0
+    steps = min(last + 1, last_steps or last + 1) if last is not None else 0
     w = 1
-    while ranks * -(-steps // w) > MAX_STEP_CELLS:
+    while n * -(-steps // w) > MAX_STEP_CELLS:
         w *= 2
     return w
 
@@ -229,6 +236,10 @@ class RecentJob:
     afresh when the ranks' records change (a rank started or restarted: a restarted rank redoes
     steps it had shipped, and numbers windows anew) and when new rows would overlap held steps.
     Rows come out in the order they arrived, not sorted: the diagnosis does not need them sorted.
+
+    A job too large to hold step by step (``MAX_STEP_CELLS``, as :func:`read_job` decides) is held
+    in buckets of steps: an update reads each rank's last bucket held again, now with the rows it
+    gained, and the buckets after it; a wider bucket (the job grew) is read afresh.
     """
 
     def __init__(self, job: str, recent_s: float) -> None:
@@ -241,6 +252,8 @@ class RecentJob:
         """Per rank, the first window number not held yet."""
         self._trimmed_us = 0
         """The ``since`` of the last time rows too old were dropped."""
+        self._width = 1
+        """The steps a row held stands for."""
 
     def update(self, store: StoreReader, last_us: int, recent_s: float | None = None) -> JobData:
         """The job's data for its last ``recent_s`` seconds (by default, as before) up to
@@ -253,7 +266,7 @@ class RecentJob:
         samples, links, windows, missing = (
             store.stack_samples(self.job, since_us=since),
             store.link_sends(self.job, since_us=since),
-            _spans(store.windows(self.job, since_us=since)),
+            store.windows(self.job, since_us=since, columns=SPAN_COLUMNS),
             store.missing(self.job),  # over the job's life: one row per process
         )
 
@@ -272,17 +285,31 @@ class RecentJob:
                 missing=missing,
             )
 
+        w = _bucket(ranks, store.last_step(self.job), LOOKBACK_STEPS)
         old = self.data
-        if old is not None and ranks.equals(old.ranks):
-            new_steps = store.steps(self.job, after_us=self._start_us.tolist())
+        if old is not None and w == self._width and ranks.equals(old.ranks):
+            if w > 1:
+                # Each rank's last bucket again (its rows start at or after the bucket's first),
+                # in place of the one held: it may have gained rows since.
+                new_steps = store.steps(self.job, after_us=(self._start_us - 1).tolist(), width=w)
+                kept = old.steps
+                if not kept.empty:
+                    rank = kept["rank"].to_numpy(dtype=np.int64)
+                    again = np.full(len(rank), np.iinfo(np.int64).max)
+                    known = rank < len(self._last_step)
+                    again[known] = self._last_step[rank[known]]
+                    kept = _keep(kept, kept["step"].to_numpy(dtype=np.int64) < again)
+            else:
+                new_steps, kept = store.steps(self.job, after_us=self._start_us.tolist()), old.steps
             new_fns = store.functions(self.job, from_window=self._next_window.tolist(), patterns=FLEET)
-            if not self._overlaps(new_steps):
-                steps, fns = _concat(old.steps, new_steps), _concat(old.functions, new_fns)
+            if w > 1 or not self._overlaps(new_steps):
+                steps, fns = _concat(kept, new_steps), _concat(old.functions, new_fns)
                 if since - self._trimmed_us >= self.recent_s * 1e5 and not steps.empty:
                     # Every tenth of ``recent_s`` (a copy of every row costs more than the rows
                     # held a little longer): the steps that ended before ``since`` go, and the
                     # windows over none of the steps left.
-                    steps = _keep(steps, (steps["start_us"] + steps["dur_us"]).to_numpy() > since)
+                    end = steps["start_us"].to_numpy() + steps["dur_us"].to_numpy() * w
+                    steps = _keep(steps, end > since)
                     if not fns.empty and not steps.empty:
                         fns = _keep(fns, fns["step_hi"].to_numpy() >= int(steps["step"].min()))
                     self._trimmed_us = since
@@ -290,10 +317,10 @@ class RecentJob:
                 self._mark(new_steps, new_fns)
                 return self.data
         steps, fns = (
-            store.steps(self.job, since_us=since),
+            store.steps(self.job, since_us=since, width=w),
             store.functions(self.job, since_us=since, patterns=FLEET),
         )
-        self.data = held(steps, fns)
+        self.data, self._width = held(steps, fns), w
         self._start_us, self._last_step = np.zeros(0, dtype=np.int64), np.full(0, -1, dtype=np.int64)
         self._next_window = np.zeros(0, dtype=np.int64)
         self._trimmed_us = since
@@ -319,10 +346,6 @@ class RecentJob:
         if not fns.empty:
             rank = fns["rank"].to_numpy(dtype=np.int64)
             self._next_window = _grow(self._next_window, rank, fns["window"].to_numpy(dtype=np.int64) + 1, 0)
-
-
-def _spans(windows: pd.DataFrame) -> pd.DataFrame:
-    return windows[["rank", "window", "step_lo", "step_hi"]].reset_index(drop=True)
 
 
 def _grow(marks: np.ndarray, rank: np.ndarray, value: np.ndarray, empty: int) -> np.ndarray:

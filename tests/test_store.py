@@ -456,6 +456,49 @@ def test_a_large_jobs_steps_are_read_in_buckets_summed_up_by_the_store(
     assert f.evidence["ratio"] == pytest.approx(g.evidence["ratio"], rel=0.01)
 
 
+def test_a_recent_large_job_is_held_in_buckets_each_ranks_last_read_again(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job too large to hold step by step (``MAX_STEP_CELLS``): ``RecentJob`` holds the buckets
+    ``read_job`` reads, though an update reads only each rank's last bucket again (it gained rows)
+    and those after it; as the job grows into wider buckets, it reads afresh."""
+    monkeypatch.setattr(
+        "diagnosis.data.MAX_STEP_CELLS", 8 * 64 // 4
+    )  # 8 ranks: 1 a bucket to 16 steps … 8 past 64
+    recent, reads = RecentJob(JOB, recent_s=3600.0), []
+    real_steps = store.steps
+
+    def counting_steps(*args: Any, **kwargs: Any) -> pd.DataFrame:
+        df = real_steps(*args, **kwargs)
+        reads.append((len(df), kwargs.get("width", 1), "after_us" in kwargs))
+        return df
+
+    monkeypatch.setattr(store, "steps", counting_steps)
+    columns = [*STEP_COLUMNS, "width"]
+    store.write([rank_info(r) for r in range(8)])
+    for hi in range(4, 100, 4):  # each rank ships blocks of 4 steps; each step a little longer
+        store.write(
+            replace(
+                steps(r, hi - 4, hi),
+                rows=tuple(step_row(s, r)._replace(dur_us=90_000 + 100 * s) for s in range(hi - 4, hi)),
+            )
+            for r in range(8)
+        )
+        reads.clear()
+        got = recent.update(store, T0 + hi * 100_000).steps.reindex(columns=columns)
+        want = read_job(store, JOB).steps.reindex(columns=columns)
+        w = 1 if hi <= 16 else 2 if hi <= 32 else 4 if hi <= 64 else 8
+        assert want["width"].fillna(1).eq(w).all()
+        order = lambda df: df.sort_values(["rank", "step"]).to_numpy(dtype=float, na_value=1)  # noqa: E731
+        assert len(got) == len(want) and np.allclose(order(got), order(want)), hi
+        n, width, incremental = reads[0]
+        if hi in (20, 36, 68):  # the first update in wider buckets
+            assert (width, incremental) == (w, False)
+        elif hi > 68:
+            # A rank's last bucket again, and the next where the new block began one.
+            assert (width, incremental, n) == (8, True, 8 * (1 + (hi % 8 == 4))), hi
+
+
 def test_stack_samples_are_summed_per_rank_and_function_each_heartbeat_once(store: Store) -> None:
     beats = [heartbeat(0, T0, 4), heartbeat(0, T0 + 5_000_000, 9), heartbeat(1, T0 + 5_000_000, 9)]
     store.write([*beats, beats[1]])  # a heartbeat ingested twice (at-least-once) counts once
@@ -539,7 +582,7 @@ def test_every_record_type_round_trips_through_the_spool(store: Store, tmp_path:
     assert latest["time_us"].tolist() == [T0 + 2_000_000] * 2
     assert latest["last_seq"][0] == {"0": 21, "1": 7}
     assert latest["stack"][1] == "train.py:42 step"
-    assert latest["samples"][0] == {"train.py(40): step": 7, "": 1}
+    assert "samples" not in latest and "sends" not in latest  # summed up by stack_samples and link_sends
 
     jobs = store.jobs()
     assert jobs.to_dict("records") == [
@@ -554,7 +597,9 @@ def test_reads_of_an_unknown_job_are_empty_frames_with_columns(store: Store) -> 
     assert store.counts("nope") == dict.fromkeys(JOB_TABLES, 0)
     assert store.steps("nope").empty and list(store.steps("nope").columns) == STEP_COLUMNS
     df = store.heartbeats_latest("nope")
-    assert df.empty and list(df.columns) == list(TABLES["heartbeats"].column_names)
+    assert df.empty and list(df.columns) == [
+        c for c in TABLES["heartbeats"].column_names if c not in ("samples", "sends")
+    ]
     assert store.jobs().empty and "job" in store.jobs().columns
 
 
