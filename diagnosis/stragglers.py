@@ -523,6 +523,7 @@ def shifted(
     s: StragglerSettings | None = None,
     exclude: Iterable[int] = (),
     cut: Grid | None = None,
+    only: int | None = None,
 ) -> list[Straggler]:
     """Ranks whose own time rose against their peers' at some step and stayed up (a change point).
 
@@ -534,7 +535,8 @@ def shifted(
     split of its chunk series that maximizes the standardized rise (a two-sample t over chunk
     means, as in CUSUM change-point detection) is found; a rank whose rise is large, certain, and
     leaves it above its peers is a straggler since that split. ``exclude``: ranks already found;
-    ``cut``: :func:`shift_grid` of ``steps``, if the caller has it.
+    ``cut``: :func:`shift_grid` of ``steps``, if the caller has it; ``only``: of that rank alone
+    (the others are its peers still).
     """
     s = s or StragglerSettings()
     cols = SHIFT_COLUMNS
@@ -547,24 +549,32 @@ def shifted(
     if (~skip).sum() < 3:
         return []
     # Relative to the other ranks' median: a straggler found already would lift it on every step.
-    g.values["rel"] = _relative(own, ~skip)
+    peer_own = np.clip(_step_median(own, ~skip), 1.0, None)[None, :]
+    g.values["rel"] = own / peer_own
     rel = chunk_means(g, "rel", c)
     if np.isnan(rel).any():
         return []  # a rank missing from some chunk: joined late or restarted, no series to split
-    best_t, best_k = _best_split(rel, s.shift_min_after)
-    rise = _rise(rel, best_k)
+    # The series of the ranks judged (``only``, or all): each against its peers' median per step.
+    rows = np.flatnonzero(~skip if only is None else (g.ranks == only) & ~skip)
+
+    def relative(column: str, values: np.ndarray, per: np.ndarray | None = None) -> np.ndarray:
+        median = np.clip(_step_median(values, ~skip), 1.0, None)[None, :] if per is None else per
+        g.values[column] = values[rows] / median
+        return chunk_means(g, column, c)
+
+    mine = rel[rows]
+    best_t, best_k = _best_split(mine, s.shift_min_after)
+    rise = _rise(mine, best_k)
     by_own = (best_t >= s.shift_min_t) & (rise >= s.shift_min_rise)
-    g.values["rel_busy"] = _relative(g.values["dur_us"] - g.values["comm_us"], ~skip)
-    by_own &= _rise(chunk_means(g, "rel_busy", c), best_k) >= s.shift_busy_share * rise
+    busy = relative("rel_busy", g.values["dur_us"] - g.values["comm_us"])
+    by_own &= _rise(busy, best_k) >= s.shift_busy_share * rise
     # Where a rank's own time is CPU work, a rise in it is more CPU work or a longer wait for data.
     cpu = g.values["cpu_us"]
-    peer_own = np.clip(_step_median(own, ~skip), 1.0, None)[None, :]
-    g.values["rel_work"] = (cpu + g.values["data_us"]) / peer_own  # in units of the peers' own time
-    cpu_bound = np.nanmean(cpu, axis=1) >= s.shift_cpu_bound * np.nanmean(own, axis=1)
-    by_own &= ~cpu_bound | (_rise(chunk_means(g, "rel_work", c), best_k) >= s.shift_busy_share * rise)
-    g.values["rel_cpu"] = _relative(cpu, ~skip)
-    rel_cpu = chunk_means(g, "rel_cpu", c)
-    by_cpu = np.zeros(len(g.ranks), dtype=bool)
+    work = relative("rel_work", cpu + g.values["data_us"], peer_own)  # in units of the peers' own time
+    cpu_bound = np.nanmean(cpu[rows], axis=1) >= s.shift_cpu_bound * np.nanmean(own[rows], axis=1)
+    by_own &= ~cpu_bound | (_rise(work, best_k) >= s.shift_busy_share * rise)
+    rel_cpu = relative("rel_cpu", cpu)
+    by_cpu = np.zeros(len(rows), dtype=bool)
     if not np.isnan(rel_cpu).any() and np.nanmax(cpu) > 0:
         # Where own time does not show the rise plainly (too noisy, or certain but a hair short of
         # ``shift_min_rise``): the CPU time can (``shift_cpu_min_t``, ``shift_cpu_min_rise``).
@@ -574,18 +584,18 @@ def shifted(
         best_k = np.where(by_cpu, cpu_k, best_k)
     out = []
     chunk_steps, chunk_start = g.chunk_steps(c), g.chunk_starts(c)
-    for i in np.flatnonzero((by_own | by_cpu) & ~skip):
-        k = int(best_k[i])
+    for j in np.flatnonzero(by_own | by_cpu):
+        i, k = int(rows[j]), int(best_k[j])
         before, after = float(rel[i, :k].mean()), float(rel[i, k:].mean())
         peers = (np.arange(len(g.ranks)) != i) & ~skip
         peer_after = float(np.median(rel[peers, k:].mean(axis=1)))
         peer_before = float(np.median(rel[peers, :k].mean(axis=1)))
         level, was = after / peer_after, before / peer_before
         # Still up at the end: judged on the series that found it (own time is the noisier).
-        series = rel_cpu if by_cpu[i] else rel
-        s_before, s_after, s_last = series[i, :k].mean(), series[i, k:].mean(), series[i, -3:].mean()
+        series = rel_cpu[j] if by_cpu[j] else rel[i]
+        s_before, s_after, s_last = series[:k].mean(), series[k:].mean(), series[-3:].mean()
         if (
-            (by_cpu[i] and after - before < s.shift_min_rise / 2)
+            (by_cpu[j] and after - before < s.shift_min_rise / 2)
             or level < s.shift_min_level
             or s_last - s_before < (s_after - s_before) / 2
         ):
@@ -604,7 +614,7 @@ def shifted(
                 since_step=int(chunk_start[k]),
                 held_steps=int(chunk_steps[k:].sum()),
                 before_ratio=was,
-                cpu_growth=float(s_after / s_before) if by_cpu[i] else 0.0,
+                cpu_growth=float(s_after / s_before) if by_cpu[j] else 0.0,
             )
         )
     return out

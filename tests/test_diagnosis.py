@@ -69,6 +69,8 @@ def test_a_mild_slowdown_lost_in_queueing_noise_is_found_by_the_cpu_time_that_ro
         assert stragglers.shifted(without_cpu) == [], "the own-time series alone must not see it"
         by_cpu = stragglers.shifted(data.steps)
         assert [x.rank for x in by_cpu] in ([], [2])
+        # Of one rank alone (its peers still its peers), as of all ranks.
+        assert stragglers.shifted(data.steps, only=2) == by_cpu and stragglers.shifted(data.steps, only=1) == []
         found += bool(by_cpu)
         assert (
             diagnose(_queue_waves(synthetic(ranks=4, steps=1400, hosts_of=2, seed=seed), seed)).findings == []
@@ -87,6 +89,7 @@ def test_a_certain_rise_a_hair_short_in_own_time_is_judged_on_the_cpu_time_too()
         assert stragglers.shifted(data.steps.assign(cpu_us=0.0)) == [], "own time alone: too small a rise"
         (st,) = stragglers.shifted(data.steps)
         assert st.rank == 2 and 650 <= st.since_step <= 760 and st.ratio > 1.04
+        assert stragglers.shifted(data.steps, only=2) == [st]
         assert stragglers.shifted(synthetic(ranks=4, steps=1400, hosts_of=2, seed=seed).steps) == []
 
 

@@ -81,6 +81,7 @@ def _scale(run: dict[str, Any]) -> list[str]:
         each(lambda s: f"{s['records_per_s']:,}"),
         each(lambda s: f"{s['diagnose_s']:g} s ({s['read_s']:g} s)"),
         each(lambda s: f"{s['cycle_s'][0]:g} s"),
+        each(lambda s: _s(s.get("cycle_steady_s"))),
         each(lambda s: f"{s['peak_rss_gb']:g} GB"),
         each(lambda s: "yes" if s["straggler_named"] else "no"),
     ]
@@ -126,6 +127,7 @@ TABLES: dict[str, tuple[str, list[str], Callable[[dict[str, Any]], list[str]]]] 
             "ingest records/s",
             "diagnose (of which the read)",
             "first serve cycle",
+            "serve cycle as the job runs (median)",
             "peak RSS",
             "straggler named",
         ],

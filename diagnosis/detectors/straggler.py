@@ -272,7 +272,7 @@ def _stragglers(steps: pd.DataFrame, s: stragglers.StragglerSettings) -> list[st
     for st in stragglers.shifted(steps, s, exclude=slow, cut=cut):
         found[st.rank] = st
     for rank in slow:
-        for st in stragglers.shifted(steps, s, exclude=slow - {rank}, cut=cut):
-            if st.rank == rank and st.strength > found[rank].strength:
+        for st in stragglers.shifted(steps, s, exclude=slow - {rank}, cut=cut, only=rank):
+            if st.strength > found[rank].strength:
                 found[rank] = st
     return sorted(found.values(), key=lambda st: st.rank)
