@@ -70,7 +70,9 @@ def test_a_mild_slowdown_lost_in_queueing_noise_is_found_by_the_cpu_time_that_ro
         by_cpu = stragglers.shifted(data.steps)
         assert [x.rank for x in by_cpu] in ([], [2])
         # Of one rank alone (its peers still its peers), as of all ranks.
-        assert stragglers.shifted(data.steps, only=2) == by_cpu and stragglers.shifted(data.steps, only=1) == []
+        assert (
+            stragglers.shifted(data.steps, only=2) == by_cpu and stragglers.shifted(data.steps, only=1) == []
+        )
         found += bool(by_cpu)
         assert (
             diagnose(_queue_waves(synthetic(ranks=4, steps=1400, hosts_of=2, seed=seed), seed)).findings == []
