@@ -69,9 +69,11 @@ class ServeSettings:
     replica: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
     """This replica's name among those sharing the store."""
     lease_s: float = 0.0
-    """A replica not seen for this long after a cycle began is gone, and its jobs go to the others
-    (0: two ``interval_s`` and two of its last cycle's duration, so that a replica whose cycles
-    take long, a large job's, is not taken for dead between them)."""
+    """A replica not seen for this long is gone, and its jobs go to the others at their next cycle.
+    0: one ``interval_s`` where the service runs (:meth:`Service.start`), which notes its replica
+    alive every half interval on a connection of its own, whatever its cycles take; where cycles
+    are driven one by one (:meth:`Service.cycle`), each notes it, for two ``interval_s`` and two
+    of its last cycle's duration (a large job's cycle is no death)."""
 
 
 @dataclass(slots=True)
@@ -150,6 +152,8 @@ class Service:
         self._thread: threading.Thread | None = None
         self.aggregator: Aggregator | None = None
         self._consumer: threading.Thread | None = None
+        self._beats: threading.Thread | None = None
+        self._beaten = threading.Event()
         self.replicas = [settings.replica]
         """The live replicas as of the last cycle (this one among them)."""
 
@@ -159,12 +163,15 @@ class Service:
         if self.settings.kafka is not None:
             self._consumer = threading.Thread(target=self._consume, name="rankscope-kafka", daemon=True)
             self._consumer.start()
+        if self.store.reopen is not None:
+            self._beats = threading.Thread(target=self._beat, name="rankscope-replica", daemon=True)
+            self._beats.start()
         self._thread = threading.Thread(target=self._run, name="rankscope-serve", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
-        for thread in (self._thread, self._consumer):
+        for thread in (self._thread, self._consumer, self._beats):
             if thread is not None:
                 thread.join()
         self.notifier.close()
@@ -184,7 +191,28 @@ class Service:
             if store is not self.store:
                 store.close()
 
+    def _beat(self) -> None:
+        """This replica noted alive every half interval until stopped, on a connection of its own
+        (a cycle holds the service's for as long as a large job's reads take): a replica that dies
+        is gone within an interval, and its jobs are taken at the others' next cycle."""
+        assert self.store.reopen is not None
+        store = self.store.reopen()
+        try:
+            while not self._stop.is_set():
+                now = time.time_ns() // 1000
+                lease_s = self.settings.lease_s or self.settings.interval_s
+                try:
+                    storage.beat(store, self.settings.replica, now, now + int(lease_s * 1e6))
+                except RankscopeError as exc:  # the store is away: the cycles say so too
+                    log.warning("rankscope serve: noting this replica alive failed: %s", exc)
+                self._beaten.set()
+                self._stop.wait(self.settings.interval_s / 2)
+        finally:
+            store.close()
+
     def _run(self) -> None:
+        if self._beats is not None:  # the first cycle counts this replica among the live ones
+            self._beaten.wait(self.settings.interval_s)
         while not self._stop.is_set():
             self.cycle()
             self._stop.wait(self.settings.interval_s)
@@ -215,8 +243,9 @@ class Service:
                 self.stats.ingested += st.records
                 self.stats.dead_letters += st.dead_letters
             jobs, rates = self.store.jobs(), self.store.step_rates().set_index("job")
-            lease_s = self.settings.lease_s or 2 * (self.settings.interval_s + self.stats.last_cycle_s)
-            storage.beat(self.store, self.settings.replica, now_us, now_us + int(lease_s * 1e6))
+            if self._beats is None:  # cycles driven one by one: each notes the replica alive
+                lease_s = self.settings.lease_s or 2 * (self.settings.interval_s + self.stats.last_cycle_s)
+                storage.beat(self.store, self.settings.replica, now_us, now_us + int(lease_s * 1e6))
             self.replicas = storage.live_replicas(self.store, now_us) or [self.settings.replica]
         for row in jobs.itertuples(index=False):
             job = str(row.job)
@@ -237,14 +266,14 @@ class Service:
             elif ended and any(t.active for t in self.tickets.values() if t.job == job):
                 self._reconcile(js, [], now_us, ended=True)
 
-    def owns(self, job: str) -> bool:
-        """Whether this replica diagnoses ``job``: of the live replicas, the one whose name hashed
-        with the job's is the largest."""
+    def owns(self, job: str, among: list[str] | None = None) -> bool:
+        """Whether this replica diagnoses ``job``: of the live replicas (or ``among``), the one whose
+        name hashed with the job's is the largest."""
 
         def rank(replica: str) -> bytes:
             return hashlib.blake2b(f"{job}\0{replica}".encode(), digest_size=8).digest()
 
-        return max(self.replicas, key=rank) == self.settings.replica
+        return max(among or self.replicas, key=rank) == self.settings.replica
 
     def _follow(self, js: JobState) -> None:
         """A job another replica diagnoses: its latest diagnosis and tickets, from the store."""

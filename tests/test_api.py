@@ -130,6 +130,39 @@ def _get(client: TestClient, path: str, token: str = READ) -> Any:
     return r.json()
 
 
+def test_a_running_replica_that_dies_has_its_jobs_taken_within_two_of_the_survivors_cycles(
+    store_dir: Path, spool: Path
+) -> None:
+    """Replicas run by ``start()`` note themselves alive every half interval, for an interval: one
+    that stops (as a dead one would) is gone within an interval, and the survivor owns its jobs by
+    its second cycle after."""
+    store, a = _service(store_dir, spool, interval_s=0.5, replica="a")
+    assert store.reopen is not None
+    jobs = sorted(store.jobs()["job"])
+    # A name that takes one of the two jobs from "a" (the jobs go by hashing, see Service.owns).
+    name = next(n for n in (f"b{i}" for i in range(100)) if sum(a.owns(j, among=["a", n]) for j in jobs) == 1)
+    b = Service(store.reopen(), ServeSettings(interval_s=0.5, replica=name, ended_after_s=3600.0))
+    try:
+        for svc in (a, b):
+            svc.start()
+        deadline = time.monotonic() + 30
+        while sorted(a.replicas) != ["a", name] or sorted(b.replicas) != ["a", name]:
+            assert time.monotonic() < deadline, (a.replicas, b.replicas)
+            time.sleep(0.1)
+        assert [a.owns(j) for j in jobs] != [b.owns(j) for j in jobs] and any(b.owns(j) for j in jobs)
+        b.stop()  # its cycles and its notes stop
+        died = a.stats.cycles
+        while not all(a.owns(j) for j in jobs):
+            assert time.monotonic() < deadline + 30
+            time.sleep(0.05)
+        assert a.replicas == ["a"] and a.stats.cycles - died <= 2, a.stats.cycles - died
+    finally:
+        a.stop()
+        b.stop()
+        b.store.close()
+        store.close()
+
+
 # --- the cycle and the tickets it keeps --------------------------------------------------------
 
 
