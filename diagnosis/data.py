@@ -294,10 +294,7 @@ class RecentJob:
                 new_steps = store.steps(self.job, after_us=(self._start_us - 1).tolist(), width=w)
                 kept = old.steps
                 if not kept.empty:
-                    rank = kept["rank"].to_numpy(dtype=np.int64)
-                    again = np.full(len(rank), np.iinfo(np.int64).max)
-                    known = rank < len(self._last_step)
-                    again[known] = self._last_step[rank[known]]
+                    again = self._last_held(kept, np.iinfo(np.int64).max)
                     kept = _keep(kept, kept["step"].to_numpy(dtype=np.int64) < again)
             else:
                 new_steps, kept = store.steps(self.job, after_us=self._start_us.tolist()), old.steps
@@ -331,10 +328,14 @@ class RecentJob:
         """Whether ``steps`` holds a step at or before the last one held of its rank."""
         if steps.empty:
             return False
+        return bool((steps["step"].to_numpy(dtype=np.int64) <= self._last_held(steps, -1)).any())
+
+    def _last_held(self, steps: pd.DataFrame, none: int) -> np.ndarray:
+        """Per row of ``steps``, the last step (or bucket) held of its rank (``none`` where none)."""
         rank = steps["rank"].to_numpy(dtype=np.int64)
-        held, known = np.full(len(rank), -1, dtype=np.int64), rank < len(self._last_step)
+        held, known = np.full(len(rank), none, dtype=np.int64), rank < len(self._last_step)
         held[known] = self._last_step[rank[known]]
-        return bool((steps["step"].to_numpy(dtype=np.int64) <= held).any())
+        return held
 
     def _mark(self, steps: pd.DataFrame, fns: pd.DataFrame) -> None:
         if not steps.empty:

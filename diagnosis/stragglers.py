@@ -309,10 +309,15 @@ def _step_median(values: np.ndarray, among: np.ndarray | None = None) -> np.ndar
     return nanmedian(values[rows] if rows.size < values.shape[0] else values, axis=0)
 
 
-def _relative(values: np.ndarray, among: np.ndarray | None = None) -> np.ndarray:
-    """rank x step ``values`` over each step's median of the ranks ``among`` (a row mask; all
-    ranks if None), so that what the whole job does on a step cancels."""
-    return values / np.clip(_step_median(values, among), 1.0, None)[None, :]
+def _relative(
+    values: np.ndarray, among: np.ndarray | None = None, rows: np.ndarray | None = None
+) -> np.ndarray:
+    """rank x step ``values`` (of the ranks at ``rows`` only, if given) over each step's median of
+    the ranks ``among`` (a row mask; all ranks if None), so that what the whole job does on a step
+    cancels."""
+    return (values if rows is None else values[rows]) / np.clip(_step_median(values, among), 1.0, None)[
+        None, :
+    ]
 
 
 def chunk_means(g: Grid, column: str, chunks: int) -> np.ndarray:
@@ -557,23 +562,22 @@ def shifted(
     # The series of the ranks judged (``only``, or all): each against its peers' median per step.
     rows = np.flatnonzero(~skip if only is None else (g.ranks == only) & ~skip)
 
-    def relative(column: str, values: np.ndarray, per: np.ndarray | None = None) -> np.ndarray:
-        median = np.clip(_step_median(values, ~skip), 1.0, None)[None, :] if per is None else per
-        g.values[column] = values[rows] / median
+    def chunked(column: str, values: np.ndarray) -> np.ndarray:
+        g.values[column] = values
         return chunk_means(g, column, c)
 
     mine = rel[rows]
     best_t, best_k = _best_split(mine, s.shift_min_after)
     rise = _rise(mine, best_k)
     by_own = (best_t >= s.shift_min_t) & (rise >= s.shift_min_rise)
-    busy = relative("rel_busy", g.values["dur_us"] - g.values["comm_us"])
+    busy = chunked("rel_busy", _relative(g.values["dur_us"] - g.values["comm_us"], ~skip, rows))
     by_own &= _rise(busy, best_k) >= s.shift_busy_share * rise
     # Where a rank's own time is CPU work, a rise in it is more CPU work or a longer wait for data.
     cpu = g.values["cpu_us"]
-    work = relative("rel_work", cpu + g.values["data_us"], peer_own)  # in units of the peers' own time
+    work = chunked("rel_work", (cpu[rows] + g.values["data_us"][rows]) / peer_own)  # in peers' own time
     cpu_bound = np.nanmean(cpu[rows], axis=1) >= s.shift_cpu_bound * np.nanmean(own[rows], axis=1)
     by_own &= ~cpu_bound | (_rise(work, best_k) >= s.shift_busy_share * rise)
-    rel_cpu = relative("rel_cpu", cpu)
+    rel_cpu = chunked("rel_cpu", _relative(cpu, ~skip, rows))
     by_cpu = np.zeros(len(rows), dtype=bool)
     if not np.isnan(rel_cpu).any() and np.nanmax(cpu) > 0:
         # Where own time does not show the rise plainly (too noisy, or certain but a hair short of

@@ -512,7 +512,7 @@ class Hook:
         # Reading the events takes tens of milliseconds: do it off the training thread.
         t = threading.Thread(
             target=self._summarize,
-            args=(prof, calls, lo, lo, hi, dur_ns, origin, extra),
+            args=(prof, calls, lo, hi, dur_ns, origin, extra),
             name="rankscope-summarize",
             daemon=True,
         )
@@ -523,7 +523,6 @@ class Hook:
         self,
         prof: Any,
         calls: list,
-        number: int,
         lo: int,
         hi: int,
         dur_ns: int,
@@ -543,7 +542,7 @@ class Hook:
             self.shipper.submit(
                 WindowSummary(
                     **origin,
-                    window=number,
+                    window=lo,  # a window's number is its first step
                     step_lo=lo,
                     step_hi=hi,
                     dur_us=dur_ns // 1000,
