@@ -68,9 +68,21 @@ class FunctionExcess:
         """Executed more often than on the peers, or only on the culprit (a clean-up every few
         steps is called less than once a step): a different code path, not a slower one. In half
         the culprit's windows at least, and in two of two or more: one slow call in one window (a
-        3 ms ``hasattr`` of the data loader's, preempted) is no code path."""
+        3 ms ``hasattr`` of the data loader's, preempted) is no code path. And the calls more,
+        at the peers' time a call, hold half its excess: a slower device whose padded batch takes
+        one ``aten::reshape`` more a step (52 against 51) runs its reshapes slower, not a path of
+        its own."""
         more = self.rank_count >= self.peer_count + 0.5 or (self.peer_count == 0 < self.rank_count)
-        return more and self.windows >= max(min(2, self.of_windows), self.of_windows / 2)
+        seen = self.windows >= max(min(2, self.of_windows), self.of_windows / 2)
+        return more and seen and self.more_calls_us >= 0.5 * self.excess_us
+
+    @property
+    def more_calls_us(self) -> float:
+        """The time per step of the calls the culprit makes beyond its peers', at their time a call
+        (all of the culprit's time in a function its peers do not run)."""
+        if self.peer_count > 0:
+            return (self.rank_count - self.peer_count) * self.peer_us / self.peer_count
+        return self.rank_us
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -503,12 +503,17 @@ def test_a_slower_device_names_what_holds_half_its_excess_or_its_operators_as_a_
     assert f.evidence["stack_samples_in_function"] == "20/32"
 
 
-def test_a_slower_model_is_named_by_its_innermost_forward_not_the_module_around_it() -> None:
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_slower_model_is_named_by_its_innermost_forward_not_the_module_around_it(padded: bool) -> None:
     """The frames of a transformer under DDP, as torch.profiler records them (3 callers each):
     ``module.py: _call_impl`` runs every module, so it is a caller of each model function and
     called by each. Callers are followed along each frame's own path, not through every path of a
     frame of the same name, or every model function would enclose every other one and the module
-    event around the block (a few µs longer than its forward) would be named."""
+    event around the block (a few µs longer than its forward) would be named.
+
+    ``padded``: the slower rank's batch is padded (the demo's degraded device), which takes one
+    ``aten::reshape`` more a step than its peers', 52 against 51, each of them slower: its reshapes
+    hold a third of the excess, but the call more holds ~2% of it. No code path of its own."""
     data = synthetic(slow={6: {"compute_us": 1500}})
     call, gpt, block = (
         "torch/nn/modules/module.py(1782): _call_impl",
@@ -540,7 +545,17 @@ def test_a_slower_model_is_named_by_its_innermost_forward_not_the_module_around_
             ),
         ]
 
-    data = replace(data, functions=functions_frame({r: frames(1.5 if r == 6 else 1.0) for r in range(8)}))
+    # 51 and 52 calls a step over the window's 5 steps, each of the culprit's 1.5x as long.
+    reshape = {
+        r: [("op", "aten::reshape", 260, 7_650.0) if r == 6 else ("op", "aten::reshape", 255, 5_000.0)]
+        for r in range(8)
+    }
+    data = replace(
+        data,
+        functions=functions_frame(
+            {r: frames(1.5 if r == 6 else 1.0) + (reshape[r] if padded else []) for r in range(8)}
+        ),
+    )
     f = only(diagnose(data).findings)
     assert (f.cause, f.ranks, f.function) == ("compute", [6], block)
     assert f.evidence["stack"] == f"{gpt} > nn.Module: Block_0 > {call}"
