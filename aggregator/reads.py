@@ -163,6 +163,14 @@ class Reads:
         last, n = self._query(sql, {"job": job}).result_rows[0]
         return int(last) if n else None
 
+    def steps_per_row(self, job: str) -> float:
+        """The mean steps a stored row of ``job`` holds (a hook ships a block of them every ~2 s;
+        1.0 where none is stored)."""
+        # A mean does not change with duplicate rows: no FINAL.
+        sql = f"SELECT avg(n_steps), count() FROM {self._t(STEPS)} WHERE job = {{job:String}} AND n_steps > 0"
+        mean, n = self._query(sql, {"job": job}).result_rows[0]
+        return float(mean) if n else 1.0
+
     def attempts(self, job: str) -> pd.DataFrame:
         """Every start of every rank of ``job`` (``ATTEMPTS``), ordered by rank and time."""
         return self._select(ATTEMPTS, job, "", {}, "rank, time_us")

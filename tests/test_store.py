@@ -451,6 +451,10 @@ def test_a_large_jobs_steps_are_read_in_buckets_summed_up_by_the_store(
     monkeypatch.setattr("diagnosis.data.MAX_STEP_CELLS", 8 * 1024 // 3)
     data = read_job(store, JOB)
     assert data.steps["width"].eq(4).all() and len(data.steps) == 8 * 1024 // 4
+    # Buckets of 2 would keep under this, but half of them would hold no row (a block begins
+    # every 4 steps): a bucket is as wide as a stored row at least.
+    monkeypatch.setattr("diagnosis.data.MAX_STEP_CELLS", 8 * 1024 // 2)
+    assert read_job(store, JOB).steps.equals(data.steps)
     f, g = only(diagnose(data).findings), only(diagnose(whole).findings)
     assert (f.cause, f.ranks) == (g.cause, g.ranks) == ("compute", [2])
     assert f.evidence["ratio"] == pytest.approx(g.evidence["ratio"], rel=0.01)
