@@ -405,9 +405,8 @@ class Reads:
     def _frame(
         self, sql: str, params: dict[str, Any], columns: Iterable[str], arrow: bool = False
     ) -> pd.DataFrame:
-        """The rows of ``sql``; ``arrow``: through Arrow, for numbers only (1.9 million rows of step
-        buckets in 1.3-1.7 s where the Native reader took 2.0-2.2; strings would come back as
-        objects)."""
+        """The rows of ``sql``; ``arrow``: through Arrow, faster than the Native reader for many rows
+        of numbers (strings would come back as objects; docs/benchmarks.md has the figures)."""
         try:
             if arrow:
                 df = self._client.query_arrow(sql, parameters=params).to_pandas()
