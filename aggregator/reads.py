@@ -24,6 +24,7 @@ from .schema import (
     FUNCTIONS,
     HEARTBEATS,
     JOB_TABLES,
+    LATEST_HEARTBEATS,
     RANKS,
     SPOOL_OFFSETS,
     STEPS,
@@ -126,8 +127,9 @@ class Reads:
 
         ``width`` > 1: one row per rank and bucket of that many steps (``step`` a multiple of it),
         with the means per step of the stored rows that begin in it, summed up by ClickHouse, and
-        a column ``width`` (``diagnosis.stragglers.WIDTH``): what the diagnosis of a job too large
-        to hold step by step reads. A rank's rows of two attempts over the same steps (a restart
+        a column ``width`` (``diagnosis.stragglers.WIDTH``), in no order: what the diagnosis of a
+        job too large to hold step by step reads (it places each by rank and step; ClickHouse took
+        longer to sort 100,000 ranks' buckets than to sum them up). A rank's rows of two attempts over the same steps (a restart
         from a checkpoint) both count in their bucket's means.
 
         ``after_us[r]``: of rank ``r`` only the rows that start after it (all rows of the ranks
@@ -250,23 +252,20 @@ class Reads:
                 params[f"k{i}"], params[f"p{i}"] = kind, prefix
         return self._select(FUNCTIONS, job, where, params, "window, rank, kind, name, stack")
 
-    def heartbeats_latest(self, job: str) -> pd.DataFrame:
+    def heartbeats_latest(self, job: str, columns: Sequence[str] | None = None) -> pd.DataFrame:
         """The latest heartbeat of each rank of ``job``, ordered by rank, without its stack samples
-        and link sends (:meth:`stack_samples` and :meth:`link_sends` sum them up over heartbeats)."""
-        # Duplicate heartbeats are identical rows, so LIMIT 1 BY needs no FINAL.
-        names = [c for c in HEARTBEATS.column_names if c not in ("samples", "sends")]
-        sql = (
-            f"SELECT {', '.join(names)} FROM {self._t(HEARTBEATS)} WHERE job = {{job:String}} "
-            "ORDER BY rank, time_us DESC LIMIT 1 BY rank"
-        )
-        return self._frame(sql, {"job": job}, names)
+        and link sends (:meth:`stack_samples` and :meth:`link_sends` sum them up over heartbeats);
+        only ``columns``, if given (of 100,000 ranks, ``job`` and ``host`` took 0.2-0.5 s to read)."""
+        names = list(LATEST_HEARTBEATS.column_names)
+        names = names if columns is None else [c for c in names if c in columns]
+        return self._select(LATEST_HEARTBEATS, job, "", {}, "rank", names)
 
     def stack_samples(self, job: str, since_us: int | None = None) -> pd.DataFrame:
         """Per rank of ``job`` and function of its code, the stack samples its heartbeats carry
         (from ``since_us`` on, if given): ``rank, function, samples``, by rank and function."""
         sql = (
             f"SELECT rank, fn, sum(n) AS total FROM (SELECT rank, any(samples) AS s FROM {self._t(HEARTBEATS)} "
-            "WHERE job = {job:String} AND time_us >= {since:Int64} GROUP BY rank, time_us) "
+            "WHERE job = {job:String} AND time_us >= {since:Int64} AND notEmpty(samples) GROUP BY rank, time_us) "
             "ARRAY JOIN mapKeys(s) AS fn, mapValues(s) AS n GROUP BY rank, fn ORDER BY rank, fn"
         )
         df = self._frame(sql, {"job": job, "since": since_us or 0}, ("rank", "fn", "total"))
@@ -371,7 +370,7 @@ class Reads:
                    if(countIf(first_coll_us >= 0) = 0, -1, avgIf(first_coll_us, first_coll_us >= 0))
                        AS m_first_coll_us
             FROM {self._t(STEPS)} FINAL WHERE job = {{job:String}} AND n_steps > 0 {where}
-            GROUP BY rank, bucket ORDER BY rank, bucket"""
+            GROUP BY rank, bucket"""
         names = ["rank", "bucket", "start", *(f"m_{c}" for c in means)]
         rows = self._frame(sql, {**params, "job": job, "width": width}, names, arrow=True)
         rows = rows.rename(columns={"bucket": "step", "start": "start_us", **{f"m_{c}": c for c in means}})
@@ -391,7 +390,9 @@ class Reads:
             f"SELECT {', '.join(f'`{c}`' for c in names)} FROM {self._t(table)} FINAL "
             f"WHERE job = {{job:String}} {where} ORDER BY {order}"
         )
-        return self._frame(sql, {"job": job, **params}, names)
+        # Through Arrow, but where a map would come back as a list of pairs, not a dict.
+        arrow = not any(t.startswith("Map(") for c, t in table.columns if c in names)
+        return self._frame(sql, {"job": job, **params}, names, arrow=arrow)
 
     def _t(self, table: Table) -> str:
         return f"`{self._db}`.`{table.name}`"
@@ -406,7 +407,7 @@ class Reads:
         self, sql: str, params: dict[str, Any], columns: Iterable[str], arrow: bool = False
     ) -> pd.DataFrame:
         """The rows of ``sql``; ``arrow``: through Arrow, faster than the Native reader for many rows
-        of numbers (strings would come back as objects; docs/benchmarks.md has the figures)."""
+        (docs/benchmarks.md has the figures), but maps come back as lists of pairs."""
         try:
             if arrow:
                 df = self._client.query_arrow(sql, parameters=params).to_pandas()

@@ -290,6 +290,36 @@ def _arrivals_by_process_ddl(database: str, cluster: str = "") -> list[str]:
     ]
 
 
+LATEST_HEARTBEATS = Table(
+    "latest_heartbeats",
+    tuple(c for c in HEARTBEATS.columns if c[0] not in ("samples", "sends")),
+    order_by=("job", "rank"),
+    version="time_us",
+)
+"""Per job and rank, its latest heartbeat (without its stack samples and link sends), kept up to
+date from ``heartbeats`` by a view: what the hang rule reads of every rank (``Reads.heartbeats_latest``)
+from one row per rank, not from every heartbeat (100,000 ranks over 10 minutes: 12 million rows,
+6.5 s to sort)."""
+LATEST_HEARTBEATS_OBJECTS = (LATEST_HEARTBEATS.name, f"{LATEST_HEARTBEATS.name}_from_heartbeats")
+"""The table and the view that fills it."""
+
+
+def _latest_heartbeats_ddl(database: str, cluster: str = "") -> list[str]:
+    """The table, its view, and last what fills it from a store made before it (one server)."""
+    local = LOCAL if cluster else ""
+    names = ", ".join(f"`{c}`" for c in LATEST_HEARTBEATS.column_names)
+    select = f"SELECT {names} FROM `{database}`.`{HEARTBEATS.name}{local}`"
+    t = f"`{database}`.`{LATEST_HEARTBEATS.name}{local}`"
+    return [
+        *LATEST_HEARTBEATS.ddl(database, cluster),
+        f"CREATE MATERIALIZED VIEW IF NOT EXISTS `{database}`.`{LATEST_HEARTBEATS_OBJECTS[1]}`"
+        f"{on_cluster(cluster)} TO {t} AS {select}",
+        # A store made before this table: each rank's latest heartbeat it holds (rows the view
+        # also wrote meanwhile are the same or later: the latest wins).
+        f"INSERT INTO {t} {select} ORDER BY job, rank, time_us DESC LIMIT 1 BY job, rank",
+    ]
+
+
 DEAD_LETTERS = Table(
     "dead_letters",
     (
@@ -546,9 +576,13 @@ def ensure_schema(client: Any, database: str = DEFAULT_DATABASE, cluster: str = 
         _migrate(client, database, name, dict(found)[name])
     for ddl in _window_input_ddl(database):
         client.command(ddl)
-    made = _arrivals_by_process_ddl(database)
-    for ddl in made if ARRIVALS_BY_PROCESS not in dict(found) and ARRIVALS.name in dict(found) else made[:-1]:
-        client.command(ddl)
+    for ddl_of, derived, source in (
+        (_arrivals_by_process_ddl, ARRIVALS_BY_PROCESS, ARRIVALS.name),
+        (_latest_heartbeats_ddl, LATEST_HEARTBEATS.name, HEARTBEATS.name),
+    ):
+        made = ddl_of(database)
+        for ddl in made if derived not in dict(found) and source in dict(found) else made[:-1]:
+            client.command(ddl)
     log.debug("schema %s ready in database %s", STORE_VERSION, database)
 
 
@@ -560,6 +594,7 @@ def cluster_ddl(database: str, cluster: str) -> list[str]:
         *(ddl for table in TABLES.values() for ddl in table.ddl(database, cluster)),
         *_window_input_ddl(database, cluster),
         *_arrivals_by_process_ddl(database, cluster)[:-1],
+        *_latest_heartbeats_ddl(database, cluster)[:-1],
     ]
 
 

@@ -176,7 +176,7 @@ class StoreReader(Protocol):
     def windows(
         self, job: str, since_us: int | None = None, columns: Sequence[str] | None = None
     ) -> pd.DataFrame: ...
-    def heartbeats_latest(self, job: str) -> pd.DataFrame: ...
+    def heartbeats_latest(self, job: str, columns: Sequence[str] | None = None) -> pd.DataFrame: ...
     def stack_samples(self, job: str, since_us: int | None = None) -> pd.DataFrame: ...
     def link_sends(self, job: str, since_us: int | None = None) -> pd.DataFrame: ...
     def missing(self, job: str) -> pd.DataFrame: ...
@@ -210,7 +210,7 @@ def read_job(
         functions=store.functions(job, since_us=since_us, patterns=FLEET),
         read_functions=lambda ranks: store.functions(job, since_us=since_us, ranks=ranks),
         windows=store.windows(job, since_us=since_us, columns=SPAN_COLUMNS),
-        heartbeats=store.heartbeats_latest(job),
+        heartbeats=store.heartbeats_latest(job, columns=HEARTBEAT_FIELDS),
         samples=store.stack_samples(job, since_us=since_us),
         read_samples=lambda t: store.stack_samples(job, since_us=max(t, since_us or 0)),
         links=store.link_sends(job, since_us=since_us),
@@ -268,7 +268,7 @@ class RecentJob:
         if recent_s is not None and recent_s != self.recent_s:
             self.recent_s, self.data = recent_s, None  # another span: read afresh
         since = last_us - int(self.recent_s * 1e6)
-        ranks, beats = store.ranks(self.job), store.heartbeats_latest(self.job)
+        ranks, beats = store.ranks(self.job), store.heartbeats_latest(self.job, columns=HEARTBEAT_FIELDS)
         # A row per rank and function, and per heartbeat and link: read whole.
         samples, links, windows, missing = (
             store.stack_samples(self.job, since_us=since),

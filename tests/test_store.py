@@ -44,6 +44,8 @@ from aggregator.schema import (
     FUNCTIONS,
     HEARTBEATS,
     JOB_TABLES,
+    LATEST_HEARTBEATS,
+    LATEST_HEARTBEATS_OBJECTS,
     STEPS,
     TABLES,
     WINDOW_INPUT_OBJECTS,
@@ -208,7 +210,7 @@ def test_schema_creation_twice_is_harmless(store: Store) -> None:
         "SELECT name FROM system.tables WHERE database = {db:String}", parameters={"db": store.database}
     ).result_rows
     assert sorted(name for (name,) in tables) == sorted(
-        [*TABLES, *WINDOW_INPUT_OBJECTS, *ARRIVALS_BY_PROCESS_OBJECTS]
+        [*TABLES, *WINDOW_INPUT_OBJECTS, *ARRIVALS_BY_PROCESS_OBJECTS, *LATEST_HEARTBEATS_OBJECTS]
     )
 
 
@@ -223,7 +225,7 @@ def test_a_store_on_a_cluster_is_sharded_by_job_over_replicated_tables(store: St
     for statement in ddl:
         store.client.query("SELECT formatQuery({q:String})", parameters={"q": statement})
         assert " ON CLUSTER `prod`" in statement, statement
-    for table in [*TABLES.values(), ARRIVALS_BY_PROCESS_TABLE]:
+    for table in [*TABLES.values(), ARRIVALS_BY_PROCESS_TABLE, LATEST_HEARTBEATS]:
         (one,) = table.ddl("rs")
         local, shared = table.ddl("rs", "prod")
         assert local in ddl and shared in ddl
@@ -237,8 +239,9 @@ def test_a_store_on_a_cluster_is_sharded_by_job_over_replicated_tables(store: St
             f"cityHash64(`{table.order_by[0]}`))\n{comment}"
         )
     views = [d for d in ddl if "MATERIALIZED VIEW" in d]
-    assert len(views) == 4 and "TO `rs`.`arrivals_by_process_local` " in views[-1]
-    assert "FROM `rs`.`arrivals_local` " in views[-1]  # each shard counts the arrivals it stores
+    assert len(views) == 5 and "TO `rs`.`arrivals_by_process_local` " in views[-2]
+    assert "FROM `rs`.`arrivals_local` " in views[-2]  # each shard counts the arrivals it stores
+    assert "TO `rs`.`latest_heartbeats_local` " in views[-1] and "FROM `rs`.`heartbeats_local`" in views[-1]
 
 
 def test_schema_of_another_version_is_refused(store: Store) -> None:
@@ -255,8 +258,11 @@ def test_a_store_of_schema_1_is_migrated_and_its_rows_read_as_before(store: Stor
     store.write(all_records())
     before = store.steps(JOB)
     ranks = store.ranks(JOB)
-    # What schema 1 had: steps without n_steps or wait_us, ranks without spine, every table's
-    # comment saying so.
+    # What schema 1 had: steps without n_steps or wait_us, ranks without spine, no latest
+    # heartbeats, every table's comment saying so.
+    latest = store.heartbeats_latest(JOB)
+    store.client.command(f"DROP VIEW {store.database}.{LATEST_HEARTBEATS_OBJECTS[1]}")
+    store.client.command(f"DROP TABLE {store.database}.{LATEST_HEARTBEATS_OBJECTS[0]}")
     store.client.command(f"ALTER TABLE {store.database}.steps DROP COLUMN n_steps")
     store.client.command(f"ALTER TABLE {store.database}.steps DROP COLUMN wait_us")
     store.client.command(f"ALTER TABLE {store.database}.ranks DROP COLUMN spine")
@@ -272,6 +278,8 @@ def test_a_store_of_schema_1_is_migrated_and_its_rows_read_as_before(store: Stor
     ) == ranks.to_dict("records")
     assert (store.ranks(JOB)["coverage"] == "").all(), "ranks stored before the migration say no coverage"
     assert (store.ranks(JOB)["spine"] == "").all(), "ranks stored before the migration name no spine"
+    gpu = ["gpu_util", "gpu_mem_mb"]
+    assert store.heartbeats_latest(JOB).drop(columns=gpu).equals(latest.drop(columns=gpu))
     comments = store.client.query(
         "SELECT DISTINCT comment FROM system.tables WHERE database = {db:String} AND name IN {t:Array(String)}",
         parameters={"db": store.database, "t": list(TABLES)},
@@ -445,7 +453,10 @@ def test_a_large_jobs_steps_are_read_in_buckets_summed_up_by_the_store(
             "start_us": "min",
         }
     )
-    assert np.allclose(got.set_index(["rank", "step"])[means.columns].to_numpy(), means.to_numpy())
+    # Buckets come in no order (sorting 2 million of them took ClickHouse 1 s; the diagnosis places
+    # each by its rank and step).
+    by_step = got.set_index(["rank", "step"]).sort_index()
+    assert np.allclose(by_step[means.columns].to_numpy(), means.to_numpy())
     whole = read_job(store, JOB)
     assert whole.steps.equals(one_by_one)  # 8 x 1,024 steps: one by one
     monkeypatch.setattr("diagnosis.data.MAX_STEP_CELLS", 8 * 1024 // 3)
@@ -454,7 +465,8 @@ def test_a_large_jobs_steps_are_read_in_buckets_summed_up_by_the_store(
     # Buckets of 2 would keep under this, but half of them would hold no row (a block begins
     # every 4 steps): a bucket is as wide as a stored row at least.
     monkeypatch.setattr("diagnosis.data.MAX_STEP_CELLS", 8 * 1024 // 2)
-    assert read_job(store, JOB).steps.equals(data.steps)
+    in_order = lambda df: df.sort_values(["rank", "step"], ignore_index=True)  # noqa: E731
+    assert in_order(read_job(store, JOB).steps).equals(in_order(data.steps))
     f, g = only(diagnose(data).findings), only(diagnose(whole).findings)
     assert (f.cause, f.ranks) == (g.cause, g.ranks) == ("compute", [2])
     assert f.evidence["ratio"] == pytest.approx(g.evidence["ratio"], rel=0.01)
@@ -587,6 +599,8 @@ def test_every_record_type_round_trips_through_the_spool(store: Store, tmp_path:
     assert latest["last_seq"][0] == {"0": 21, "1": 7}
     assert latest["stack"][1] == "train.py:42 step"
     assert "samples" not in latest and "sends" not in latest  # summed up by stack_samples and link_sends
+    some = store.heartbeats_latest(JOB, columns=["stack", "rank", "nope"])
+    assert list(some.columns) == ["rank", "stack"] and some["stack"][1] == "train.py:42 step"
 
     jobs = store.jobs()
     assert jobs.to_dict("records") == [
@@ -595,6 +609,27 @@ def test_every_record_type_round_trips_through_the_spool(store: Store, tmp_path:
     assert store.offsets() == {
         file_id(p): SpoolOffset(p.relative_to(tmp_path / "spool").as_posix(), p.stat().st_size) for p in paths
     }
+
+
+def test_each_ranks_latest_heartbeat_is_kept_by_a_view_and_filled_in_for_an_older_store(store: Store) -> None:
+    """``heartbeats_latest`` reads one row per rank that a view keeps (``LATEST_HEARTBEATS``), not
+    every heartbeat: the latest by time however the heartbeats came (late, twice, in two batches);
+    a store made before the view gets it filled from the heartbeats it holds."""
+    beats = [heartbeat(r, T0 + t * 1_000_000, t) for r in range(3) for t in range(6)]
+    store.write(beats[5::-1])  # rank 0's, newest first
+    store.write([*beats[6:], beats[3], beats[17]])  # the others', and two again
+    want = [(r, T0 + 5_000_000, 5) for r in range(3)]
+    got = store.heartbeats_latest(JOB)
+    assert got[["rank", "time_us", "step"]].values.tolist() == [list(w) for w in want]
+    table, view = LATEST_HEARTBEATS_OBJECTS
+    held = f"SELECT count() FROM `{store.database}`.`{table}` FINAL"
+    assert store.client.query(held).result_rows == [(3,)]
+    store.client.command(f"DROP VIEW `{store.database}`.`{view}`")
+    store.client.command(f"DROP TABLE `{store.database}`.`{table}`")
+    ensure_schema(store.client, store.database)
+    assert store.heartbeats_latest(JOB).equals(got)
+    store.write([heartbeat(1, T0 + 9_000_000, 9)])  # the view fills it again
+    assert store.heartbeats_latest(JOB)["step"].tolist() == [5, 9, 5]
 
 
 def test_reads_of_an_unknown_job_are_empty_frames_with_columns(store: Store) -> None:
