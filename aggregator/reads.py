@@ -220,11 +220,13 @@ class Reads:
         from_window: Sequence[int] | None = None,
         ranks: Sequence[int] | None = None,
         patterns: Sequence[tuple[str, str]] | None = None,
+        columns: Sequence[str] | None = None,
     ) -> pd.DataFrame:
         """Function patterns of ``job``: of the given ``windows`` only if not None, of the windows
         taken from ``since_us`` on if given, of rank ``r``'s windows numbered ``from_window[r]``
         or later if given (every window of the ranks past the list's end), of ``ranks`` only if
-        given, and only those of a ``(kind, name prefix)`` of ``patterns`` if given."""
+        given, and only those of a ``(kind, name prefix)`` of ``patterns`` if given; only
+        ``columns``, if given."""
         where, params = "", dict[str, Any]()
         if windows is not None:
             where, params = "AND window IN {windows:Array(Int64)}", {"windows": list(windows)}
@@ -250,7 +252,7 @@ class Reads:
             where += f" AND ({' OR '.join(either) or '0'})"
             for i, (kind, prefix) in enumerate(patterns):
                 params[f"k{i}"], params[f"p{i}"] = kind, prefix
-        return self._select(FUNCTIONS, job, where, params, "window, rank, kind, name, stack")
+        return self._select(FUNCTIONS, job, where, params, "window, rank, kind, name, stack", columns)
 
     def heartbeats_latest(self, job: str, columns: Sequence[str] | None = None) -> pd.DataFrame:
         """The latest heartbeat of each rank of ``job``, ordered by rank, without its stack samples

@@ -79,6 +79,22 @@ FLEET = ((WAIT_KIND, WAIT_PATTERN), ("collective", TRANSFER_PREFIX))
 and its network sends, a row or two of a window's ~300. Of the others, the diagnosis needs those of
 a culprit and a few peers: a store's :func:`read_job` reads them when asked (:meth:`JobData.functions_of`)."""
 
+FLEET_COLUMNS = [
+    "rank",
+    "window",
+    "step_lo",
+    "step_hi",
+    "kind",
+    "name",
+    "stack",
+    "count",
+    "total_us",
+    "p50_us",
+    "nbytes",
+]
+"""What the diagnosis reads of the ``FLEET`` rows (a row per rank and window: at 100,000 ranks over
+10 minutes, 2 million): the columns its detectors use, not the summary's nine others."""
+
 
 def _empty(columns: list[str]) -> pd.DataFrame:
     return pd.DataFrame({c: [] for c in columns})
@@ -172,6 +188,7 @@ class StoreReader(Protocol):
         from_window: Sequence[int] | None = None,
         ranks: Sequence[int] | None = None,
         patterns: Sequence[tuple[str, str]] | None = None,
+        columns: Sequence[str] | None = None,
     ) -> pd.DataFrame: ...
     def windows(
         self, job: str, since_us: int | None = None, columns: Sequence[str] | None = None
@@ -207,7 +224,7 @@ def read_job(
         job=job,
         ranks=ranks,
         steps=steps,
-        functions=store.functions(job, since_us=since_us, patterns=FLEET),
+        functions=store.functions(job, since_us=since_us, patterns=FLEET, columns=FLEET_COLUMNS),
         read_functions=lambda ranks: store.functions(job, since_us=since_us, ranks=ranks),
         windows=store.windows(job, since_us=since_us, columns=SPAN_COLUMNS),
         heartbeats=store.heartbeats_latest(job, columns=HEARTBEAT_FIELDS),
@@ -305,7 +322,9 @@ class RecentJob:
                     kept = _keep(kept, kept["step"].to_numpy(dtype=np.int64) < again)
             else:
                 new_steps, kept = store.steps(self.job, after_us=self._start_us.tolist()), old.steps
-            new_fns = store.functions(self.job, from_window=self._next_window.tolist(), patterns=FLEET)
+            new_fns = store.functions(
+                self.job, from_window=self._next_window.tolist(), patterns=FLEET, columns=FLEET_COLUMNS
+            )
             if w > 1 or not self._overlaps(new_steps):
                 steps, fns = _concat(kept, new_steps), _concat(old.functions, new_fns)
                 if since - self._trimmed_us >= self.recent_s * 1e5 and not steps.empty:
@@ -322,7 +341,7 @@ class RecentJob:
                 return self.data
         steps, fns = (
             store.steps(self.job, since_us=since, width=w),
-            store.functions(self.job, since_us=since, patterns=FLEET),
+            store.functions(self.job, since_us=since, patterns=FLEET, columns=FLEET_COLUMNS),
         )
         self.data, self._width = held(steps, fns), w
         self._start_us, self._last_step = np.zeros(0, dtype=np.int64), np.full(0, -1, dtype=np.int64)

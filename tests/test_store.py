@@ -592,6 +592,8 @@ def test_every_record_type_round_trips_through_the_spool(store: Store, tmp_path:
     assert set(store.functions(JOB, windows=[2])["window"]) == {2}
     empty = store.functions(JOB, windows=[])
     assert empty.empty and list(empty.columns) == list(TABLES["functions"].column_names)
+    some = store.functions(JOB, windows=[2], columns=["name", "rank"])
+    assert list(some.columns) == ["name", "rank"] and len(some) == 6
 
     latest = store.heartbeats_latest(JOB)
     assert latest["rank"].tolist() == [0, 1]
