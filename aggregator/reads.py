@@ -127,10 +127,10 @@ class Reads:
 
         ``width`` > 1: one row per rank and bucket of that many steps (``step`` a multiple of it),
         with the means per step of the stored rows that begin in it, summed up by ClickHouse, and
-        a column ``width`` (``diagnosis.stragglers.WIDTH``), in no order: what the diagnosis of a
-        job too large to hold step by step reads (it places each by rank and step; ClickHouse took
-        longer to sort 100,000 ranks' buckets than to sum them up). A rank's rows of two attempts over the same steps (a restart
-        from a checkpoint) both count in their bucket's means.
+        a column ``width`` (``diagnosis.stragglers.WIDTH``), in no order (the diagnosis places
+        each by rank and step; ClickHouse sorts them slower than it sums them up): what the
+        diagnosis of a job too large to hold step by step reads. A rank's rows of two attempts
+        over the same steps (a restart from a checkpoint) both count in their bucket's means.
 
         ``after_us[r]``: of rank ``r`` only the rows that start after it (all rows of the ranks
         past the list's end): given the start of the last step a reader holds of each rank, what
@@ -257,7 +257,7 @@ class Reads:
     def heartbeats_latest(self, job: str, columns: Sequence[str] | None = None) -> pd.DataFrame:
         """The latest heartbeat of each rank of ``job``, ordered by rank, without its stack samples
         and link sends (:meth:`stack_samples` and :meth:`link_sends` sum them up over heartbeats);
-        only ``columns``, if given (of 100,000 ranks, ``job`` and ``host`` took 0.2-0.5 s to read)."""
+        only ``columns``, if given (strings cost more to read than numbers)."""
         names = list(LATEST_HEARTBEATS.column_names)
         names = names if columns is None else [c for c in names if c in columns]
         return self._select(LATEST_HEARTBEATS, job, "", {}, "rank", names)

@@ -298,8 +298,7 @@ LATEST_HEARTBEATS = Table(
 )
 """Per job and rank, its latest heartbeat (without its stack samples and link sends), kept up to
 date from ``heartbeats`` by a view: what the hang rule reads of every rank (``Reads.heartbeats_latest``)
-from one row per rank, not from every heartbeat (100,000 ranks over 10 minutes: 12 million rows,
-6.5 s to sort)."""
+from one row per rank, not sorted out of every heartbeat (docs/benchmarks.md has the figures)."""
 LATEST_HEARTBEATS_OBJECTS = (LATEST_HEARTBEATS.name, f"{LATEST_HEARTBEATS.name}_from_heartbeats")
 """The table and the view that fills it."""
 

@@ -34,7 +34,7 @@ def coverage_gaps(ranks: pd.DataFrame) -> list[str]:
     if "coverage" not in ranks:
         return []
     on: dict[str, list[int]] = {}
-    # By distinct coverage: most ranks of a job say the same (at 100,000 ranks, one by one: 0.4 s).
+    # By distinct coverage: most ranks of a job say the same (one by one is slow at 100,000 ranks).
     for coverage, rs in ranks.groupby(ranks["coverage"].astype(str))["rank"]:
         for gap in records.coverage_gaps(str(coverage)):
             on.setdefault(gap, []).extend(rs.astype(int).tolist())
