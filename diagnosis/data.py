@@ -79,21 +79,10 @@ FLEET = ((WAIT_KIND, WAIT_PATTERN), ("collective", TRANSFER_PREFIX))
 and its network sends, a row or two of a window's ~300. Of the others, the diagnosis needs those of
 a culprit and a few peers: a store's :func:`read_job` reads them when asked (:meth:`JobData.functions_of`)."""
 
-FLEET_COLUMNS = [
-    "rank",
-    "window",
-    "step_lo",
-    "step_hi",
-    "kind",
-    "name",
-    "stack",
-    "count",
-    "total_us",
-    "p50_us",
-    "nbytes",
-]
+FLEET_COLUMNS = [*FUNCTION_FIELDS, "p50_us", "nbytes"]
 """What the diagnosis reads of the ``FLEET`` rows (a row per rank and window: at 100,000 ranks over
-10 minutes, 2 million): the columns its detectors use, not the summary's nine others."""
+10 minutes, 2 million): ``functions``' columns and what the transfer rule needs besides, not the
+summary's eight others."""
 
 
 def _empty(columns: list[str]) -> pd.DataFrame:
