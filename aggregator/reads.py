@@ -40,6 +40,8 @@ STEP_COLUMNS = [c for c in STEPS.column_names if c not in ("job", "host", "n_ste
 """The columns of :meth:`Reads.steps`."""
 _TOTALS = ("dur_us", "data_us", "comm_us", "n_coll", "cpu_us", "nivcsw", "wait_us")
 """A stored row's sums over its ``n_steps`` steps (``first_coll_us`` is its mean already)."""
+_ALWAYS = ("rank", "step", "start_us")
+"""The columns :meth:`Reads.steps` reads whatever it is asked: where and when a row is."""
 WIDTH = "width"
 """The column of :meth:`Reads.steps` read by buckets of steps: how many (the diagnosis's name for
 it is ``diagnosis.stragglers.WIDTH``)."""
@@ -118,6 +120,7 @@ class Reads:
         rank: int | None = None,
         after_us: Sequence[int] | None = None,
         width: int = 1,
+        columns: Sequence[str] | None = None,
     ) -> pd.DataFrame:
         """One row per step of ``job`` (only steps ``>= since_step``, those of rows that ended
         after ``since_us``, and those of ``rank``, if given), ordered by rank and step: the stored
@@ -136,7 +139,11 @@ class Reads:
         past the list's end): given the start of the last step a reader holds of each rank, what
         the store gained since, as a rank's rows follow one another in time (a restarted rank's
         too). Integers throughout: a block's last step, read back, ends a fraction of a
-        microsecond off its row's end, but starts at or after the row's start."""
+        microsecond off its row's end, but starts at or after the row's start.
+
+        ``columns``: only these of ``STEP_COLUMNS`` (``rank``, ``step`` and ``start_us`` always),
+        each one fewer for ClickHouse to sum up in every bucket and to hand over."""
+        keep = [c for c in STEP_COLUMNS if columns is None or c in columns or c in _ALWAYS]
         where, params = "", dict[str, Any]()
         if rank is not None:
             where, params = "AND rank = {rank:Int32}", {"rank": rank}
@@ -155,8 +162,8 @@ class Reads:
                 {**params, "since_us": since_us},
             )
         if width > 1:
-            return self._buckets(job, where, params, width)
-        return self._steps(job, where, params, since_step if since_step is not None else -(1 << 63))
+            return self._buckets(job, where, params, width, keep)
+        return self._steps(job, where, params, since_step if since_step is not None else -(1 << 63), keep)
 
     def last_step(self, job: str) -> int | None:
         """The last step any rank of ``job`` stored (None: none yet)."""
@@ -328,17 +335,19 @@ class Reads:
         counts.update({name: int(n) for name, n in self._query(sql, {"job": job}).result_rows})
         return counts
 
-    def _steps(self, job: str, where: str, params: dict[str, Any], since_step: int) -> pd.DataFrame:
-        """The step rows that match ``where``, one row per step (see :meth:`steps`)."""
+    def _steps(
+        self, job: str, where: str, params: dict[str, Any], since_step: int, columns: list[str]
+    ) -> pd.DataFrame:
+        """The step rows that match ``where``, one row per step of ``columns`` (see :meth:`steps`)."""
         # The stored rows (one per block of steps) come out of ClickHouse and are spread over their
         # steps here: at 1,000 ranks of 100 ms steps, 10 minutes hold 300,000 rows but 6 million
         # steps, which ClickHouse would sort and hand over column by column (6 s; numpy: 0.6 s).
+        read = [*dict.fromkeys([*columns, "dur_us", "n_steps"])]  # dur_us: where each step starts
         sql = f"""
-            SELECT rank, step, start_us, dur_us, data_us, comm_us, n_coll, first_coll_us, cpu_us, nivcsw,
-                   n_steps, wait_us
+            SELECT {", ".join(read)}
             FROM {self._t(STEPS)} FINAL WHERE job = {{job:String}} {where}
             ORDER BY rank, step, start_us"""
-        rows = self._frame(sql, {**params, "job": job}, [*STEP_COLUMNS, "n_steps"])
+        rows = self._frame(sql, {**params, "job": job}, read)
         n = rows["n_steps"].to_numpy(dtype=np.int64).clip(min=0)
         i = np.arange(int(n.sum()), dtype=np.int64) - np.repeat(np.cumsum(n) - n, n)
 
@@ -346,11 +355,14 @@ class Reads:
             return np.repeat(rows[column].to_numpy(), n)
 
         per = np.repeat(n, n)  # >= 1: a row of 0 steps spreads over none
-        out = {"rank": spread("rank"), "step": spread("step") + i, "first_coll_us": spread("first_coll_us")}
+        out = {"rank": spread("rank"), "step": spread("step") + i}
         out["start_us"] = spread("start_us") + spread("dur_us") * i // per
-        for column in _TOTALS:
-            out[column] = spread(column) / per  # the block's totals, as a mean per step
-        steps = pd.DataFrame(out, columns=STEP_COLUMNS)
+        for column in columns:
+            if column in _TOTALS:
+                out[column] = spread(column) / per  # the block's totals, as a mean per step
+            elif column not in out:
+                out[column] = spread(column)
+        steps = pd.DataFrame(out, columns=columns)
         steps = steps[steps["step"].to_numpy() >= since_step] if since_step > -(1 << 63) else steps
         rank, step = steps["rank"].to_numpy(), steps["step"].to_numpy()
         if ((rank[1:] == rank[:-1]) & (step[1:] <= step[:-1])).any():
@@ -361,22 +373,29 @@ class Reads:
             steps = steps.drop_duplicates(["rank", "step"])
         return steps.reset_index(drop=True)
 
-    def _buckets(self, job: str, where: str, params: dict[str, Any], width: int) -> pd.DataFrame:
-        """The step rows that match ``where`` summed up per rank and bucket of ``width`` steps."""
-        means = (*_TOTALS, "first_coll_us")
+    def _buckets(
+        self, job: str, where: str, params: dict[str, Any], width: int, columns: list[str]
+    ) -> pd.DataFrame:
+        """The step rows that match ``where`` summed up per rank and bucket of ``width`` steps: their
+        means per step as 32-bit floats (7 digits; half the bytes to hand over)."""
+        means = [c for c in columns if c in _TOTALS]
         # Aliases may not shadow a column: ``m_<column>``, renamed after. A row's first collective
         # is its steps' mean (-1: none entered one): the bucket's is the rows' mean, of those with one.
+        first = (
+            ", if(countIf(first_coll_us >= 0) = 0, -1, avgIf(first_coll_us, first_coll_us >= 0)) AS m_first_coll_us"
+            if "first_coll_us" in columns
+            else ""
+        )
         sql = f"""
-            SELECT rank, intDiv(step, {{width:Int64}}) * {{width:Int64}} AS bucket, min(start_us) AS start,
-                   {", ".join(f"sum({c}) / sum(n_steps) AS m_{c}" for c in _TOTALS)},
-                   if(countIf(first_coll_us >= 0) = 0, -1, avgIf(first_coll_us, first_coll_us >= 0))
-                       AS m_first_coll_us
+            SELECT rank, intDiv(step, {{width:Int64}}) * {{width:Int64}} AS bucket, min(start_us) AS start
+                   {"".join(f", toFloat32(sum({c}) / sum(n_steps)) AS m_{c}" for c in means)} {first}
             FROM {self._t(STEPS)} FINAL WHERE job = {{job:String}} AND n_steps > 0 {where}
             GROUP BY rank, bucket"""
+        means += ["first_coll_us"] if first else []
         names = ["rank", "bucket", "start", *(f"m_{c}" for c in means)]
         rows = self._frame(sql, {**params, "job": job, "width": width}, names, arrow=True)
         rows = rows.rename(columns={"bucket": "step", "start": "start_us", **{f"m_{c}": c for c in means}})
-        return rows.reindex(columns=STEP_COLUMNS).assign(**{WIDTH: width})
+        return rows.reindex(columns=columns).assign(**{WIDTH: width})
 
     def _select(
         self,

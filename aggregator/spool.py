@@ -33,6 +33,7 @@ import logging
 import os
 import stat
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -186,15 +187,34 @@ def _read_file(f: BinaryIO, file: str, source: str, committed: SpoolOffset, run:
     return pos - start
 
 
-def _open_inside(path: Path, root: str) -> tuple[BinaryIO | None, str]:
-    """``path`` opened for reading if it is a regular file inside ``root`` (a real path), and why not."""
-    real = os.path.realpath(path)
-    if os.path.commonpath([real, root]) != root:
-        return None, f"a link to {real}, outside the spool"
+def _jsonl_files(root: str, rel: str = "") -> Iterator[tuple[str, os.DirEntry[str]]]:
+    """Every ``*.jsonl`` entry under ``root`` (a real path), not through links to directories, as
+    its path relative to ``root`` and its entry (whose type needs no system call)."""
+    try:
+        entries = list(os.scandir(os.path.join(root, rel)))
+    except OSError as exc:
+        log.warning("cannot list spool directory %s: %s", rel or ".", exc)
+        return
+    for entry in entries:
+        path = f"{rel}/{entry.name}" if rel else entry.name
+        if entry.is_dir(follow_symlinks=False):
+            yield from _jsonl_files(root, path)
+        elif entry.name.endswith(".jsonl"):
+            yield path, entry
+
+
+def _open_inside(entry: os.DirEntry[str], root: str) -> tuple[BinaryIO | None, str]:
+    """The spool file ``entry`` opened for reading if it is a regular file inside ``root`` (a real
+    path), and why not. Listed without following links, an entry that is no link lies inside."""
+    path = entry.path
+    if entry.is_symlink():
+        path = os.path.realpath(path)
+        if os.path.commonpath([path, root]) != root:
+            return None, f"a link to {path}, outside the spool"
     try:
         # O_NOFOLLOW: the real path is no link (unless one was put there since); O_NONBLOCK: a FIFO
         # put there since must not hang the reader.
-        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
         return None, f"cannot be opened: {exc}"
     f = os.fdopen(fd, "rb")
@@ -224,12 +244,12 @@ def ingest(
         committed = store.offsets()
         real_root = os.path.realpath(root)
         seen: set[str] = set()
-        for path in sorted(root.rglob("*.jsonl")):
+        for rel, entry in sorted(_jsonl_files(real_root), key=lambda e: e[0]):
             # A file name that is not UTF-8 would make an unstorable source: keep it readable instead.
-            source = os.fsencode(path.relative_to(root).as_posix()).decode("utf-8", "backslashreplace")
-            f, why_not = _open_inside(path, real_root)
+            source = os.fsencode(rel).decode("utf-8", "backslashreplace")
+            f, why_not = _open_inside(entry, real_root)
             if f is None:
-                if os.path.lexists(path):  # else removed since it was listed
+                if os.path.lexists(entry.path):  # else removed since it was listed
                     log.warning("spool file %s is not read: %s", source, why_not)
                     skipped += 1
                 continue

@@ -233,8 +233,6 @@ def _steps(
         "dur_us": np.broadcast_to(end + 300.0, (n, s)),
         "data_us": data,
         "comm_us": comm,
-        "n_coll": np.full((n, s), BUCKETS),
-        "first_coll_us": own,
         "cpu_us": compute * 0.97 * rng.lognormal(0.0, 0.01, (n, s)),
         "nivcsw": rng.poisson(3.0, (n, s)),
         "wait_us": np.zeros((n, s)),  # a training thread on its own cores never queues

@@ -22,12 +22,12 @@ STEP_FIELDS = [
     "dur_us",
     "data_us",
     "comm_us",
-    "n_coll",
-    "first_coll_us",
     "cpu_us",
     "nivcsw",
     "wait_us",
 ]
+"""The columns of :attr:`JobData.steps` (a store's read adds ``start_us``): what the detectors use of
+a step, not the collectives' count and first entry the hook ships too."""
 FUNCTION_FIELDS = [
     "rank",
     "window",
@@ -68,11 +68,17 @@ MAX_STEP_CELLS = 8_000_000
 """Rank-steps :func:`read_job` reads one by one at most (~1 GB of step rows, and as much again in
 the detectors' rank x step arrays); of a larger job it reads buckets of steps, each summed up by
 the store (``Reads.steps`` ``width``): the fewest steps a bucket (a power of two) that keep the
-buckets under this, and no fewer than a stored row holds. The hooks ship a rank's steps in blocks
-of ~2 s (``profiler_hook.Config.step_block_s``; 20 steps of 100 ms): a bucket narrower than a
-block holds no more of them, and leaves buckets empty between the blocks' starts (at 10,000 ranks
-in buckets of 8, 3 of every 5 were: grids of 6.25 million cells, 60% of them NaN). At 10,000
-ranks of 100 ms steps, 5,000 steps are read in buckets of 32; at 100,000, of 64."""
+buckets under ``MAX_BUCKETS``, and no fewer than a stored row holds. The hooks ship a rank's steps
+in blocks of ~2 s (``profiler_hook.Config.step_block_s``; 20 steps of 100 ms): a bucket narrower
+than a block holds no more of them, and leaves buckets empty between the blocks' starts (at 10,000
+ranks in buckets of 8, 3 of every 5 were: grids of 6.25 million cells, 60% of them NaN)."""
+
+MAX_BUCKETS = 4_000_000
+"""Buckets of steps :func:`read_job` reads at most (see ``MAX_STEP_CELLS``): each one ClickHouse
+sums up, hands over and the detectors place in their grids. At 10,000 ranks of 100 ms steps, 5,000
+steps are read in buckets of 32 (a block's 20 steps, to the next power of two); at 100,000, of 128:
+the peer rule's last 800 steps are then 6 buckets, one a chunk, and its finer look for bursts
+(24 spans) sees no more than those 6."""
 
 FLEET = ((WAIT_KIND, WAIT_PATTERN), ("collective", TRANSFER_PREFIX))
 """The function patterns (kind, name prefix) every rank is compared on: its threads' run-queue wait
@@ -168,6 +174,7 @@ class StoreReader(Protocol):
         rank: int | None = None,
         after_us: Sequence[int] | None = None,
         width: int = 1,
+        columns: Sequence[str] | None = None,
     ) -> pd.DataFrame: ...
     def functions(
         self,
@@ -204,11 +211,13 @@ def read_job(
     ranks = store.ranks(job)
     w = _bucket(ranks, last, last_steps, lambda: store.steps_per_row(job))
     if last is not None and last_steps is not None and last >= last_steps:
-        steps = store.steps(job, since_step=last - last_steps + 1, since_us=since_us, width=w)
+        steps = store.steps(
+            job, since_step=last - last_steps + 1, since_us=since_us, width=w, columns=STEP_FIELDS
+        )
         if not steps.empty:
             since_us = max(since_us or 0, int(steps["start_us"].min()))
     else:
-        steps = store.steps(job, since_us=since_us, width=w)
+        steps = store.steps(job, since_us=since_us, width=w, columns=STEP_FIELDS)
     return JobData(
         job=job,
         ranks=ranks,
@@ -233,7 +242,7 @@ def _bucket(ranks: pd.DataFrame, last: int | None, last_steps: int | None, block
     if n * steps <= MAX_STEP_CELLS:
         return 1
     w = 1 << max(0, math.ceil(math.log2(max(block(), 1.0))))
-    while n * -(-steps // w) > MAX_STEP_CELLS:
+    while n * -(-steps // w) > MAX_BUCKETS:
         w *= 2
     return w
 
@@ -304,13 +313,18 @@ class RecentJob:
             if w > 1:
                 # Each rank's last bucket again (its rows start at or after the bucket's first),
                 # in place of the one held: it may have gained rows since.
-                new_steps = store.steps(self.job, after_us=(self._start_us - 1).tolist(), width=w)
+                new_steps = store.steps(
+                    self.job, after_us=(self._start_us - 1).tolist(), width=w, columns=STEP_FIELDS
+                )
                 kept = old.steps
                 if not kept.empty:
                     again = self._last_held(kept, np.iinfo(np.int64).max)
                     kept = _keep(kept, kept["step"].to_numpy(dtype=np.int64) < again)
             else:
-                new_steps, kept = store.steps(self.job, after_us=self._start_us.tolist()), old.steps
+                new_steps, kept = (
+                    store.steps(self.job, after_us=self._start_us.tolist(), columns=STEP_FIELDS),
+                    old.steps,
+                )
             new_fns = store.functions(
                 self.job, from_window=self._next_window.tolist(), patterns=FLEET, columns=FLEET_COLUMNS
             )
@@ -329,7 +343,7 @@ class RecentJob:
                 self._mark(new_steps, new_fns)
                 return self.data
         steps, fns = (
-            store.steps(self.job, since_us=since, width=w),
+            store.steps(self.job, since_us=since, width=w, columns=STEP_FIELDS),
             store.functions(self.job, since_us=since, patterns=FLEET, columns=FLEET_COLUMNS),
         )
         self.data, self._width = held(steps, fns), w

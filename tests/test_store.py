@@ -55,7 +55,7 @@ from aggregator.schema import (
 )
 from aggregator.spool import MAX_LINE_BYTES, file_id
 from diagnosis import diagnose, read_job
-from diagnosis.data import LOOKBACK_STEPS, RecentJob
+from diagnosis.data import LOOKBACK_STEPS, STEP_FIELDS, RecentJob
 from diagnosis.diagnose import Settings as diagnose_settings
 from tests.jobdata import only
 from wire.records import (
@@ -427,8 +427,8 @@ def test_a_large_jobs_steps_are_read_in_buckets_summed_up_by_the_store(
 ) -> None:
     """Rows of blocks of 4 steps, read in buckets of 8: each bucket's means per step are those of
     its steps read one by one. ``read_job`` reads buckets where ranks x steps exceed
-    ``MAX_STEP_CELLS``, the fewest steps a bucket that keep under it, and the diagnosis names the
-    same straggler from them."""
+    ``MAX_STEP_CELLS``, the fewest steps a bucket that keep the buckets under ``MAX_BUCKETS``, and
+    the diagnosis names the same straggler from them."""
     blocks = [
         StepBatch(
             job=JOB, rank=r, host=f"node{r}", time_us=T0 + lo * 10_000,
@@ -458,7 +458,11 @@ def test_a_large_jobs_steps_are_read_in_buckets_summed_up_by_the_store(
     by_step = got.set_index(["rank", "step"]).sort_index()
     assert np.allclose(by_step[means.columns].to_numpy(), means.to_numpy())
     whole = read_job(store, JOB)
-    assert whole.steps.equals(one_by_one)  # 8 x 1,024 steps: one by one
+    # 8 x 1,024 steps: one by one, only the columns the diagnosis uses (``STEP_FIELDS``).
+    assert whole.steps.equals(one_by_one[[c for c in STEP_COLUMNS if c in [*STEP_FIELDS, "start_us"]]])
+    asked = store.steps(JOB, width=8, since_step=16, columns=["cpu_us"])
+    assert list(asked.columns) == ["rank", "step", "start_us", "cpu_us", "width"]
+    assert asked.equals(got[asked.columns])
     monkeypatch.setattr("diagnosis.data.MAX_STEP_CELLS", 8 * 1024 // 3)
     data = read_job(store, JOB)
     assert data.steps["width"].eq(4).all() and len(data.steps) == 8 * 1024 // 4
@@ -470,6 +474,11 @@ def test_a_large_jobs_steps_are_read_in_buckets_summed_up_by_the_store(
     f, g = only(diagnose(data).findings), only(diagnose(whole).findings)
     assert (f.cause, f.ranks) == (g.cause, g.ranks) == ("compute", [2])
     assert f.evidence["ratio"] == pytest.approx(g.evidence["ratio"], rel=0.01)
+    # Fewer buckets allowed than steps one by one (``MAX_BUCKETS``): wider buckets, under it.
+    monkeypatch.setattr("diagnosis.data.MAX_BUCKETS", 8 * 1024 // 8)
+    wide = read_job(store, JOB).steps
+    assert wide["width"].eq(8).all() and len(wide) == 8 * 1024 // 8
+    assert only(diagnose(replace(data, steps=wide)).findings).ranks == [2]
 
 
 def test_a_recent_large_job_is_held_in_buckets_each_ranks_last_read_again(
@@ -478,9 +487,8 @@ def test_a_recent_large_job_is_held_in_buckets_each_ranks_last_read_again(
     """A job too large to hold step by step (``MAX_STEP_CELLS``): ``RecentJob`` holds the buckets
     ``read_job`` reads, though an update reads only each rank's last bucket again (it gained rows)
     and those after it; as the job grows into wider buckets, it reads afresh."""
-    monkeypatch.setattr(
-        "diagnosis.data.MAX_STEP_CELLS", 8 * 64 // 4
-    )  # 8 ranks: 1 a bucket to 16 steps … 8 past 64
+    for limit in ("MAX_STEP_CELLS", "MAX_BUCKETS"):  # 8 ranks: 1 a bucket to 16 steps … 8 past 64
+        monkeypatch.setattr(f"diagnosis.data.{limit}", 8 * 64 // 4)
     recent, reads = RecentJob(JOB, recent_s=3600.0), []
     real_steps = store.steps
 
@@ -490,7 +498,7 @@ def test_a_recent_large_job_is_held_in_buckets_each_ranks_last_read_again(
         return df
 
     monkeypatch.setattr(store, "steps", counting_steps)
-    columns = [*STEP_COLUMNS, "width"]
+    columns = [*STEP_FIELDS, "start_us", "width"]
     store.write([rank_info(r) for r in range(8)])
     for hi in range(4, 100, 4):  # each rank ships blocks of 4 steps; each step a little longer
         store.write(
