@@ -192,6 +192,8 @@ def _jsonl_files(root: str, rel: str = "") -> Iterator[tuple[str, os.DirEntry[st
     its path relative to ``root`` and its entry (whose type needs no system call)."""
     try:
         entries = list(os.scandir(os.path.join(root, rel)))
+    except FileNotFoundError:  # removed since it was listed
+        return
     except OSError as exc:
         log.warning("cannot list spool directory %s: %s", rel or ".", exc)
         return

@@ -31,6 +31,10 @@ def _interval(pair: list[float] | None) -> str:
     return "—" if not pair else f"{pair[0]:+.2f} … {pair[1]:+.2f}%"
 
 
+def _gb(x: float | None) -> str:
+    return "—" if x is None else f"{x:g} GB"
+
+
 def _s(x: float | None) -> str:
     return "—" if x is None else f"{x:g} s"
 
@@ -84,6 +88,14 @@ def _scale(run: dict[str, Any]) -> list[str]:
         each(lambda s: _s(s.get("cycle_steady_s"))),
         each(lambda s: f"{s['peak_rss_gb']:g} GB"),
         each(lambda s: "yes" if s["straggler_named"] else "no"),
+        each(
+            lambda s: (
+                f"{s['repeated_minutes']:g} min: {s['repeated_diagnose_s']:g} s "
+                f"({s['repeated_read_s']:g} s), {'named' if s['repeated_straggler_named'] else 'not named'}"
+                if "repeated_minutes" in s
+                else "—"
+            )
+        ),
     ]
 
 
@@ -130,6 +142,7 @@ TABLES: dict[str, tuple[str, list[str], Callable[[dict[str, Any]], list[str]]]] 
             "serve cycle as the job runs (median)",
             "peak RSS",
             "straggler named",
+            "records copied to (`--repeat`): diagnose (read)",
         ],
         _scale,
     ),
