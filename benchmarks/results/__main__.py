@@ -91,7 +91,8 @@ def _scale(run: dict[str, Any]) -> list[str]:
         each(
             lambda s: (
                 f"{s['repeated_minutes']:g} min: {s['repeated_diagnose_s']:g} s "
-                f"({s['repeated_read_s']:g} s), {'named' if s['repeated_straggler_named'] else 'not named'}"
+                f"({s['repeated_read_s']:g} s), {_gb(s.get('repeated_peak_rss_gb'))}, "
+                f"{'named' if s['repeated_straggler_named'] else 'not named'}"
                 if "repeated_minutes" in s
                 else "—"
             )
