@@ -6,15 +6,21 @@ embedded chDB store. Prints rank-summaries/s and function-rows/s; ``--json`` wri
 ``summaries_per_s`` (target: ≥ 2,000 per aggregator process). ``--profile`` prints where the time
 goes (cProfile of the aggregator).
 
+With ``--ranks N``: instead, everything ``N`` ranks' hooks ship at their defaults over
+``--minutes`` (a step record every 2 s, a heartbeat every 5 s, a window every 30 s: the mix
+``benchmarks.scale`` ingests from a spool), and prints records/s (target: ≥ 10,000 per process).
+
 Starts its own Kafka 0.9 broker (``./dev test`` installs it) unless ``--kafka`` names one.
 
     python -m benchmarks.ingest [--summaries 20000] [--functions 300] [--json PATH] [--profile]
+    python -m benchmarks.ingest --ranks 1000 [--minutes 2] [--functions 300] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import json
 import pstats
 import random
@@ -23,13 +29,16 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from aggregator import Store
 from aggregator.consumer import Aggregator, BatchSettings, KafkaSettings
 from wire.kafka import api_version_kwargs
-from wire.records import FunctionPattern, WindowSummary, encode
+from wire.records import FunctionPattern, RankInfo, Record, WindowSummary, encode
+
+JOB = "bench"
+T0 = 1_700_000_000_000_000
 
 KINDS = (
     ("op", 0.45),
@@ -77,22 +86,34 @@ def summaries(
         )  # fmt: skip
 
 
-def produce(bootstrap: str, topic: str, n: int, functions: int, api_version: str) -> int:
-    """Send the summaries as the hook does (gzip, key job/rank); returns the bytes of values sent."""
+def hooks_records(ranks: int, minutes: float, functions: int) -> Iterator[Record]:
+    """What ``ranks`` hooks ship at their defaults over ``minutes`` (``benchmarks.scale``'s mix)."""
+    from benchmarks.serve_scale import STEP_US, rank_records
+
+    steps = int(minutes * 60e6 / STEP_US)
+    for r in range(ranks):
+        info = RankInfo(job=JOB, rank=r, host=f"node{r // 8}", time_us=T0, local_rank=r % 8, world_size=ranks)
+        recs = [info, *rank_records(JOB, r, ranks, T0, 0, steps, steps // 2, functions, batch_rows=1)]
+        for seq, rec in enumerate(recs):  # numbered by its process, as its shipper numbers them
+            yield dataclasses.replace(rec, pid=1000 + r, seq=seq)
+
+
+def produce(bootstrap: str, topic: str, values: Iterable[Record], api_version: str) -> tuple[int, int]:
+    """Send the records as the hook does (gzip, key job/rank): how many, and the bytes of values sent."""
     from kafka import KafkaProducer
 
     kw = api_version_kwargs(api_version)
     producer = KafkaProducer(
         bootstrap_servers=bootstrap, compression_type="gzip", linger_ms=50, batch_size=1 << 20, **kw
     )
-    nbytes = 0
-    for s in summaries(n, functions):
-        key, value = encode(s)
-        nbytes += len(value)
+    n = nbytes = 0
+    for rec in values:
+        key, value = encode(rec)
+        n, nbytes = n + 1, nbytes + len(value)
         producer.send(topic, key=key, value=value)
     producer.flush(300)
     producer.close()
-    return nbytes
+    return n, nbytes
 
 
 def consume(
@@ -121,11 +142,17 @@ def consume(
         if prof:
             prof.disable()
         seconds, cpu = time.perf_counter() - t0, _cpu_s() - cpu0
-        counts = store.counts("bench")
+        counts = store.counts(JOB)
     if prof:
         pstats.Stats(prof, stream=sys.stderr).sort_stats("cumulative").print_stats(25)
         pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(15)
-    return {"seconds": seconds, "cpu_s": cpu, "windows": counts["windows"], "functions": counts["functions"]}
+    return {
+        "seconds": seconds,
+        "cpu_s": cpu,
+        **counts,
+        "stored": agg.stats.stored,
+        "dead": agg.stats.dead_letters,
+    }
 
 
 def read_only(bootstrap: str, topic: str, n: int, api_version: str) -> dict[str, float]:
@@ -160,6 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--summaries", type=int, default=20_000, help="window summaries to ingest (default 20000)")
     p.add_argument("--functions", type=int, default=300, help="function patterns per summary (default 300)")
     p.add_argument("--batch", type=int, default=5000, help="aggregator batch size in messages (default 5000)")
+    p.add_argument(
+        "--ranks", type=int, help="instead: the records this many ranks' hooks ship at their defaults"
+    )
+    p.add_argument("--minutes", type=float, default=2.0, help="...over this long (default 2)")
     p.add_argument("--kafka", help="bootstrap servers of a running broker (default: start a Kafka 0.9 here)")
     p.add_argument("--kafka-api-version", default="0.9", help="(default 0.9, the bundled broker)")
     p.add_argument("--json", help="write the results here")
@@ -185,15 +216,20 @@ def main(argv: list[str] | None = None) -> int:
         try:
             topic = f"bench-{time.time_ns()}"
             t0 = time.perf_counter()
-            nbytes = produce(bootstrap, topic, a.summaries, a.functions, a.kafka_api_version)
-            produce_s = time.perf_counter() - t0
-            ceiling = read_only(bootstrap, topic, a.summaries, a.kafka_api_version)
-            r = consume(
-                bootstrap, topic, a.summaries, Path(tmp) / "db", a.kafka_api_version, a.batch, a.profile
+            values = (
+                hooks_records(a.ranks, a.minutes, a.functions)
+                if a.ranks
+                else summaries(a.summaries, a.functions)
             )
+            n, nbytes = produce(bootstrap, topic, values, a.kafka_api_version)
+            produce_s = time.perf_counter() - t0
+            ceiling = read_only(bootstrap, topic, n, a.kafka_api_version)
+            r = consume(bootstrap, topic, n, Path(tmp) / "db", a.kafka_api_version, a.batch, a.profile)
         finally:
             if broker is not None:
                 broker.stop()
+    if a.ranks:
+        return _records_result(a, n, nbytes, produce_s, r, ceiling)
     if r["windows"] != a.summaries or r["functions"] != a.summaries * a.functions:
         print(
             f"stored {r['windows']} windows and {r['functions']} function rows; expected more",
@@ -223,6 +259,44 @@ def main(argv: list[str] | None = None) -> int:
         )
     print(
         f"{a.summaries} summaries of {a.functions} functions, {result['mean_summary_kb']} KB each (JSON, before gzip)"
+    )
+    if a.json:
+        Path(a.json).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+def _records_result(
+    a: argparse.Namespace,
+    n: int,
+    nbytes: int,
+    produce_s: float,
+    r: dict[str, float],
+    ceiling: dict[str, float],
+) -> int:
+    if r["stored"] != n or r["dead"]:
+        print(f"stored {r['stored']} of {n} records, {r['dead']} dead letters", file=sys.stderr)
+        return 1
+    result = {
+        "ranks": a.ranks,
+        "minutes": a.minutes,
+        "functions_per_window": a.functions,
+        "records": n,
+        "mean_record_kb": round(nbytes / n / 1024, 2),
+        "produce_s": round(produce_s, 2),
+        "ingest_s": round(r["seconds"], 2),
+        "records_per_s": round(n / r["seconds"]),
+        "cpu_ms_per_record": round(r["cpu_s"] / n * 1e3, 3),
+        "read_only_records_per_s": round(n / ceiling["seconds"]),
+    }
+    print("| path | seconds | records/s | MB/s | CPU ms per record |")
+    print("|---|---|---|---|---|")
+    for name, x in (("Kafka → aggregator → chDB", r), ("Kafka → bare consumer (ceiling)", ceiling)):
+        print(
+            f"| {name} | {x['seconds']:.2f} | {n / x['seconds']:.0f} | {nbytes / x['seconds'] / 1e6:.1f} | "
+            f"{x['cpu_s'] / n * 1e3:.3f} |"
+        )
+    print(
+        f"{n} records of {a.ranks} ranks over {a.minutes:g} minutes, {result['mean_record_kb']} KB each (JSON)"
     )
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=2))

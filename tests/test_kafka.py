@@ -516,3 +516,17 @@ def test_serve_consumes_the_topic_and_opens_the_ticket(broker: KafkaBroker, tmp_
             ("compute-r2", "compute", [2], "open")
         ]
         assert store.counts("compute-r2")["ranks"] == 4
+
+
+def test_the_ingest_benchmark_stores_every_record_the_hooks_ship_at_their_defaults(
+    broker: KafkaBroker, tmp_path: Path
+) -> None:
+    """``benchmarks.ingest --ranks``: the records of ranks' hooks at their defaults, through Kafka."""
+    from benchmarks import ingest
+
+    out = tmp_path / "ingest.json"
+    argv = ["--ranks", "8", "--minutes", "1", "--functions", "20", "--kafka", broker.bootstrap]
+    assert ingest.main([*argv, "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    # Per rank: its rank record, a step record every 2 s, a heartbeat every 5 s, a window every 30 s.
+    assert r["records"] == 8 * (1 + 30 + 12 + 2) and r["records_per_s"] > 0, r

@@ -100,6 +100,16 @@ def _scale(run: dict[str, Any]) -> list[str]:
     ]
 
 
+def _ingest(run: dict[str, Any]) -> list[str]:
+    if "records" in run:  # --ranks: what hooks ship at their defaults
+        what = f"{run['ranks']:,} ranks × {run['minutes']:g} min at the hooks' defaults"
+        n, rate, ceiling = run["records"], run["records_per_s"], run["read_only_records_per_s"]
+        return [what, f"{n:,} records", f"{rate:,} records/s", f"{ceiling:,} records/s"]
+    what = f"window summaries of {run['functions_per_summary']} functions"
+    n, rate, ceiling = run["summaries"], run["summaries_per_s"], run["read_only_summaries_per_s"]
+    return [what, f"{n:,} summaries", f"{rate:,} summaries/s", f"{ceiling:,} summaries/s"]
+
+
 TABLES: dict[str, tuple[str, list[str], Callable[[dict[str, Any]], list[str]]]] = {
     "faults": (
         "Fault suite (`python -m benchmarks.faults`)",
@@ -146,6 +156,11 @@ TABLES: dict[str, tuple[str, list[str], Callable[[dict[str, Any]], list[str]]]] 
             "records copied to (`--repeat`): diagnose (read)",
         ],
         _scale,
+    ),
+    "ingest": (
+        "Ingest through Kafka (`python -m benchmarks.ingest`): one aggregator process, the broker on the same cores",
+        ["records", "produced", "stored", "bare consumer (ceiling)"],
+        _ingest,
     ),
 }
 
