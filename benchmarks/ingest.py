@@ -31,6 +31,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 from aggregator import Store
 from aggregator.consumer import Aggregator, BatchSettings, KafkaSettings
@@ -249,19 +250,8 @@ def main(argv: list[str] | None = None) -> int:
         "read_only_summaries_per_s": round(a.summaries / ceiling["seconds"], 1),
         "read_only_cpu_ms_per_summary": round(ceiling["cpu_s"] / a.summaries * 1e3, 3),
     }
-    print("| path | seconds | summaries/s | function rows/s | MB/s | CPU ms per summary |")
-    print("|---|---|---|---|---|---|")
-    for name, x in (("Kafka → aggregator → chDB", r), ("Kafka → bare consumer (ceiling)", ceiling)):
-        print(
-            f"| {name} | {x['seconds']:.2f} | {a.summaries / x['seconds']:.0f} | "
-            f"{a.summaries * a.functions / x['seconds']:.0f} | {nbytes / x['seconds'] / 1e6:.1f} | "
-            f"{x['cpu_s'] / a.summaries * 1e3:.3f} |"
-        )
-    print(
-        f"{a.summaries} summaries of {a.functions} functions, {result['mean_summary_kb']} KB each (JSON, before gzip)"
-    )
-    if a.json:
-        Path(a.json).write_text(json.dumps(result, indent=2))
+    caption = f"{a.summaries} summaries of {a.functions} functions, {result['mean_summary_kb']} KB each (JSON, before gzip)"
+    _report(("summaries", "summary"), a.summaries, nbytes, r, ceiling, caption, result, a.json, a.functions)
     return 0
 
 
@@ -288,19 +278,37 @@ def _records_result(
         "cpu_ms_per_record": round(r["cpu_s"] / n * 1e3, 3),
         "read_only_records_per_s": round(n / ceiling["seconds"]),
     }
-    print("| path | seconds | records/s | MB/s | CPU ms per record |")
-    print("|---|---|---|---|---|")
+    caption = f"{n} records of {a.ranks} ranks over {a.minutes:g} minutes, {result['mean_record_kb']} KB each (JSON)"
+    _report(("records", "record"), n, nbytes, r, ceiling, caption, result, a.json)
+    return 0
+
+
+def _report(
+    unit: tuple[str, str],
+    n: int,
+    nbytes: int,
+    r: dict[str, float],
+    ceiling: dict[str, float],
+    caption: str,
+    result: dict[str, Any],
+    json_path: str | None,
+    functions: int = 0,
+) -> None:
+    """The table of the aggregator's and the bare consumer's rates for ``n`` of ``unit`` (plural,
+    singular; with function rows/s where each holds ``functions``), ``caption``, and ``result``
+    written to ``json_path`` if given."""
+    rows = " function rows/s |" if functions else ""
+    print(f"| path | seconds | {unit[0]}/s |{rows} MB/s | CPU ms per {unit[1]} |")
+    print("|---" * (6 if functions else 5) + "|")
     for name, x in (("Kafka → aggregator → chDB", r), ("Kafka → bare consumer (ceiling)", ceiling)):
+        fns = f" {n * functions / x['seconds']:.0f} |" if functions else ""
         print(
-            f"| {name} | {x['seconds']:.2f} | {n / x['seconds']:.0f} | {nbytes / x['seconds'] / 1e6:.1f} | "
+            f"| {name} | {x['seconds']:.2f} | {n / x['seconds']:.0f} |{fns} {nbytes / x['seconds'] / 1e6:.1f} | "
             f"{x['cpu_s'] / n * 1e3:.3f} |"
         )
-    print(
-        f"{n} records of {a.ranks} ranks over {a.minutes:g} minutes, {result['mean_record_kb']} KB each (JSON)"
-    )
-    if a.json:
-        Path(a.json).write_text(json.dumps(result, indent=2))
-    return 0
+    print(caption)
+    if json_path:
+        Path(json_path).write_text(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":
