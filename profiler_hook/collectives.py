@@ -171,6 +171,8 @@ class CollectiveTracker:
     step_first_enter_ns: int = -1
     step_last_async: CollectiveCall | None = None
     step_comm_wait_ns: int = 0
+    step_gpu_ns: int = 0
+    """GPU time of the NCCL collectives completed since the last step (:mod:`profiler_hook.nccl`)."""
     step_waited_comm_ns: int = 0
     """The part of the step's collective time whose run-queue wait was read."""
     read_wait: bool = True
@@ -222,6 +224,14 @@ class CollectiveTracker:
             self.step_last_async = None
         self.current = call
         return call
+
+    def add_gpu(self, ns: int) -> None:
+        """An NCCL collective completed after ``ns`` of GPU time (on c10d's hook thread): counted in
+        the step that ends next, as the time the rank waited in collectives (not while paused)."""
+        if not self.active:
+            return
+        with self._lock:
+            self.step_gpu_ns += ns
 
     def catch_up(self) -> int:
         """Count the collectives launched on each process group since the last call that no other
@@ -302,11 +312,17 @@ class CollectiveTracker:
         launches each bucket's all-reduce as soon as its gradients are ready, and DDP waits for all
         of them at the end of the backward pass, so the last bucket's time is what the step waited
         (for the slowest rank, and for the transfer); the earlier buckets overlap the backward pass.
-        DDP's own wait, timed by :meth:`sync`, replaces it where measured. ``comm_wait_ns`` is the
+        DDP's own wait, timed by :meth:`sync`, replaces it where measured. On NCCL, where the CPU
+        waits for none of this, the GPU time of the collectives that completed since (:meth:`add_gpu`)
+        is added: it arrives up to c10d's watchdog period late, so a block of steps counts it to
+        within that at its edges. ``comm_wait_ns`` is the
         part of ``waited_comm_ns``, the collective time whose wait was read (``WAIT_EVERY_NS``),
         the training thread spent waiting for a CPU.
         """
         comm, comm_wait, waited = self.step_comm_ns, self.step_comm_wait_ns, self.step_waited_comm_ns
+        if self.step_gpu_ns:
+            with self._lock:
+                comm, self.step_gpu_ns = comm + self.step_gpu_ns, 0
         last = self.step_last_async
         if last is not None and last.dur_ns >= 0:
             comm += last.dur_ns

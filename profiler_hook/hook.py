@@ -40,6 +40,7 @@ from .blocks import StepBlocks
 from .collectives import CollectiveTracker, process_groups
 from .config import Config, Identity
 from .gpu import GpuSampler
+from .nccl import NcclTiming
 from .schedstat import ThreadWait, Waits, run_queue_wait, wait_pattern
 from .schedule import Schedule
 from .shipper import Shipper
@@ -137,6 +138,7 @@ class Hook:
         )
         self.tracker = CollectiveTracker(thread_wait=self._wait)
         self.ddp = ddp.Watch(self.tracker)
+        self.nccl = NcclTiming(self.tracker.add_gpu, lambda: self._finished + 1)
         if not self.enabled:
             self.shipper = Shipper(NullSink(), 1)
             self.shipper.close()  # nothing will ever be shipped: end its thread now
@@ -347,6 +349,7 @@ class Hook:
                 self.shipper.submit(self.watchdog.beat())
                 self.tracker.unpatch()
                 self.ddp.stop()
+                self.nccl.close()
                 threadstates.uninstall()
             except Exception as exc:
                 self._fail("close", exc)
@@ -373,6 +376,7 @@ class Hook:
             calls = f"torch.distributed calls: not tracked ({type(exc).__name__}: {exc})"
         if not self.ddp.start():
             calls += "; DDP: not tracked (unavailable)"
+        self.nccl.scan()
         return calls
 
     def coverage(self) -> str:
@@ -395,10 +399,9 @@ class Hook:
                 for name, backend in groups
                 if name in unnumbered
             ]
+        parts += self.nccl.coverage()
         # A group may name a backend per device: "cpu:gloo,cuda:nccl".
         backends = {b.rsplit(":", 1)[-1] for _, backend in groups for b in backend.split(",")}
-        if "nccl" in backends:
-            parts.append("nccl: waits as the CPU sees them")
         parts += [
             f"backend {b}: untested (counts and waits as the CPU sees them)"
             for b in sorted(backends - {"gloo", "nccl"})
@@ -410,6 +413,8 @@ class Hook:
         tracking covers changed since the last (a model or a process group made since), stamped
         as the first: the store keeps one record per start of a rank, the latest one sent."""
         with contextlib.suppress(Exception):
+            if self.cfg.patch_collectives and not self.paused:
+                self.nccl.scan()  # NCCL groups made since: their collectives' GPU time
             if (coverage := self.coverage()) != self._rank_info.coverage:
                 self._rank_info = replace(self._rank_info, coverage=coverage)
                 self.shipper.submit(self._rank_info)
