@@ -33,6 +33,10 @@ MAX_PEERS = 32
 WORK_KINDS = ("op", "kernel", "memcpy")
 DEVICE_KINDS = ("kernel", "memcpy")
 """A device's work: its time is not the training thread's CPU time."""
+LAUNCHED_KINDS = (*DEVICE_KINDS, "collective")
+"""The kinds of a device's work (NCCL's kernels are ``collective``): the hook names the operator that
+launched each as its stack, after the job's function around it where the window recorded Python
+functions (``"train.py(40): forward > aten::mm"``)."""
 PYTHON_KINDS = ("python", "pylib")
 """Python functions: the job's own code, and libraries' (recorded in windows with stacks only)."""
 
@@ -204,6 +208,7 @@ def compare(functions: pd.DataFrame, rank: int, peers: list[int]) -> list[Functi
     f = functions[functions["rank"].isin([rank, *peers])]
     windows = set(f.loc[f["rank"] == rank, "window"])
     f = f[f["window"].isin(windows)]
+    f = _by_operator(f)
     # Python functions are compared over the windows that recorded stacks (those that look for a
     # cause: ``profiler_hook.schedule``), everything else over all windows.
     python = f["kind"].isin(PYTHON_KINDS)
@@ -285,6 +290,19 @@ def compare(functions: pd.DataFrame, rank: int, peers: list[int]) -> list[Functi
         )
         for (k, nm, st), r in out.head(200).iterrows()
     ]
+
+
+def _by_operator(f: pd.DataFrame) -> pd.DataFrame:
+    """``f`` with a device's work named by the operator that launched it alone: windows without
+    Python functions (periodic ones) name the operator only, and a kernel compared by its full stack
+    would be two rows, one for the windows with stacks and one for those without, each averaged over
+    all windows and holding a part of its time."""
+    launched = f["kind"].isin(LAUNCHED_KINDS).to_numpy()
+    if not launched.any():
+        return f
+    stack = f["stack"].to_numpy(dtype=object, copy=True)
+    stack[launched] = [str(st).rsplit(" > ", 1)[-1] for st in stack[launched]]
+    return f.assign(stack=stack)
 
 
 _COLLECTIVES = (

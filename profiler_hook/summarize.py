@@ -1,8 +1,9 @@
 """Turn one profiling window's raw events into per-function execution patterns.
 
 A raw window holds thousands of events per step; a summary holds one row per function identity
-(kind, name, calling stack for Python functions) with its count, duration distribution and start
-intervals. This is the EROICA idea: patterns, not traces, are what ranks can be compared on.
+(kind, name, and a stack: the calling functions of a Python function, the operator that launched a
+device's kernel or copy) with its count, duration distribution and start intervals. This is the
+EROICA idea: patterns, not traces, are what ranks can be compared on.
 """
 
 from __future__ import annotations
@@ -193,9 +194,11 @@ def summarize(
     pending_python: list[tuple[int, int, int, int]] = []
     busy: dict[str, list[tuple[int, int]]] = {"compute": [], "comm": [], "data": []}
     threads: Counter[int] = Counter()
-    cpu_events: list[tuple[str, int, int, int]] = []
+    cpu_events: list[tuple[str, int, int, int, int, str]] = []
+    device: list[tuple[str, str, int, int, int, int]] = []
+    on_device = events.DEVICE
     n = 0
-    for name, activity, start, dur, tid, pid, parent in events.read(results):
+    for name, activity, start, dur, tid, pid, parent, corr, linked, nbytes in events.read(results):
         n += 1
         is_python = pid >= 0
         kind = _kind(name, activity, is_python)
@@ -207,13 +210,16 @@ def summarize(
             kind_of_python[pid] = kind
             pending_python.append((pid, tid, start, dur))
             continue
+        if activity in on_device:
+            # Grouped below, by the operator that launched it; a device's thread id is its stream.
+            device.append((kind, name, start, dur, linked, nbytes))
+            if kind != "collective":  # NCCL's kernels: communication, not compute
+                busy["compute"].append((start, start + dur))
+            continue
         groups[(kind, name, "")][0].append(start)
         groups[(kind, name, "")][1].append(dur)
-        if kind in ("kernel", "memcpy"):
-            busy["compute"].append((start, start + dur))
-        else:
-            threads[tid] += 1
-            cpu_events.append((kind, tid, start, start + dur))
+        threads[tid] += 1
+        cpu_events.append((kind, tid, start, start + dur, corr, name))
 
     # Busy fractions and Python functions come from the thread that ran the most operators (the
     # training loop's); other threads' Python (the hook's own, the user's) is not the step's work.
@@ -237,12 +243,23 @@ def summarize(
         groups[key][0].append(start)
         groups[key][1].append(dur)
 
+    moved: Counter[tuple[str, str, str]] = Counter()
+    if device:
+        launchers = _launchers(device, cpu_events, pending_python, python, kind_of_python)
+        for kind, name, start, dur, linked, nbytes in device:
+            key = (kind, name, launchers.get(linked, ""))
+            groups[key][0].append(start)
+            groups[key][1].append(dur)
+            moved[key] += nbytes
+
     category = {"op": "compute", "collective": "comm", "dataloader": "data"}
-    for kind, tid, s, e_ in cpu_events:
+    for kind, tid, s, e_, _, _ in cpu_events:
         if tid == main_tid:
             busy[category[kind]].append((s, e_))
 
-    patterns = [pattern(k, nm, st, starts, durs) for (k, nm, st), (starts, durs) in groups.items()]
+    patterns = [
+        pattern(k, nm, st, starts, durs, moved[(k, nm, st)]) for (k, nm, st), (starts, durs) in groups.items()
+    ]
     by_op: dict[tuple[str, str], list[CollectiveCall]] = defaultdict(list)
     for c in calls:
         by_op[(c.op, c.group)].append(c)
@@ -265,6 +282,57 @@ def summarize(
     fractions = {k: round(min(1.0, _union_ns(v) / window), 4) for k, v in busy.items()}
     fractions["idle"] = round(max(0.0, 1.0 - _union_ns([i for v in busy.values() for i in v]) / window), 4)
     return _cut(patterns, max_functions), fractions, n
+
+
+def _launchers(
+    device: list[tuple[str, str, int, int, int, int]],
+    cpu_events: list[tuple[str, int, int, int, int, str]],
+    pending_python: list[tuple[int, int, int, int]],
+    python: dict[int, tuple[str, int]],
+    kind_of_python: dict[int, str],
+) -> dict[int, str]:
+    """What launched the device's work, by the correlation id it links to: the CPU operator
+    (``aten::mm``), after the innermost function of the job's own code on the operator's thread
+    that encloses the operator's start, where the window has Python functions
+    (``train.py(40): forward > aten::mm``). An operator outside the window launches nothing here."""
+    wanted = {linked for *_, linked, _ in device if linked > 0}
+    ops = {corr: (name, tid, start) for _, tid, start, _, corr, name in cpu_events if corr in wanted}
+    frames: dict[int, list[tuple[int, int, str]]] = defaultdict(list)
+    for pid, tid, start, dur in pending_python:
+        if kind_of_python[pid] == "python":
+            frames[tid].append((start, start + dur, python[pid][0]))
+    points: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    for corr, (_, tid, start) in ops.items():
+        if tid in frames:
+            points[tid].append((start, corr))
+    enclosing: dict[int, str] = {}
+    for tid, at in points.items():
+        enclosing.update(_innermost(frames[tid], at))
+    return {
+        corr: f"{enclosing[corr]} > {name}" if corr in enclosing else name
+        for corr, (name, _, _) in ops.items()
+    }
+
+
+def _innermost(frames: list[tuple[int, int, str]], points: list[tuple[int, int]]) -> dict[int, str]:
+    """For each point (time, key), the name of the innermost of one thread's ``frames`` (start,
+    end, name: nested, as a thread's calls are) that encloses its time; a point none encloses is
+    left out. One sweep over both, sorted: the frames open at a point are a stack."""
+    frames.sort(key=lambda f: (f[0], -f[1]))
+    out: dict[int, str] = {}
+    open_: list[tuple[int, int, str]] = []
+    i = 0
+    for t, key in sorted(points):
+        while i < len(frames) and frames[i][0] <= t:
+            while open_ and open_[-1][1] < frames[i][0]:
+                open_.pop()
+            open_.append(frames[i])
+            i += 1
+        while open_ and open_[-1][1] < t:
+            open_.pop()
+        if open_:
+            out[key] = open_[-1][2]
+    return out
 
 
 def _cut(patterns: list[FunctionPattern], max_functions: int) -> list[FunctionPattern]:

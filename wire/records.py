@@ -85,7 +85,10 @@ class FunctionPattern(NamedTuple):
     their summed time as ``total_us``, the largest one's as ``max_us``)."""
     name: str
     stack: str
-    """For Python functions, the calling functions (outermost first, `` > ``-separated); else ''."""
+    """For Python functions, the calling functions (outermost first, `` > ``-separated); for a
+    device's kernels and copies (NCCL's kernels: ``collective``), the CPU operator that launched
+    them, after the innermost function of the job's own code around it where the window recorded
+    Python functions (``train.py(40): forward > aten::mm``; '' where no operator is known); else ''."""
     count: int  # type: ignore[assignment]  # shadows tuple.count; the wire name is worth it
     total_us: float
     mean_us: float
