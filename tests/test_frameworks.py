@@ -73,7 +73,7 @@ def test_the_hugging_face_callback_in_a_two_process_trainer_under_torchrun(tmp_p
     ]
     out = _run([*torchrun, str(JOBS / "hf_trainer.py"), str(spool), str(tmp_path / "out"), "1.0"], tmp_path)
     recs = _records(spool, "hf-job")
-    _check(recs, 1200, saves=(400, 800, 1200))
+    _check(recs, 2400, saves=(800, 1600, 2400))
     # Its DDP holds a collective of each backward pass until the next: windows start all the same.
     windows = {r: [w["window"] for w in recs if w["type"] == "window" and w["rank"] == r] for r in (0, 1)}
     said = [line for line in out.splitlines() if "rankscope" in line]

@@ -1,5 +1,5 @@
 """A user's Hugging Face Trainer script, run by torchrun on 2 CPU processes (gloo), saving a
-checkpoint every 400 steps, with rankscope as a callback. The Trainer builds DDP with
+checkpoint every 800 steps, with rankscope as a callback. The Trainer builds DDP with
 ``find_unused_parameters=True`` for a model that is not a ``PreTrainedModel``.
 
     torchrun --nproc-per-node 2 tests/jobs/hf_trainer.py SPOOL_DIR OUT_DIR [WINDOW_S]
@@ -43,9 +43,9 @@ def main() -> None:
     spool, out = sys.argv[1], sys.argv[2]
     args = TrainingArguments(
         output_dir=out,
-        max_steps=1200,
+        max_steps=2400,
         per_device_train_batch_size=32,
-        save_steps=400,
+        save_steps=800,
         logging_steps=10,
         use_cpu=True,
         ddp_backend="gloo",
