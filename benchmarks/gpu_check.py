@@ -1,6 +1,6 @@
 """rankscope on one GPU: what the hook captures and costs there, and what the diagnosis makes of it.
 
-    python -m benchmarks.gpu_check [--out DIR] [--json PATH] [--only loops,scenarios] [--seconds 25]
+    python -m benchmarks.gpu_check [--out DIR] [--json PATH] [--only loops,scenarios] [--seconds 20]
     python -m benchmarks.gpu_check --diagnose DIR [--json PATH]
 
 Runs ``benchmarks/jobs/gpu_gpt.py`` (a small GPT, bf16 autocast, fused AdamW, a pinned-memory
@@ -22,7 +22,8 @@ the torch the machine has, and prints one table (``--json``: the same as data):
 
 Each scenario's diagnosis needs the store (chDB), which a GPU machine may not have: where it can be
 imported the scenarios are diagnosed at once, else ``--diagnose DIR`` does it on a machine that has
-it (copy ``DIR`` there) and prints the table with the diagnoses. ~8 minutes on an H100.
+it (copy ``DIR`` there) and prints the table with the diagnoses. About 8 minutes by estimate;
+``--only`` splits it in two where a command may run 10 minutes at most.
 """
 
 from __future__ import annotations
@@ -100,8 +101,10 @@ SCENARIO_FLAGS = [
     "--batch-size",
     "8",
 ]
-HANG_OBSERVE_S = 40.0
-"""A hung job runs this long after its onset before it is stopped (the hook reports a stall after 10 s)."""
+HANG_OBSERVE_S = 35.0
+"""A hung job runs this long after its onset before it is stopped (the hook reports a stall after 10 s)..."""
+START_S = 25.0
+"""...counted from this long after its launch (imports, CUDA, CUPTI and the process group)."""
 
 
 def _torchrun(nproc: int, flags: list[str], env: dict[str, str], log: Path, timeout: float) -> int:
@@ -166,7 +169,7 @@ def run_loops(out: Path, seconds: float) -> dict[str, Any]:
             d = out / "loops" / name
             d.mkdir(parents=True, exist_ok=True)
             env = {"RANKSCOPE_SPOOL": str(d / "spool"), "RANKSCOPE_JOB": name, **extra}
-            length = seconds + 20 if mode == "ab" else seconds
+            length = seconds + 15 if mode == "ab" else seconds
             job = [
                 "--backend",
                 "nccl",
@@ -220,7 +223,7 @@ def run_scenarios(out: Path, seconds: float) -> dict[str, Any]:
             flags = SCENARIO_FLAGS + sc["flags"] + ["--backend", "gloo", "--seconds", str(seconds)]
             if name == "slow_gpu" and mps:
                 flags += ["--mps-pct", "25"]
-            timeout = 8 + HANG_OBSERVE_S + 60 if name == "hang" else seconds + 180
+            timeout = START_S + 8 + HANG_OBSERVE_S if name == "hang" else seconds + 180
             env = {"RANKSCOPE_SPOOL": str(d / "spool"), "RANKSCOPE_JOB": f"gpu-{name}"}
             t0 = time.perf_counter()
             rc = _torchrun(4, flags, env, d / "log.txt", timeout=timeout)
@@ -342,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="gpu-check", help="where the runs' spools, logs and results go")
     ap.add_argument("--only", default="loops,scenarios")
-    ap.add_argument("--seconds", type=float, default=25.0, help="each run's training time")
+    ap.add_argument("--seconds", type=float, default=20.0, help="each run's training time")
     ap.add_argument("--diagnose", default="", help="diagnose the scenarios of an earlier run's --out")
     ap.add_argument("--json", default="", help="also write the results here")
     args = ap.parse_args(argv)

@@ -3,7 +3,7 @@ pre-norm transformer blocks, bf16 autocast, fused AdamW, a ``DataLoader`` with p
 ``non_blocking`` copies, the loss read (``loss.item()``) every 10th step as nanoGPT logs it, DDP.
 ``benchmarks.gpu_check`` runs it; it runs alone too:
 
-    torchrun --nproc-per-node 1 benchmarks/jobs/gpu_gpt.py --backend nccl --seconds 25 --out run.json
+    torchrun --nproc-per-node 1 benchmarks/jobs/gpu_gpt.py --backend nccl --seconds 20 --out run.json
     torchrun --nproc-per-node 4 benchmarks/jobs/gpu_gpt.py --backend gloo --fault stall --fault-rank 3
 
 rankscope's hook is attached at its defaults (``--hook on``), before DDP as the README shows; not at
@@ -56,7 +56,7 @@ from rankscope.demo_job import GPT  # noqa: E402
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], parents=[_pre])
     ap.add_argument("--backend", choices=("nccl", "gloo"), default="nccl")
-    ap.add_argument("--seconds", type=float, default=25.0)
+    ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--warmup-steps", type=int, default=100)
     ap.add_argument("--d-model", type=int, default=384)
     ap.add_argument("--n-layer", type=int, default=6)
@@ -65,7 +65,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--hook", choices=("on", "off", "ab"), default="on")
-    ap.add_argument("--ab-after-s", type=float, default=22.0)
+    ap.add_argument("--ab-after-s", type=float, default=12.0)
     ap.add_argument("--ab-block-s", type=float, default=0.5)
     ap.add_argument("--onset-s", type=float, default=10.0)
     ap.add_argument("--every", type=int, default=5)
