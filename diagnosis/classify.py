@@ -138,6 +138,8 @@ def classify(
             "operator_ratio": round(slower.rank_us / max(slower.peer_us, 1e-9), 3),
             "calls_per_step": round(slower.rank_count, 2),
         }
+        if slower.kind in functions.DEVICE_KINDS and slower.stack:
+            ev["launched_by"] = slower.stack  # the operator a GPU kernel or copy was launched in
     compute_excess = (st.own_us - st.data_us) - (st.peer_own_us - st.peer_data_us)
     cpu_excess = st.cpu_us - st.peer_cpu_us
     # Work is CPU time on the training thread, or a device's: its kernels and copies. A rank whose

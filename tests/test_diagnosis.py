@@ -925,3 +925,53 @@ def test_records_that_never_reached_the_store_are_said_in_one_line_with_the_rank
     page = write_report(tmp_path / "report.html", d, JobData(job="j", missing=missing)).read_text()
     assert "Never stored (dropped by the hook or lost on the way): 11 of 1,200 records (ranks 2, 5)" in page
     assert "records_missing" not in diagnose(JobData(job="j")).analyzed
+
+
+def _gpu_job(slow: dict[int, dict[str, float]]) -> JobData:
+    """A GPU job's step rows: the training thread's CPU time is the launching of kernels, the same
+    on every rank whatever the kernels take (its time waiting on the GPU, in ``loss.item()``,
+    costs none), and the collectives' time is their GPU time (``profiler_hook.nccl``)."""
+    data = synthetic(ranks=8, steps=600, slow=slow)
+    rng = np.random.default_rng(1)
+    return replace(data, steps=data.steps.assign(cpu_us=1500 * rng.lognormal(0, 0.05, len(data.steps))))
+
+
+def test_a_slower_gpu_is_named_compute_by_its_kernels_while_its_cpu_time_stays_flat() -> None:
+    """Rank 2's GPU runs the same GEMM kernels 1.75x as long (its CPU launches them in the same
+    time as its peers'): a slower device, named by the kernel that holds the extra time, with the
+    operator that launched it in the evidence — not a code path, for want of CPU time."""
+    gemm = "sm90_xmma_gemm_bf16bf16_bf16f32"
+    launch = "train.py(10): forward > aten::mm"
+
+    def window(kernel_us: float) -> list[tuple]:
+        return [
+            ("op", "aten::mm", 15, 1500.0),
+            ("python", "train.py(10): forward", 5, 3000.0),
+            ("kernel", gemm, 15, kernel_us, launch),
+            ("kernel", "elementwise_kernel", 30, 2000.0, "aten::add"),
+            ("collective", "ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 5, 4000.0, "record_param_comms"),
+        ]
+
+    data = _gpu_job({2: {"compute_us": 1500}})
+    data = replace(
+        data, functions=functions_frame({r: window(17_500.0 if r == 2 else 10_000.0) for r in range(8)})
+    )
+    f = only(diagnose(data).findings)
+    assert (f.cause, f.ranks, f.function) == ("compute", [2], gemm), f.summary
+    assert f.evidence["launched_by"] == "aten::mm"
+    assert f.evidence["operator_ratio"] == pytest.approx(1.75)
+
+
+def test_a_cpu_side_stall_in_a_gpu_job_is_named_by_its_function() -> None:
+    """Rank 3 blocks 7.5 ms a step in a metrics upload while its GPU idles; its kernels take what
+    its peers' take: a code path, named by the function."""
+    common = [
+        ("op", "aten::mm", 15, 1500.0),
+        ("python", "train.py(10): forward", 5, 3000.0),
+        ("kernel", "sm90_xmma_gemm_bf16bf16_bf16f32", 15, 10_000.0, "train.py(10): forward > aten::mm"),
+    ]
+    stall = [*common, ("python", "train.py(80): upload_metrics", 5, 7500.0)]
+    data = _gpu_job({3: {"compute_us": 1500}})
+    data = replace(data, functions=functions_frame({r: stall if r == 3 else common for r in range(8)}))
+    f = only(diagnose(data).findings)
+    assert (f.cause, f.ranks, f.function) == ("code_path", [3], "train.py(80): upload_metrics"), f.summary
