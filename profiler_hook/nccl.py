@@ -94,8 +94,8 @@ class NcclTiming:
         """Collectives whose GPU time was added."""
         self._state: dict[str, str] = {}
         """Per group name: what is timed (said in :meth:`coverage`)."""
-        self._pending: dict[str, tuple[Any, int, float]] = {}
-        """Groups whose timing is on and whose hook waits: (group, steps then, time then)."""
+        self._pending: dict[str, tuple[Any, str, int, float]] = {}
+        """Groups whose timing is on and whose hook waits: (group, backend, steps then, time then)."""
         self._timed: list[Any] = []
         self._lock = threading.Lock()
 
@@ -125,8 +125,8 @@ class NcclTiming:
                 self._state[name] = _untracked(name, backend, f"{type(exc).__name__}: {exc}")
                 continue
             self._state[name] = f"group {name} ({backend}): GPU time from a few steps on"
-            self._pending[name] = (pg, steps, now)
-        for name, (pg, since_steps, since) in list(self._pending.items()):
+            self._pending[name] = (pg, backend, steps, now)
+        for name, (pg, backend, since_steps, since) in list(self._pending.items()):
             if steps - since_steps < SETTLE_STEPS or now - since < SETTLE_S:
                 continue
             del self._pending[name]

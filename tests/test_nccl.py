@@ -137,6 +137,16 @@ def test_a_group_that_cannot_be_timed_is_a_gap_in_the_coverage(settle_now: None)
     assert groups[0][2].hook is not None and groups[1][2].hook is None
 
 
+def test_each_group_is_said_with_its_own_backend(settle_now: None) -> None:
+    groups = [("world", "nccl", Group()), ("tp", "cpu:gloo,cuda:nccl", Group())]
+    timing = _settled(groups, lambda ns: None)
+    assert timing.coverage() == [
+        "group world (nccl): collectives timed on the GPU",
+        "group tp (cpu:gloo,cuda:nccl): collectives timed on the GPU",
+    ]
+    timing.close()
+
+
 def test_a_second_hook_in_the_process_keeps_the_groups_timed(settle_now: None) -> None:
     """c10d takes one completion hook per group, for good: ours forwards to the hook attached now."""
     pg = Group()
