@@ -1,4 +1,4 @@
-"""The ``rankscope`` command as the tests run it."""
+"""The ``rankscope`` and ``torchrun`` commands as the tests run them."""
 
 from __future__ import annotations
 
@@ -11,3 +11,17 @@ def rankscope(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[s
     return subprocess.run(
         [sys.executable, "-m", "rankscope.cli", *args], capture_output=True, text=True, timeout=timeout
     )
+
+
+def torchrun(nproc: int) -> list[str]:
+    """``torchrun`` of this interpreter for ``nproc`` local processes, on a free port; the script
+    and its arguments follow."""
+    from benchmarks.workload import free_port
+
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        f"--master-port={free_port()}",
+    ]

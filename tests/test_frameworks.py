@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.workload import free_port
+from tests.commands import torchrun
 from wire.records import STEP_COLUMNS
 
 JOBS = Path(__file__).parent / "jobs"
@@ -64,14 +64,9 @@ def test_the_lightning_callback_in_a_two_process_ddp_fit(tmp_path: Path) -> None
 def test_the_hugging_face_callback_in_a_two_process_trainer_under_torchrun(tmp_path: Path) -> None:
     pytest.importorskip("transformers", reason="pip install rankscope[hf] (./dev test installs it)")
     spool = tmp_path / "spool"
-    torchrun = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node=2",
-        f"--master-port={free_port()}",
-    ]
-    out = _run([*torchrun, str(JOBS / "hf_trainer.py"), str(spool), str(tmp_path / "out"), "1.0"], tmp_path)
+    out = _run(
+        [*torchrun(2), str(JOBS / "hf_trainer.py"), str(spool), str(tmp_path / "out"), "1.0"], tmp_path
+    )
     recs = _records(spool, "hf-job")
     _check(recs, 2400, saves=(800, 1600, 2400))
     # Its DDP holds a collective of each backward pass until the next: windows start all the same.
@@ -91,16 +86,9 @@ def test_a_nanogpt_like_script_with_the_hook_added_at_its_loop_gets_its_stall_na
     an operator that ran a little slower beside it."""
     spool, store = tmp_path / "spool", tmp_path / "store"
     script = BENCH_JOBS / "nanogpt_like.py"
-    torchrun = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node=4",
-        f"--master-port={free_port()}",
-    ]
     stall = ["--seconds", "25", "--fault", "stall", "--fault-rank", "1", "--fault-ms", "40", "--onset-s", "0"]
     _run(
-        [*torchrun, str(script), *stall],
+        [*torchrun(4), str(script), *stall],
         tmp_path,
         {"RANKSCOPE_SPOOL": str(spool), "RANKSCOPE_JOB": "nanogpt"},
     )

@@ -7,14 +7,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from benchmarks import gpu_check
-from benchmarks.workload import free_port
+from tests.commands import torchrun
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
@@ -47,15 +46,8 @@ def test_the_gpu_job_runs_and_its_spool_reads_as_gpu_check_reads_it(tmp_path: Pa
         "--onset-s",
         "4",
     ]
-    torchrun = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node=2",
-        f"--master-port={free_port()}",
-    ]
     subprocess.run(
-        [*torchrun, str(gpu_check.JOB), *flags, "--out", str(out)],
+        [*torchrun(2), str(gpu_check.JOB), *flags, "--out", str(out)],
         env=env,
         check=True,
         timeout=180,
