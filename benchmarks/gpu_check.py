@@ -160,10 +160,17 @@ def spool_figures(records: list[Any]) -> dict[str, Any]:
     }
 
 
-def run_loops(out: Path, seconds: float) -> dict[str, Any]:
-    result: dict[str, Any] = {}
+def _save(out: Path, result: dict[str, Any]) -> None:
+    """What has run so far, kept after each run: a command cut short by its time limit loses none."""
+    (out / "result.json").write_text(json.dumps(result, indent=1))
+
+
+def run_loops(out: Path, seconds: float, result: dict[str, Any]) -> None:
+    """The loops' runs, into ``result["loops"]``."""
+    loops = result["loops"] = {}
     for loop, flags in LOOPS.items():
-        runs = []
+        runs: list[dict[str, Any]] = []
+        loops[loop] = runs
         for i, (mode, extra) in enumerate([*RUNS[loop], ("ab", dict[str, str]())]):
             name = f"{loop}-{i}-{mode}" + ("-teardown" if extra else "")
             d = out / "loops" / name
@@ -194,9 +201,8 @@ def run_loops(out: Path, seconds: float) -> dict[str, Any]:
             if mode != "off":
                 run.update(spool_figures(read_spool(d / "spool")))
             runs.append(run)
+            _save(out, result)
             print(f"  {name}: rc {rc}, {run.get('ms_per_step', float('nan')):.2f} ms/step", flush=True)
-        result[loop] = runs
-    return result
 
 
 def _mps(start: bool) -> bool:
@@ -213,9 +219,11 @@ def _mps(start: bool) -> bool:
     return False
 
 
-def run_scenarios(out: Path, seconds: float) -> dict[str, Any]:
+def run_scenarios(out: Path, seconds: float, result: dict[str, Any]) -> None:
+    """The scenarios' runs, into ``result["scenarios"]``."""
     mps = _mps(start=True)
-    result: dict[str, Any] = {"mps": mps, "runs": {}}
+    scenarios: dict[str, Any] = {"mps": mps, "runs": {}}
+    result["scenarios"] = scenarios
     try:
         for name, sc in SCENARIOS.items():
             d = out / "scenarios" / name
@@ -228,17 +236,17 @@ def run_scenarios(out: Path, seconds: float) -> dict[str, Any]:
             t0 = time.perf_counter()
             rc = _torchrun(4, flags, env, d / "log.txt", timeout=timeout)
             figures = spool_figures(read_spool(d / "spool"))
-            result["runs"][name] = {
+            scenarios["runs"][name] = {
                 "rc": rc,
                 "wall_s": time.perf_counter() - t0,
                 "job": f"gpu-{name}",
                 **figures,
             }
+            _save(out, result)
             print(f"  {name}: rc {rc}, {figures['windows']} windows", flush=True)
     finally:
         if mps:
             _mps(start=False)
-    return result
 
 
 def diagnose_scenarios(out: Path, scenarios: dict[str, Any]) -> None:
@@ -293,6 +301,11 @@ def _fmt(v: Any, spec: str = ".2f") -> str:
     return "-" if v is None else format(v, spec)
 
 
+def _tail(function: str, width: int = 36) -> str:
+    """The end of a long function name: where a hang's frame names its function."""
+    return function if len(function) <= width else "…" + function[-width + 1 :]
+
+
 def report(result: dict[str, Any]) -> str:
     env = result["environment"]
     lines = [
@@ -335,7 +348,7 @@ def report(result: dict[str, Any]) -> str:
             f = r.get("finding", "not diagnosed")
             said = (
                 f if isinstance(f, str) else "no finding" if f is None
-                else f"{f['cause']} rank {','.join(map(str, f['ranks']))} {f['function'][:32]} ({f['confidence']:.2f})"
+                else f"{f['cause']} rank {','.join(map(str, f['ranks']))} {_tail(f['function'])} ({f['confidence']:.2f})"
             )  # fmt: skip
             lines.append(f"  {name:10} {r['rc']:>4} {r['windows']:>7} {said:60} {r.get('right', '-')}")
     return "\n".join(lines)
@@ -349,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--diagnose", default="", help="diagnose the scenarios of an earlier run's --out")
     ap.add_argument("--json", default="", help="also write the results here")
     args = ap.parse_args(argv)
+    result: dict[str, Any]
     if args.diagnose:
         out = Path(args.diagnose)
         result = json.loads((out / "result.json").read_text())
@@ -365,10 +379,10 @@ def main(argv: list[str] | None = None) -> int:
         parts = set(args.only.split(","))
         result = {"environment": _environment()}
         if "loops" in parts:
-            result["loops"] = run_loops(out, args.seconds)
+            run_loops(out, args.seconds, result)
         if "scenarios" in parts:
-            result["scenarios"] = run_scenarios(out, args.seconds)
-        (out / "result.json").write_text(json.dumps(result, indent=1))
+            run_scenarios(out, args.seconds, result)
+        _save(out, result)
     if "scenarios" in result:
         try:
             diagnose_scenarios(out, result["scenarios"])
