@@ -547,14 +547,28 @@ def shifted(
     cols = SHIFT_COLUMNS
     c = s.shift_chunks
     g = shift_grid(steps, s) if cut is None else cut
-    if g is None or len(g.ranks) < 3 or g.steps < c * s.min_chunk_steps * 4:
+    if g is None or len(g.ranks) < 2 or g.steps < c * s.min_chunk_steps * 4:
         return []
     own = g.values["own_us"]
     skip = np.isin(g.ranks, list(exclude))
-    if (~skip).sum() < 3:
+    # Two ranks cannot outvote each other (the peer rule needs three), but each can be measured
+    # against its own past relative to the other: in a synchronous job their own times differ by
+    # just the other's extra wait, and a rank that turned slower since some step rose against the
+    # other there (a constant difference, rank 0's logging, say, is no change).
+    pair = len(g.ranks) == 2 and not skip.any()
+    if (~skip).sum() < 3 and not pair:
         return []
+
+    def against(values: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
+        """rank x step ``values`` (of ``rows`` only, if given) over the peers' on each step: the
+        other rank of a pair, else the median of the ranks not skipped."""
+        if not pair:
+            return _relative(values, ~skip, rows)
+        at = np.arange(2) if rows is None else rows
+        return values[at] / np.clip(values[1 - at], 1.0, None)
+
     # Relative to the other ranks' median: a straggler found already would lift it on every step.
-    peer_own = np.clip(_step_median(own, ~skip), 1.0, None)[None, :]
+    peer_own = np.clip(own[::-1] if pair else _step_median(own, ~skip)[None, :], 1.0, None)
     g.values["rel"] = own / peer_own
     rel = chunk_means(g, "rel", c)
     if np.isnan(rel).any():
@@ -570,14 +584,15 @@ def shifted(
     best_t, best_k = _best_split(mine, s.shift_min_after)
     rise = _rise(mine, best_k)
     by_own = (best_t >= s.shift_min_t) & (rise >= s.shift_min_rise)
-    busy = chunked("rel_busy", _relative(g.values["dur_us"] - g.values["comm_us"], ~skip, rows))
+    busy = chunked("rel_busy", against(g.values["dur_us"] - g.values["comm_us"], rows))
     by_own &= _rise(busy, best_k) >= s.shift_busy_share * rise
     # Where a rank's own time is CPU work, a rise in it is more CPU work or a longer wait for data.
     cpu = g.values["cpu_us"]
-    work = chunked("rel_work", (cpu[rows] + g.values["data_us"][rows]) / peer_own)  # in peers' own time
+    peer_own_of = peer_own[rows] if pair else peer_own
+    work = chunked("rel_work", (cpu[rows] + g.values["data_us"][rows]) / peer_own_of)  # in peers' own time
     cpu_bound = np.nanmean(cpu[rows], axis=1) >= s.shift_cpu_bound * np.nanmean(own[rows], axis=1)
     by_own &= ~cpu_bound | (_rise(work, best_k) >= s.shift_busy_share * rise)
-    rel_cpu = chunked("rel_cpu", _relative(cpu, ~skip, rows))
+    rel_cpu = chunked("rel_cpu", against(cpu, rows))
     by_cpu = np.zeros(len(rows), dtype=bool)
     if not np.isnan(rel_cpu).any() and np.nanmax(cpu) > 0:
         # Where own time does not show the rise plainly (too noisy, or certain but a hair short of
@@ -594,7 +609,8 @@ def shifted(
         peers = (np.arange(len(g.ranks)) != i) & ~skip
         peer_after = float(np.median(rel[peers, k:].mean(axis=1)))
         peer_before = float(np.median(rel[peers, :k].mean(axis=1)))
-        level, was = after / peer_after, before / peer_before
+        # A pair's series is relative to the other rank already (which falls as much as it rises).
+        level, was = (after, before) if pair else (after / peer_after, before / peer_before)
         # Still up at the end: judged on the series that found it (own time is the noisier).
         series = rel_cpu[j] if by_cpu[j] else rel[i]
         s_before, s_after, s_last = series[:k].mean(), series[k:].mean(), series[-3:].mean()

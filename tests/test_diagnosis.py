@@ -975,3 +975,19 @@ def test_a_cpu_side_stall_in_a_gpu_job_is_named_by_its_function() -> None:
     data = replace(data, functions=functions_frame({r: stall if r == 3 else common for r in range(8)}))
     f = only(diagnose(data).findings)
     assert (f.cause, f.ranks, f.function) == ("code_path", [3], "train.py(80): upload_metrics"), f.summary
+
+
+def test_a_two_rank_job_names_the_rank_that_turned_slower_against_the_other() -> None:
+    """Two ranks cannot outvote each other, so the peer rule leaves them be; but a rank that turned
+    slower at some step rose against the other there, and is named (not "both ranks slowed down
+    together"). A steady difference (rank 0 works 1.2x throughout: its logging) and a healthy pair
+    give nothing."""
+    for seed in range(4):
+        turned = synthetic(
+            ranks=2, steps=1400, hosts_of=1, seed=seed, slow={1: {"compute_us": 1500, "from": 700}}
+        )
+        f = only(diagnose(turned).findings)
+        assert (f.cause, f.ranks) == ("compute", [1]), f.summary
+        assert 600 <= f.evidence["held_since_step"] <= 780, f.evidence
+        assert diagnose(synthetic(ranks=2, steps=1400, hosts_of=1, seed=seed)).findings == []
+        assert diagnose(synthetic(ranks=2, steps=1400, hosts_of=1, seed=seed, bias={0: 1.2})).findings == []
