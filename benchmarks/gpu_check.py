@@ -43,7 +43,8 @@ from typing import Any
 from wire.errors import RecordError
 from wire.records import RankInfo, StepBatch, WindowSummary, decode
 
-JOB = Path(__file__).parent / "jobs" / "gpu_gpt.py"
+ROOT = Path(__file__).resolve().parents[1]
+JOB = ROOT / "benchmarks" / "jobs" / "gpu_gpt.py"
 LOOPS = {
     "launch": [
         "--d-model",
@@ -116,8 +117,12 @@ def _torchrun(nproc: int, flags: list[str], env: dict[str, str], log: Path, time
         f"--nproc-per-node={nproc}",
         str(JOB),
     ]
+    # The job imports the hook from this checkout, installed or not (a GPU machine lent for a check).
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     with log.open("w") as fh:
-        proc = subprocess.Popen(cmd + flags, env={**os.environ, **env}, stdout=fh, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            cmd + flags, env={**os.environ, "PYTHONPATH": path, **env}, stdout=fh, stderr=subprocess.STDOUT
+        )
         try:
             return proc.wait(timeout)
         except subprocess.TimeoutExpired:
