@@ -77,6 +77,12 @@ RUNS: dict[str, list[tuple[str, dict[str, str]]]] = {
     "compute": [("off", {}), ("on", {})],
 }
 """Loop shape -> separate runs (hook mode, extra environment), in this order."""
+HANG_ONSET_S = 8.0
+"""The hang scenario's rank hangs this long into training..."""
+HANG_OBSERVE_S = 35.0
+"""...and the job runs this long after that before it is stopped (the hook reports a stall after 10 s)..."""
+START_S = 25.0
+"""...counted from this long after its launch (imports, CUDA, CUPTI and the process group)."""
 SCENARIOS: dict[str, dict[str, Any]] = {
     "healthy": {"flags": [], "expect": None},
     "slow_gpu": {"flags": ["--fault", "slow_gpu", "--fault-rank", "2"], "expect": ("compute", 2, "")},
@@ -85,7 +91,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "expect": ("code_path", 3, "upload_metrics"),
     },
     "hang": {
-        "flags": ["--fault", "hang", "--fault-rank", "1", "--onset-s", "8"],
+        "flags": ["--fault", "hang", "--fault-rank", "1", "--onset-s", str(HANG_ONSET_S)],
         "expect": ("hang", 1, "save_checkpoint"),
     },
 }
@@ -102,10 +108,6 @@ SCENARIO_FLAGS = [
     "--batch-size",
     "8",
 ]
-HANG_OBSERVE_S = 35.0
-"""A hung job runs this long after its onset before it is stopped (the hook reports a stall after 10 s)..."""
-START_S = 25.0
-"""...counted from this long after its launch (imports, CUDA, CUPTI and the process group)."""
 
 
 def _torchrun(nproc: int, flags: list[str], env: dict[str, str], log: Path, timeout: float) -> int:
@@ -236,7 +238,7 @@ def run_scenarios(out: Path, seconds: float, result: dict[str, Any]) -> None:
             flags = SCENARIO_FLAGS + sc["flags"] + ["--backend", "gloo", "--seconds", str(seconds)]
             if name == "slow_gpu" and mps:
                 flags += ["--mps-pct", "25"]
-            timeout = START_S + 8 + HANG_OBSERVE_S if name == "hang" else seconds + 180
+            timeout = START_S + HANG_ONSET_S + HANG_OBSERVE_S if name == "hang" else seconds + 180
             env = {"RANKSCOPE_SPOOL": str(d / "spool"), "RANKSCOPE_JOB": f"gpu-{name}"}
             t0 = time.perf_counter()
             rc = _torchrun(4, flags, env, d / "log.txt", timeout=timeout)

@@ -90,8 +90,6 @@ class NcclTiming:
         self._add, self._steps, self._groups = add, steps, groups or nccl_groups
         self.active = True
         """False after :meth:`close`: the hooks, which cannot be removed, only return."""
-        self.completed_n = 0
-        """Collectives whose GPU time was added."""
         self._state: dict[str, str] = {}
         """Per group name: what is timed (said in :meth:`coverage`)."""
         self._pending: dict[str, tuple[Any, str, int, float]] = {}
@@ -147,7 +145,6 @@ class NcclTiming:
         """One collective completed (a ``WorkInfo``): add its GPU time, unless closed."""
         if self.active:
             self._add(int(info.active_duration.total_seconds() * 1e9))
-            self.completed_n += 1
 
     def coverage(self) -> list[str]:
         """What is timed of each NCCL group, in the order they were found."""
