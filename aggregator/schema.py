@@ -24,7 +24,7 @@ from .errors import UnavailableError
 
 log = logging.getLogger(__name__)
 
-STORE_VERSION = 9
+STORE_VERSION = 10
 DEFAULT_DATABASE = "rankscope"
 _COMMENT = f"rankscope schema {STORE_VERSION}"
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -167,6 +167,8 @@ HEARTBEATS = Table(
         ("gpu_mem_mb", "Float64"),
         ("samples", "Map(String, Int64)"),  # schema 6
         ("sends", "Map(String, Tuple(Int64, Int64))"),  # schema 7
+        ("windows", "Int64"),  # schema 10
+        ("window_cost_us", "Int64"),
     ),
     order_by=("job", "rank", "time_us"),
 )
@@ -292,7 +294,7 @@ def _arrivals_by_process_ddl(database: str, cluster: str = "") -> list[str]:
 
 LATEST_HEARTBEATS = Table(
     "latest_heartbeats",
-    tuple(c for c in HEARTBEATS.columns if c[0] not in ("samples", "sends")),
+    tuple(c for c in HEARTBEATS.columns if c[0] not in ("samples", "sends", "windows", "window_cost_us")),
     order_by=("job", "rank"),
     version="time_us",
 )
@@ -570,7 +572,7 @@ def ensure_schema(client: Any, database: str = DEFAULT_DATABASE, cluster: str = 
     for table in TABLES.values():
         client.command(table.ddl(database)[0])
     for name in sorted(older):
-        if name in REKEYED:
+        if name in REKEYED and int(dict(found)[name].rsplit(" ", 1)[-1]) < REKEYED[name]:
             _rekey(client, database, TABLES[name])
         _migrate(client, database, name, dict(found)[name])
     for ddl in _window_input_ddl(database):
@@ -619,6 +621,12 @@ _TO_4 = {"ranks": ["ADD COLUMN IF NOT EXISTS `coverage` String DEFAULT '' AFTER 
 _TO_5 = {"steps": ["ADD COLUMN IF NOT EXISTS `wait_us` Int64 DEFAULT 0"]}
 _TO_6 = {"heartbeats": ["ADD COLUMN IF NOT EXISTS `samples` Map(String, Int64)"]}
 _TO_7 = {"heartbeats": ["ADD COLUMN IF NOT EXISTS `sends` Map(String, Tuple(Int64, Int64))"]}
+_TO_10 = {
+    "heartbeats": [
+        "ADD COLUMN IF NOT EXISTS `windows` Int64 DEFAULT 0",
+        "ADD COLUMN IF NOT EXISTS `window_cost_us` Int64 DEFAULT 0",
+    ]
+}
 
 
 def _then(*steps: dict[str, list[str]]) -> dict[str, list[str]]:
@@ -632,21 +640,29 @@ def _then(*steps: dict[str, list[str]]) -> dict[str, list[str]]:
 
 MIGRATIONS: dict[str, dict[str, list[str]]] = {
     "rankscope schema 1": _then(
-        {"steps": ["ADD COLUMN IF NOT EXISTS `n_steps` Int64 DEFAULT 1"]}, _TO_3, _TO_4, _TO_5, _TO_6, _TO_7
+        {"steps": ["ADD COLUMN IF NOT EXISTS `n_steps` Int64 DEFAULT 1"]},
+        _TO_3,
+        _TO_4,
+        _TO_5,
+        _TO_6,
+        _TO_7,
+        _TO_10,
     ),
-    "rankscope schema 2": _then(_TO_3, _TO_4, _TO_5, _TO_6, _TO_7),
-    "rankscope schema 3": _then(_TO_4, _TO_5, _TO_6, _TO_7),
-    "rankscope schema 4": _then(_TO_5, _TO_6, _TO_7),
-    "rankscope schema 5": _then(_TO_6, _TO_7),
-    "rankscope schema 6": _TO_7,
-    "rankscope schema 7": {},  # schema 8 added a table, ``arrivals``
-    "rankscope schema 8": {},  # schema 9 changed the sort key of ``functions`` (REKEYED)
+    "rankscope schema 2": _then(_TO_3, _TO_4, _TO_5, _TO_6, _TO_7, _TO_10),
+    "rankscope schema 3": _then(_TO_4, _TO_5, _TO_6, _TO_7, _TO_10),
+    "rankscope schema 4": _then(_TO_5, _TO_6, _TO_7, _TO_10),
+    "rankscope schema 5": _then(_TO_6, _TO_7, _TO_10),
+    "rankscope schema 6": _then(_TO_7, _TO_10),
+    "rankscope schema 7": _TO_10,  # schema 8 added a table, ``arrivals``
+    "rankscope schema 8": _TO_10,  # schema 9 changed the sort key of ``functions`` (REKEYED)
+    "rankscope schema 9": _TO_10,
 }
 """For each older schema's comment, the ALTERs that bring its tables (by name) to this version."""
 
 
-REKEYED = ("functions",)
-"""Tables whose sort key changed since an older schema: an ALTER cannot change it, they are copied."""
+REKEYED = {"functions": 9}
+"""Tables whose sort key changed, with the schema that changed it: a table of an older schema is
+copied (an ALTER cannot change a sort key)."""
 
 
 def _rekey(client: Any, database: str, table: Table) -> None:

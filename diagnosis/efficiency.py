@@ -47,6 +47,8 @@ class RankEfficiency:
     gpu_util: float | None = None
     """NVML's mean utilization of the rank's GPU over its heartbeats, percent (None: not sampled)."""
     gpu_mem_mb: float | None = None
+    window_cost: float | None = None
+    """What the rank's profiling windows cost it, as a share of its run time (None: not said)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -98,11 +100,17 @@ def per_rank(steps: pd.DataFrame) -> pd.DataFrame:
 
 
 def measure(
-    job: str, steps: pd.DataFrame, windows: pd.DataFrame, ranks: pd.DataFrame, gpu: pd.DataFrame | None = None
+    job: str,
+    steps: pd.DataFrame,
+    windows: pd.DataFrame,
+    ranks: pd.DataFrame,
+    gpu: pd.DataFrame | None = None,
+    costs: pd.DataFrame | None = None,
 ) -> Efficiency:
     """The split of ``job``'s time from its ``steps`` (``rank, start_us, dur_us, data_us, comm_us``),
-    ``windows`` (``rank, busy``), ``ranks`` (``rank, host, device``) and ``gpu`` (``rank, gpu_util,
-    gpu_mem_mb``: NVML's samples, where the heartbeats carried them)."""
+    ``windows`` (``rank, busy``), ``ranks`` (``rank, host, device``), ``gpu`` (``rank, gpu_util,
+    gpu_mem_mb``: NVML's samples, where the heartbeats carried them) and ``costs`` (``rank, cost_us,
+    span_us``: what the rank's windows cost over its heartbeats' span)."""
     if steps.empty:
         raise NotFoundError(f"job {job!r} has no steps: nothing to measure")
     per = per_rank(steps)
@@ -122,6 +130,15 @@ def measure(
         else {}
     )
     nvml = {int(g["rank"]): g for _, g in gpu.iterrows()} if gpu is not None and not gpu.empty else {}
+    cost = (
+        {
+            int(r): c / s
+            for r, c, s in zip(costs["rank"], costs["cost_us"], costs["span_us"], strict=True)
+            if s > 0
+        }
+        if costs is not None and not costs.empty
+        else {}
+    )
     out = []
     for rank, r in zip(per.index, per.to_dict("records"), strict=True):
         dur = max(float(r["dur"]), 1.0)
@@ -141,6 +158,7 @@ def measure(
                 windows=n_windows.get(int(rank), 0),
                 gpu_util=round(float(nvml[int(rank)]["gpu_util"]), 1) if int(rank) in nvml else None,
                 gpu_mem_mb=round(float(nvml[int(rank)]["gpu_mem_mb"]), 1) if int(rank) in nvml else None,
+                window_cost=round(cost[int(rank)], 5) if int(rank) in cost else None,
             )
         )
     known = [r for r in out if r.compute is not None]
@@ -181,6 +199,7 @@ class EfficiencyReader(Protocol):
     def windows(self, job: str, since_us: int | None = None) -> pd.DataFrame: ...
     def ranks(self, job: str) -> pd.DataFrame: ...
     def gpu_usage(self, job: str, since_us: int | None = None) -> pd.DataFrame: ...
+    def window_costs(self, job: str) -> pd.DataFrame: ...
 
 
 def read(
@@ -193,4 +212,5 @@ def read(
     if steps.empty:
         return None
     windows = store.windows(job, since_us=since_us)
-    return measure(job, steps, windows, store.ranks(job), store.gpu_usage(job, since_us=since_us))
+    gpu = store.gpu_usage(job, since_us=since_us)
+    return measure(job, steps, windows, store.ranks(job), gpu, store.window_costs(job))

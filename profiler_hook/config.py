@@ -21,7 +21,8 @@ class Config:
     """Settings of the in-rank hook. Every field has a default that is safe for production."""
 
     enable: bool = True
-    """False turns every hook call into a no-op."""
+    """False turns every hook call into a no-op; so does ``$RANKSCOPE_ENABLE=0`` (an operator turns
+    the hook off for a run without editing the script)."""
     job: str = ""
     """Job id shared by all ranks; default: $RANKSCOPE_JOB, $TORCHELASTIC_RUN_ID or 'default'. A
     ``TORCHELASTIC_RUN_ID`` of ``none`` (multi-node torchrun without ``--rdzv-id``) is used but
@@ -53,7 +54,13 @@ class Config:
     keeps windows under 0.1% of the job's time, and a slowdown too small to trigger one (below)
     is still profiled within 30 s of its start."""
     window_steps: int = 5
-    """Steps profiled in each window."""
+    """Steps profiled in each window, at most: fewer where a window costs more than one
+    ``window_s`` interval's share of ``window_budget`` (``profiler_hook.budget``)."""
+    window_budget: float = 0.005
+    """The share of the rank's run time its profiling windows may cost, all of them together
+    (periodic, triggered, follow-ups): each window's cost is measured (the extra time of the steps
+    it covered and disturbed, and the CPU its summarizing took), and the next one waits until the
+    windows so far, with it, stay within this share of the time since ``attach``."""
     trigger_ratio: float = 1.2
     """A window also starts when the mean step time of each of the last 2 seconds reaches this
     multiple of the median of the 8 seconds before on any rank, or that rank's own time outside
@@ -91,12 +98,16 @@ class Config:
         for name in ("flush_s", "heartbeat_s", "stall_s"):
             if getattr(self, name) <= 0:
                 raise UsageError(f"Config.{name} must be > 0, got {getattr(self, name)}")
+        if not 0 < self.window_budget <= 1:
+            raise UsageError(f"Config.window_budget must be > 0 and <= 1, got {self.window_budget}")
         if self.window_s < 0:
             raise UsageError(f"Config.window_s must be >= 0, got {self.window_s}")
         if self.trigger_ratio and self.trigger_ratio <= 1:
             raise UsageError(f"Config.trigger_ratio must be 0 or > 1, got {self.trigger_ratio}")
         if self.sink not in ("spool", "kafka", "none"):
             raise UsageError(f"Config.sink must be 'spool', 'kafka' or 'none', got {self.sink!r}")
+        if os.environ.get("RANKSCOPE_ENABLE", "1").strip().lower() in ("0", "false", "no", "off"):
+            self.enable = False
         if not self.job and not os.environ.get("RANKSCOPE_JOB"):
             _warn_shared_job(os.environ.get("TORCHELASTIC_RUN_ID", ""))
         self.job = (

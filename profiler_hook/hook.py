@@ -37,6 +37,7 @@ from wire.records import (
 
 from . import ddp, exits, threadstates
 from .blocks import StepBlocks
+from .budget import WindowBudget
 from .collectives import CollectiveTracker, process_groups
 from .config import Config, Identity
 from .gpu import GpuSampler
@@ -127,6 +128,9 @@ class Hook:
         self._waits: Waits = {}
         """The threads' CPU wait at the window's start."""
         self._summarizers: list[threading.Thread] = []
+        self._block_disturbed = False
+        """Whether a window disturbed a step of the block open now (its rates are not compared)."""
+        self.budget = WindowBudget(cfg.window_budget)
         self.schedule = Schedule(
             window_s=cfg.window_s,
             window_steps=cfg.window_steps,
@@ -135,6 +139,7 @@ class Hook:
             world_size=ident.world_size,
             job=cfg.job,
             ready=self._warm,
+            budget=self.budget,
         )
         self.tracker = CollectiveTracker(thread_wait=self._wait)
         self.ddp = ddp.Watch(self.tracker)
@@ -244,9 +249,16 @@ class Hook:
                 waited_ns // 1000,
             )
             self._finished = self.step_num
-            self.schedule.note_step(now - self._mark_ns, now - self._mark_ns - comm_ns)
-            if closed and (row := self._blocks.rows[-1]).n_steps:
-                self.schedule.note_block((row.dur_us - row.comm_us) / row.n_steps, row.cpu_us / row.n_steps)
+            disturbed = self.budget.step(now - self._mark_ns)
+            self.schedule.note_step(now - self._mark_ns, now - self._mark_ns - comm_ns, disturbed)
+            self._block_disturbed |= disturbed
+            if closed:
+                row = self._blocks.rows[-1]
+                if row.n_steps and not self._block_disturbed:
+                    self.schedule.note_block(
+                        (row.dur_us - row.comm_us) / row.n_steps, row.cpu_us / row.n_steps
+                    )
+                self._block_disturbed = False
             self._mark_ns, self._data_ns = now, 0
             self._maybe_stop_window()
             if closed and time.perf_counter() - self._last_flush >= self.cfg.flush_s:
@@ -311,6 +323,7 @@ class Hook:
                 self._settled()
                 self._prof.stop()
             self._prof, self._window, self.tracker.recording = None, None, None
+            self.budget.stopped(lambda: True)
         with contextlib.suppress(Exception):
             self.tracker.unpatch()
 
@@ -419,7 +432,14 @@ class Hook:
                 self._rank_info = replace(self._rank_info, coverage=coverage)
                 self.shipper.submit(self._rank_info)
         gpu = self._gpu.sample() if self._gpu is not None else {}
-        return Heartbeat(**self._origin(), dropped=self.shipper.dropped, **fields, **gpu)
+        return Heartbeat(
+            **self._origin(),
+            dropped=self.shipper.dropped,
+            windows=self.budget.windows,
+            window_cost_us=self.budget.spent_ns // 1000,
+            **fields,
+            **gpu,
+        )
 
     def _settled(self) -> bool:
         """Whether a window may start or stop now (``threadstates.settle``: no collective's thread
@@ -501,7 +521,8 @@ class Hook:
             # turns every event into a Python object at stop(): 0.5-1 s on the training thread.
             warnings.filterwarnings("ignore", message=".*clears events at the end of each cycle")
             self._prof.start()
-        self._window = Window(s, s + cfg.window_steps, time.time_ns())
+        self._window = Window(s, s + self.schedule.steps, time.time_ns())
+        self.budget.start(stacks, self.schedule.recent)
         self.tracker.recording = []
 
     def _maybe_stop_window(self) -> None:
@@ -527,6 +548,7 @@ class Hook:
         )
         self._summarizers = [x for x in self._summarizers if x.is_alive()] + [t]
         t.start()
+        self.budget.stopped(lambda: not t.is_alive())
 
     def _summarize(
         self,
@@ -538,6 +560,7 @@ class Hook:
         origin: dict,
         extra: list[FunctionPattern],
     ) -> None:
+        cpu = time.thread_time_ns()
         try:
             from .summarize import summarize
 
@@ -562,6 +585,8 @@ class Hook:
             )
         except Exception as exc:
             self._fail("summarizing a profiling window", exc)
+        finally:
+            self.budget.add_cpu(time.thread_time_ns() - cpu)
 
 
 class _Step:

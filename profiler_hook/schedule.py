@@ -34,6 +34,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from .budget import WindowBudget
+
 log = logging.getLogger(__name__)
 
 POLL_S = 0.5
@@ -106,13 +108,18 @@ class Schedule:
         store: Callable[[], Any] = default_store,
         clock: Callable[[], float] = time.monotonic,
         ready: threading.Event | None = None,
+        budget: WindowBudget | None = None,
     ) -> None:
         self.window_s, self.window_steps, self.trigger_ratio = window_s, window_steps, trigger_ratio
+        self.budget = budget
+        """What windows cost and may cost (``profiler_hook.budget``; None: unbounded)."""
         self.rank, self.world_size = rank, world_size
         self.planned = -1
         """The step the next window starts at (-1: none); the training thread compares against it."""
         self.stacks = True
-        """Whether that window records Python stacks (windows that look for a cause: see above)."""
+        """Whether that window records Python stacks (windows that look for a cause: see above)..."""
+        self.steps = window_steps
+        """...and how many steps it profiles (fewer where windows cost much: the budget)."""
         self.plans = 0
         self.missed = 0
         """Windows this rank learnt of only after their step had passed."""
@@ -131,6 +138,10 @@ class Schedule:
         self._rates: tuple[float, float] | None = None
         """This rank's own time and CPU time per step (µs) in its last block..."""
         self._published: tuple[float, float] | None = None
+        self.spent_ns = 0
+        """What the windows cost the rank that measured the most, of the ranks rank 0 gathers."""
+        self._pending = False
+        """Rank 0: a window was asked for (and not in a cooldown); it waits for the budget."""
         """...and the rates it last published and compared."""
         self._compare_warned = False
         self._standing_out = 0
@@ -146,7 +157,8 @@ class Schedule:
         self._own_means: deque[float] = deque(maxlen=TRIGGER_HISTORY)
         """The same for this rank's own time per step (outside collectives)."""
         self._bucket_ns = self._bucket_own_ns = self._bucket_n = 0
-        self._recent: deque[int] = deque(maxlen=LEAD_STEPS)
+        self.recent: deque[int] = deque(maxlen=LEAD_STEPS)
+        """The last steps' durations (ns), those a window disturbed left out."""
         self._last_plan = clock()
         self._last_trigger = -math.inf
         self._follow_ups = FOLLOW_UPS
@@ -161,21 +173,28 @@ class Schedule:
         """Stop the clock (and planning) until :meth:`resume`."""
         with self._lock:
             self._paused_at = self._clock()
+            if self.budget is not None:
+                self.budget.pause()
 
     def resume(self) -> None:
         with self._lock:
             if self._paused_at is not None:
                 self._last_plan += self._clock() - self._paused_at
                 self._paused_at = None
+                if self.budget is not None:
+                    self.budget.resume()
 
     # --- the training thread -------------------------------------------------------------------
 
-    def note_step(self, dur_ns: int, own_ns: int | None = None) -> None:
+    def note_step(self, dur_ns: int, own_ns: int | None = None, disturbed: bool = False) -> None:
         """Record a finished step (``own_ns``: its time outside collectives); at the end of each
         bucket, ask for a window if the step time jumped (each of the last ``TRIGGER_RECENT``
         buckets ``trigger_ratio`` times the median of the ones before) or this rank's own time did
-        (``TRIGGER_OWN_RATIO``)."""
-        self._recent.append(dur_ns)
+        (``TRIGGER_OWN_RATIO``). A step a window ``disturbed`` counts for nothing: a window must
+        not call the next."""
+        if disturbed:
+            return
+        self.recent.append(dur_ns)
         self._bucket_ns += dur_ns
         self._bucket_own_ns += dur_ns if own_ns is None else own_ns
         self._bucket_n += 1
@@ -229,11 +248,11 @@ class Schedule:
                 store.add(self._req_key, 1)
                 self.asking = False
             if store.check([self._key]):
-                first, _, stacks = store.get(self._key).decode().partition(":")
-                if not self._adopt(int(first), step, stacks != "0"):
+                first, stacks, steps = [*store.get(self._key).decode().split(":"), ""][:3]
+                if not self._adopt(int(first), step, stacks != "0", int(steps or self.window_steps)):
                     store.add(self._missed_key, 1)
             return
-        if self.planned >= 0 and self.planned + self.window_steps > step:
+        if self.planned >= 0 and self.planned + self.steps > step:
             return  # a window is planned or running: requests wait for it to end, not dropped
         if store is not None and self._ready is not None and not self._all_ready:
             if store.add(self._ready_key, 0) < self.world_size:
@@ -241,27 +260,40 @@ class Schedule:
             self._all_ready = True
         now = self._clock()
         requests = store.add(self._req_key, 0) if store is not None else 0
-        asked = self.asking or requests > self.requests_read
+        if (self.asking or requests > self.requests_read) and now - self._last_trigger >= TRIGGER_COOLDOWN_S:
+            self._pending = True
         self.asking, self.requests_read = False, requests
-        if asked and now - self._last_trigger < TRIGGER_COOLDOWN_S:
-            asked = False
+        asked = self._pending
         follow_up = self._follow_ups > 0 and now - self._last_plan >= TRIGGER_COOLDOWN_S
         if not (asked or follow_up or now - self._last_plan >= self.window_s):
             return
+        standing = store is not None and store.add(self._standing_key, 0) > 0
+        stacks = asked or follow_up or standing or self.plans < FOLLOW_UPS
+        steps, budget = self.window_steps, self.budget
+        if budget is not None:
+            if budget.measuring:
+                return  # the last window's cost is not known yet
+            stacks = stacks and budget.measured  # the first window measures what one costs
+            step_s = statistics.median(self.recent) / 1e9 if self.recent else LEAD_S
+            steps = budget.fit(stacks, self.window_steps, step_s, self.window_s, self.spent_ns)
+            if stacks and not steps:
+                stacks = False  # Python stacks only where they fit: operators and kernels at least
+                steps = budget.fit(stacks, self.window_steps, step_s, self.window_s, self.spent_ns)
+            if not steps:
+                return  # it waits until the windows so far have paid for it; a request stays
         if asked:
-            self._last_trigger, self._follow_ups = now, FOLLOW_UPS
+            self._last_trigger, self._follow_ups, self._pending = now, FOLLOW_UPS, False
         elif follow_up:
             self._follow_ups -= 1
         if store is not None:
             self._lead_s = LEAD_S * 2 ** min(
                 store.add(self._missed_key, 0), int(math.log2(MAX_LEAD_S / LEAD_S))
             )
-        standing = store is not None and store.add(self._standing_key, 0) > 0
-        first, stacks = step + self._lead(), asked or follow_up or standing or self.plans < FOLLOW_UPS
+        first = step + self._lead()
         self._last_plan = now
         if store is not None:
-            store.set(self._key, f"{first}:{int(stacks)}")
-        self._adopt(first, step, stacks)
+            store.set(self._key, f"{first}:{int(stacks)}:{steps}")
+        self._adopt(first, step, stacks, steps)
 
     def _compare(self, store: Any) -> None:
         """Once a block: publish this rank's rates, (rank 0) gather the sample's, and ask for a
@@ -271,7 +303,8 @@ class Schedule:
         if rates is None or rates is self._published:
             return
         self._published = rates
-        store.set(f"{self._rates_key}{self.rank}", f"{rates[0]:.1f},{rates[1]:.1f}")
+        cost_us = self.budget.spent_ns // 1000 if self.budget is not None else 0
+        store.set(f"{self._rates_key}{self.rank}", f"{rates[0]:.1f},{rates[1]:.1f},{cost_us}")
         keys = [f"{self._rates_key}{r}" for r in self._sample]
         if self.rank == 0 and store.check(keys):  # every sampled rank has ended a block
             values = store.multi_get(keys) if hasattr(store, "multi_get") else [store.get(k) for k in keys]
@@ -279,11 +312,14 @@ class Schedule:
             store.set(self._peers_key, ";".join(f"{r}:{v.decode()}" for r, v in pairs))
         if not store.check([self._peers_key]):
             return
-        peers = []
+        peers, spent = [], 0.0
         for entry in store.get(self._peers_key).decode().split(";"):
             r, _, v = entry.partition(":")
+            values = tuple(map(float, v.split(",")))
+            spent = max([spent, *values[2:3]])
             if int(r) != self.rank:
-                peers.append(tuple(map(float, v.split(","))))
+                peers.append(values)
+        self.spent_ns = int(spent * 1000)
         if not peers:
             return
         own, cpu = (statistics.median(p[i] for p in peers) for i in (0, 1))
@@ -299,19 +335,19 @@ class Schedule:
 
     def _lead(self) -> int:
         """Steps in the lead (``LEAD_S``, longer after misses) at the recent step time (at least 2)."""
-        step_s = statistics.median(self._recent) / 1e9 if self._recent else LEAD_S
+        step_s = statistics.median(self.recent) / 1e9 if self.recent else LEAD_S
         return max(2, math.ceil(self._lead_s / max(step_s, 1e-6)))
 
-    def _adopt(self, first: int, step: int, stacks: bool) -> bool:
-        """Take the plan ``first`` (with Python ``stacks`` or not); False if it is new and its step
-        has passed (a miss)."""
+    def _adopt(self, first: int, step: int, stacks: bool, steps: int) -> bool:
+        """Take the plan ``first`` (with Python ``stacks`` or not, of ``steps``); False if it is new
+        and its step has passed (a miss)."""
         if first == self._seen:
             return True
         self._seen = first
         if first <= step:
             self.missed += 1
             return False
-        self.stacks = stacks  # before ``planned``: the training thread reads it once that matches
+        self.stacks, self.steps = stacks, steps  # before ``planned``: read once that matches
         self.planned = first
         self.plans += 1
         return True

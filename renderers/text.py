@@ -143,17 +143,22 @@ def format_efficiency(e: Efficiency) -> str:
         f"{e.device_hours:.3f} device-hours, {idle} of them not computing",
         f"  job: compute {pct(s['compute'])}, waiting for collectives {pct(s['comm_wait'])}, "
         f"waiting for data {pct(s['data_wait'])}, host overhead and idle {pct(s['overhead'])}",
-        f"  {'rank':>5} {'host':<12} {'step ms':>8} {'compute':>8} {'comm':>7} {'data':>7} {'overhead':>9} windows"
+        f"  {'rank':>5} {'host':<12} {'step ms':>8} {'compute':>8} {'comm':>7} {'data':>7} {'overhead':>9} windows  cost"
         + ("  GPU util  GPU MiB" if any(r.gpu_util is not None for r in e.ranks) else ""),
     ]
     for r in e.ranks:
         lines.append(
             f"  {r.rank:>5} {r.host[:12]:<12} {r.step_ms:>8.1f} {pct(r.compute):>8} {pct(r.comm_wait):>7} "
-            f"{pct(r.data_wait):>7} {pct(r.overhead):>9} {r.windows:>7}"
+            f"{pct(r.data_wait):>7} {pct(r.overhead):>9} {r.windows:>7} {_cost(r.window_cost):>5}"
             + (f"  {r.gpu_util:>7.1f}% {r.gpu_mem_mb:>8.0f}" if r.gpu_util is not None else "")
         )
     lines += [f"  note: {n}" for n in e.notes]
     return "\n".join(printable(line) for line in lines)
+
+
+def _cost(share: float | None) -> str:
+    """What a rank's profiling windows cost, as a percentage of its run time with two decimals."""
+    return "—" if share is None else f"{100 * share:.2f}%"
 
 
 def format_fleet(fleet: list[Efficiency]) -> str:

@@ -674,7 +674,7 @@ def test_a_request_made_while_a_window_is_planned_is_served_after_it() -> None:
 def test_a_hook_profiles_on_its_clock() -> None:
     sink = ListSink()
     hook = Hook(
-        Config(window_s=0.2, window_steps=3, with_stack=False),
+        Config(window_s=0.2, window_steps=3, with_stack=False, window_budget=1.0),
         Identity(rank=0, local_rank=0, world_size=1, host="h"),
         sink,
     )

@@ -267,7 +267,7 @@ def test_a_store_of_schema_1_is_migrated_and_its_rows_read_as_before(store: Stor
     store.client.command(f"ALTER TABLE {store.database}.steps DROP COLUMN wait_us")
     store.client.command(f"ALTER TABLE {store.database}.ranks DROP COLUMN spine")
     store.client.command(f"ALTER TABLE {store.database}.ranks DROP COLUMN coverage")
-    for column in ("gpu_util", "gpu_mem_mb", "samples", "sends"):
+    for column in ("gpu_util", "gpu_mem_mb", "samples", "sends", "windows", "window_cost_us"):
         store.client.command(f"ALTER TABLE {store.database}.heartbeats DROP COLUMN {column}")
     for name in TABLES:
         store.client.command(f"ALTER TABLE {store.database}.{name} MODIFY COMMENT 'rankscope schema 1'")
@@ -647,7 +647,7 @@ def test_reads_of_an_unknown_job_are_empty_frames_with_columns(store: Store) -> 
     assert store.steps("nope").empty and list(store.steps("nope").columns) == STEP_COLUMNS
     df = store.heartbeats_latest("nope")
     assert df.empty and list(df.columns) == [
-        c for c in TABLES["heartbeats"].column_names if c not in ("samples", "sends")
+        c for c in TABLES["heartbeats"].column_names if c not in ("samples", "sends", "windows", "window_cost_us")
     ]
     assert store.jobs().empty and "job" in store.jobs().columns
 
@@ -1297,3 +1297,22 @@ def test_nvml_samples_in_heartbeats_give_each_ranks_gpu_use(store: Store) -> Non
     assert store.gpu_usage(JOB, since_us=T0 + 500_000)["gpu_util"].tolist() == [90.0]
     e = measure(JOB, store.steps(JOB), store.windows(JOB), store.ranks(JOB), gpu)
     assert [(r.rank, r.gpu_util, r.gpu_mem_mb) for r in e.ranks] == [(0, 85.0, 3000.0), (1, None, None)]
+
+
+def test_what_a_ranks_windows_cost_is_read_from_its_heartbeats_as_a_share_of_its_run(store: Store) -> None:
+    from diagnosis.efficiency import measure
+    from renderers.text import format_efficiency
+
+    beats = [
+        replace(heartbeat(0, T0 + i * 10_000_000, i), windows=n, window_cost_us=c)
+        for i, (n, c) in enumerate([(0, 0), (1, 30_000), (2, 50_000)])
+    ]
+    store.write([*beats, beats[1], heartbeat(1, T0, 0), steps(0, 0, 5), steps(1, 0, 5)])
+    costs = store.window_costs(JOB)
+    assert costs.to_dict("records") == [
+        {"rank": 0, "windows": 2, "cost_us": 50_000, "span_us": 20_000_000},
+        {"rank": 1, "windows": 0, "cost_us": 0, "span_us": 0},
+    ]
+    e = measure(JOB, store.steps(JOB), store.windows(JOB), store.ranks(JOB), None, costs)
+    assert [(r.rank, r.window_cost) for r in e.ranks] == [(0, 0.0025), (1, None)]
+    assert " 0.25%" in format_efficiency(e)

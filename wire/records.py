@@ -206,6 +206,11 @@ class Heartbeat(_Base):
     busy time less the time the receiver's window held it back)."""
     dropped: int = 0
     """Records this rank dropped so far because its queue or transport was full."""
+    windows: int = 0
+    """Profiling windows this rank has taken so far, their cost measured..."""
+    window_cost_us: int = 0
+    """...and what they cost it in all: the extra time of the steps they covered and disturbed,
+    and the CPU time their summarizing took (``profiler_hook.budget``)."""
     gpu_util: float = -1.0
     """NVML: percent of the last sample period a kernel ran on the rank's GPU (-1: not read)."""
     gpu_mem_mb: float = -1.0

@@ -8,7 +8,8 @@ Its one fault, for rankscope's fault suite: ``stall`` — from ``--onset-s`` sec
 ``--fault-rank`` sleeps ``--fault-ms`` before each backward pass, in the loop's own code (a
 blocking call written inline, as such loops have them). With ``--marker-dir`` it writes
 ``onset-r<rank>`` there (JSON: ``time``, ``step``) at its first faulty step. It takes
-``rankscope/demo_job.py``'s command line; flags that are not its own are ignored.
+``rankscope/demo_job.py``'s command line; flags that are not its own are ignored. At the end rank 0
+prints ``train: <steps> steps in <s> s (<ms> ms/step)``, the training loop's time.
 """
 
 import argparse
@@ -86,6 +87,11 @@ while True:
                 json.dump({"time": time.time(), "step": iter_num, "rank": ddp_rank, "kind": "stall"}, fh)
     if flags[0]:
         break
+took = time.time() - t0
+if ddp_rank == 0:
+    print(
+        f"train: {iter_num} steps in {took:.2f} s ({1e3 * took / max(iter_num, 1):.2f} ms/step)", flush=True
+    )
 
 hook.close()
 # The model goes before its process group: a DDP model left to the interpreter's exit frees gloo's

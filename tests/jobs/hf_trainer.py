@@ -3,13 +3,17 @@ checkpoint every 800 steps, with rankscope as a callback. The Trainer builds DDP
 ``find_unused_parameters=True`` for a model that is not a ``PreTrainedModel``.
 
     torchrun --nproc-per-node 2 tests/jobs/hf_trainer.py SPOOL_DIR OUT_DIR [WINDOW_S]
+                                                         [--max-steps N] [--job ID]
 
-WINDOW_S: the hook's ``window_s`` (its default, 30 s, is longer than this job).
+WINDOW_S: the hook's ``window_s`` (without it, the hook's default: 30 s, longer than the test's
+job). At the end rank 0 prints ``train: <steps> steps in <s> s (<ms> ms/step)`` from the
+``Trainer``'s own ``train_runtime``.
 """
 
 from __future__ import annotations
 
-import sys
+import argparse
+from typing import Any
 
 import torch
 from torch import nn
@@ -40,10 +44,17 @@ class Samples(torch.utils.data.Dataset):
 
 
 def main() -> None:
-    spool, out = sys.argv[1], sys.argv[2]
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("spool")
+    ap.add_argument("out")
+    ap.add_argument("window_s", type=float, nargs="?")
+    ap.add_argument("--max-steps", type=int, default=2400)
+    ap.add_argument("--job", default="hf-job")
+    cli = ap.parse_args()
+    hook: dict[str, Any] = {} if cli.window_s is None else {"window_s": cli.window_s}
     args = TrainingArguments(
-        output_dir=out,
-        max_steps=2400,
+        output_dir=cli.out,
+        max_steps=cli.max_steps,
         per_device_train_batch_size=32,
         save_steps=800,
         logging_steps=10,
@@ -57,9 +68,12 @@ def main() -> None:
         model=Regressor(),
         args=args,
         train_dataset=Samples(4096),
-        callbacks=[RankscopeCallback(job="hf-job", spool_dir=spool, window_s=float(sys.argv[3]))],
+        callbacks=[RankscopeCallback(job=cli.job, spool_dir=cli.spool, **hook)],
     )
-    trainer.train()
+    result = trainer.train()
+    if trainer.is_world_process_zero():
+        took, steps = result.metrics["train_runtime"], result.global_step
+        print(f"train: {steps} steps in {took:.2f} s ({1e3 * took / max(steps, 1):.2f} ms/step)", flush=True)
 
 
 if __name__ == "__main__":

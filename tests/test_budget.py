@@ -1,0 +1,134 @@
+"""The profiling windows' cost budget: measured per window, kept by the planner, on a simulated clock."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from profiler_hook.budget import AFTER_STEPS, FIRST_COST_S, STACK_FACTOR, WindowBudget
+from profiler_hook.schedule import POLL_S, Schedule
+
+
+def test_a_windows_cost_is_its_steps_extra_time_until_summarized_plus_the_summarizers_cpu() -> None:
+    b = WindowBudget(0.005, clock=lambda: 0.0)
+    for _ in range(3):
+        assert not b.step(10_000_000)  # no window: nothing disturbed
+    b.start(stacks=True, recent_ns=[10_000_000] * 20)
+    assert b.step(30_000_000) and b.step(30_000_000)  # two profiled steps, 20 ms extra each
+    summarized = [False]
+    b.stopped(lambda: summarized[0])
+    assert b.step(50_000_000)  # stop() and the summarizing: 40 ms extra
+    b.add_cpu(7_000_000)
+    summarized[0] = True
+    for _ in range(AFTER_STEPS):
+        assert b.measuring and b.step(12_000_000)
+    assert b.step(10_000_000) and not b.measuring  # the last counted step
+    assert not b.step(10_000_000)
+    assert b.windows == 1
+    assert b.spent_ns == 20_000_000 * 2 + 40_000_000 + 2_000_000 * AFTER_STEPS + 7_000_000
+    assert b.step_cost_ns(True) == b.spent_ns / 2
+    assert b.step_cost_ns(False) == pytest.approx(
+        b.spent_ns / 2 / STACK_FACTOR
+    )  # scaled from the stacked kind
+
+
+def test_steps_that_ran_faster_during_a_window_cost_nothing_but_the_summarizers_cpu() -> None:
+    b = WindowBudget(0.005, clock=lambda: 0.0)
+    b.start(stacks=False, recent_ns=[10_000_000] * 20)
+    b.step(8_000_000)
+    b.stopped(lambda: True)
+    b.add_cpu(1_000_000)
+    for _ in range(AFTER_STEPS + 1):
+        b.step(9_000_000)
+    assert b.spent_ns == 1_000_000
+
+
+def test_the_first_window_waits_for_its_assumed_cost_and_profiles_a_slow_jobs_single_step() -> None:
+    clock = [0.0]
+    b = WindowBudget(0.005, clock=lambda: clock[0])
+    clock[0] = FIRST_COST_S / 0.005 - 0.1
+    assert b.fit(False, 5, step_s=0.004, interval_s=30) == 0
+    clock[0] += 0.2
+    assert b.fit(False, 5, step_s=0.25, interval_s=30) == 1
+    assert b.fit(False, 5, step_s=0.004, interval_s=30) == 5
+
+
+def test_a_window_profiles_what_is_left_of_the_budget_and_what_one_interval_buys_at_most() -> None:
+    clock = [0.0]
+    b = WindowBudget(0.01, clock=lambda: clock[0])
+    b.start(stacks=False, recent_ns=[10_000_000])
+    b.step(30_000_000)  # one profiled step: 20 ms
+    b.stopped(lambda: True)
+    for _ in range(AFTER_STEPS + 1):
+        b.step(10_000_000)
+    assert b.step_cost_ns(False) == 20_000_000 and b.step_cost_ns(True) == 20_000_000 * STACK_FACTOR
+    clock[0] = 6.0  # 1% of 6 s: 60 ms, 20 of them spent
+    assert b.fit(False, 5, 0.01, interval_s=30) == 2
+    assert b.fit(True, 5, 0.01, interval_s=30) == 0  # 200 ms a step with Python stacks: none fits
+    assert b.fit(False, 5, 0.01, interval_s=30, spent_ns=40_000_000) == 0  # another rank's 40 ms
+    clock[0] = 100.0
+    assert b.fit(False, 5, 0.01, interval_s=30) == 5
+    assert b.fit(False, 5, 0.01, interval_s=3) == 1  # 1% of a 3 s interval: 30 ms, one step
+    assert b.fit(True, 5, 0.01, interval_s=3) == 1  # one step, even where it costs more
+
+
+def _run(
+    seconds: float, step_ms: float, extra_ms: float, share: float, slower_from_s: float = 1e9
+) -> tuple[Schedule, WindowBudget, float, int]:
+    """One rank's job on a simulated clock, driven as the hook drives it: a profiled step takes
+    ``extra_ms`` longer, and so does the step after the window (its stop and summarizing); from
+    ``slower_from_s`` on every step takes twice as long (a slowdown that triggers). Returns the
+    schedule, the budget, the job's extra time from windows, and the windows taken."""
+    clock = [0.0]
+    budget = WindowBudget(share, clock=lambda: clock[0])
+    s = Schedule(window_s=30, window_steps=5, trigger_ratio=1.2, rank=0, world_size=1, job="j",
+                 clock=lambda: clock[0], budget=budget)  # fmt: skip
+    step, left, extra_total, taken, next_poll = 0, -1, 0.0, 0, 0.0
+    while clock[0] < seconds:
+        if clock[0] >= next_poll:
+            s.poll(step)
+            next_poll += POLL_S
+        if step == s.planned:
+            budget.start(s.stacks, s.recent)
+            left, taken = s.steps, taken + 1
+        base = step_ms * (2 if clock[0] >= slower_from_s else 1)
+        extra = extra_ms if left > 0 or left == 0 else 0.0
+        dur_ns = int((base + extra) * 1e6)
+        disturbed = budget.step(dur_ns)
+        s.note_step(dur_ns, disturbed=disturbed)
+        if left > 0:
+            left -= 1
+            if left == 0:
+                budget.stopped(lambda: True)
+        elif left == 0:
+            left = -1
+        extra_total += extra / 1e3
+        clock[0] += dur_ns / 1e9
+        step += 1
+    return s, budget, extra_total, taken
+
+
+@pytest.mark.parametrize("extra_ms", [2.0, 60.0, 400.0])
+def test_windows_stay_within_the_budget_however_much_they_cost(extra_ms: float) -> None:
+    """A cheap window (2 ms a profiled step) leaves windows at their interval; an expensive one
+    (400 ms a step: a pipeline-parallel job's) gets fewer and single-step windows."""
+    seconds = 600.0
+    s, budget, extra_s, taken = _run(seconds, step_ms=50.0, extra_ms=extra_ms, share=0.005)
+    assert extra_s <= 0.005 * seconds
+    assert budget.spent_ns / 1e9 == pytest.approx(extra_s, rel=0.05)  # what was measured is what it cost
+    assert taken >= 1 and budget.windows >= taken - 1
+    if extra_ms == 2.0:
+        assert taken >= seconds / 30 - 1 and s.steps == 5
+    if extra_ms == 400.0:
+        assert s.steps == 1 and taken <= 0.005 * seconds / 0.8 + 1
+
+
+def test_a_slowdown_is_profiled_as_soon_as_the_budget_allows_and_no_window_triggers_another() -> None:
+    """A trigger's request waits for the budget, not dropped; windows' own slow steps trigger
+    nothing: with windows of 400 ms a step and no slowdown, no window is a triggered one."""
+    s, *_ = _run(600.0, step_ms=50.0, extra_ms=400.0, share=0.005)
+    assert s.requests_read == 0 and s._last_trigger == -math.inf
+    s, _, extra_s, _ = _run(600.0, step_ms=50.0, extra_ms=400.0, share=0.005, slower_from_s=200)
+    assert s._last_trigger > 200 and not s._pending  # asked for at ~203 s, served once affordable
+    assert extra_s <= 0.005 * 600
