@@ -55,7 +55,7 @@ WORLD = 4
 JOBS: dict[str, tuple[str, str]] = {
     "demo_job": ("rankscope/demo_job.py", "--seconds 40"),
     "nanogpt": ("benchmarks/jobs/nanogpt_like.py", "--seconds 40"),
-    "pipeline": ("benchmarks/jobs/pipeline_dp.py", "--steps 150"),
+    "pipeline": ("benchmarks/jobs/pipeline_dp.py", "--steps 300"),
     "hf_trainer": ("tests/jobs/hf_trainer.py", "{spool} {out} --max-steps 1600 --job {job}"),
 }
 """Job -> (its script, relative to the checkout; its flags). ``{spool}``, ``{out}`` and ``{job}``
