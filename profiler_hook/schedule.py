@@ -134,7 +134,9 @@ class Schedule:
         self._rates_key, self._peers_key = f"rankscope/{job}/rates/", f"rankscope/{job}/peer_rates"
         self._standing_key = f"rankscope/{job}/standing_out"
         """How many ranks stand out now: while any does, every window records stacks."""
-        self._sample = sorted({int(i * world_size / SAMPLE) for i in range(min(SAMPLE, world_size))})
+        self._sample = sorted(
+            {i * world_size // min(SAMPLE, world_size) for i in range(min(SAMPLE, world_size))}
+        )
         self._rates: tuple[float, float] | None = None
         """This rank's own time and CPU time per step (µs) in its last block..."""
         self._published: tuple[float, float] | None = None

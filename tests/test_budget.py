@@ -132,3 +132,35 @@ def test_a_slowdown_is_profiled_as_soon_as_the_budget_allows_and_no_window_trigg
     s, _, extra_s, _ = _run(600.0, step_ms=50.0, extra_ms=400.0, share=0.005, slower_from_s=200)
     assert s._last_trigger > 200 and not s._pending  # asked for at ~203 s, served once affordable
     assert extra_s <= 0.005 * 600
+
+
+def test_the_planner_holds_the_job_to_the_rank_whose_windows_cost_most() -> None:
+    """Rank 0 plans for every rank: the windows' cost it keeps within the budget is the most any
+    sampled rank measured, published with its step rates through the job's store."""
+    import torch.distributed
+
+    store, clock = torch.distributed.HashStore(), [0.0]
+    budgets = [WindowBudget(0.005, clock=lambda: clock[0]) for _ in range(2)]
+    planner, follower = (
+        Schedule(window_s=30, window_steps=5, trigger_ratio=1.5, rank=r, world_size=2, job="j",
+                 store=lambda: store, clock=lambda: clock[0], budget=budgets[r])
+        for r in (0, 1)
+    )  # fmt: skip
+    for b, cpu_ns in zip(budgets, (10_000_000, 100_000_000), strict=True):  # one window each, 1 step
+        b.start(stacks=False, recent_ns=[10_000_000])
+        b.stopped(lambda: True)
+        b.add_cpu(cpu_ns)
+        for _ in range(AFTER_STEPS + 1):
+            b.step(10_000_000)
+    clock[0] = 30.0  # 0.15 s of budget: 0.1 spent by rank 1, and its window costs 0.1 a step
+    for step in (100, 200):
+        for s in (follower, planner):
+            s.note_block(1000.0, 1000.0)
+            s.poll(step)
+    assert planner.spent_ns == 100_000_000 and planner.plans == 0
+    clock[0] = 45.0  # 0.225 s: one step fits
+    planner.poll(300)
+    follower.poll(301)  # reads the plan
+    assert planner.plans == follower.plans == 1 and planner.steps == follower.steps == 1
+    clock[0] = 30.0  # rank 0's own cost alone would have fit five steps at 30 s
+    assert budgets[0].fit(False, 5, 0.01, 30) == 5
