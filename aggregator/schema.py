@@ -294,7 +294,7 @@ def _arrivals_by_process_ddl(database: str, cluster: str = "") -> list[str]:
 
 LATEST_HEARTBEATS = Table(
     "latest_heartbeats",
-    tuple(c for c in HEARTBEATS.columns if c[0] not in ("samples", "sends", "windows", "window_cost_us")),
+    tuple(c for c in HEARTBEATS.columns if c[0] not in ("samples", "sends")),
     order_by=("job", "rank"),
     version="time_us",
 )
@@ -574,6 +574,12 @@ def ensure_schema(client: Any, database: str = DEFAULT_DATABASE, cluster: str = 
     for name in sorted(older):
         if name in REKEYED and int(dict(found)[name].rsplit(" ", 1)[-1]) < REKEYED[name]:
             _rekey(client, database, TABLES[name])
+        if name == HEARTBEATS.name and LATEST_HEARTBEATS.name in dict(found):
+            # The latest heartbeats' table takes the new columns, and its view, which names the
+            # columns it copies, is made anew below.
+            for alter in _TO_10[name]:
+                client.command(f"ALTER TABLE `{database}`.`{LATEST_HEARTBEATS.name}` {alter}")
+            client.command(f"DROP VIEW IF EXISTS `{database}`.`{LATEST_HEARTBEATS_OBJECTS[1]}`")
         _migrate(client, database, name, dict(found)[name])
     for ddl in _window_input_ddl(database):
         client.command(ddl)
@@ -627,6 +633,8 @@ _TO_10 = {
         "ADD COLUMN IF NOT EXISTS `window_cost_us` Int64 DEFAULT 0",
     ]
 }
+"""Schema 10: what the windows cost each rank, in its heartbeats (``latest_heartbeats`` too: see
+:func:`ensure_schema`)."""
 
 
 def _then(*steps: dict[str, list[str]]) -> dict[str, list[str]]:

@@ -377,6 +377,7 @@ def _heartbeats(
             "coll_seq": np.where(in_coll, seq, -1),
             "last_seq": [{"world": int(x)} for x in last],
             "stack": stack,
+            "window_cost_us": np.zeros(n, dtype=np.int64),
         }
     )[HEARTBEAT_FIELDS]
 

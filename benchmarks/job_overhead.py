@@ -23,9 +23,9 @@ over the time from its first record to its last).
 Per job: ``off_ms_per_step`` and ``on_ms_per_step`` are the medians over runs; ``ratio_pct`` is
 the ratio of those medians (in %) with ``ratio_ci95_pct`` its 95% bootstrap interval over pairs;
 ``median_pair_pct`` is the median of each pair's ratio, with ``median_ci95_pct`` (as
-``benchmarks.hook_overhead`` computes them). A run this short holds the start-up windows (10 and
-20 s into a job) that a long job has once, so it shows the cost of a job's first minute, not of
-its steady state: for that, ``benchmarks.hook_overhead`` (an in-run A/B of one long job).
+``benchmarks.hook_overhead`` computes them). The hook holds its windows to their budget from its
+start on (``profiler_hook.budget``), so a short run is held to it as a long one is; a run's
+first minute still pays for the hook's start-up (``attach`` imports what the profiler needs).
 """
 
 from __future__ import annotations

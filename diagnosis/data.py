@@ -50,6 +50,7 @@ HEARTBEAT_FIELDS = [
     "coll_seq",
     "last_seq",
     "stack",
+    "window_cost_us",
 ]
 
 

@@ -56,6 +56,21 @@ def _ranks(ranks: list[int], most: int = 8) -> str:
     return f"rank{'s' if len(rs) > 1 else ''} {said}"
 
 
+def window_cost(data: JobData) -> float | None:
+    """The most any rank's profiling windows cost it, as a share of its time from its start (its
+    rank record) to its latest heartbeat; None where no heartbeat says."""
+    beats, ranks = data.heartbeats, data.ranks
+    if beats.empty or "window_cost_us" not in beats or "time_us" not in ranks:
+        return None
+    start = dict(zip(ranks["rank"].astype(int), ranks["time_us"].astype(int), strict=True))
+    shares = [
+        cost / (t - start[r])
+        for r, t, cost in zip(beats["rank"].astype(int), beats["time_us"], beats["window_cost_us"], strict=True)
+        if r in start and t > start[r]
+    ]
+    return round(max(shares), 5) if shares else None
+
+
 def diagnose(data: JobData, settings: Settings | None = None) -> Diagnosis:
     """Analyze one job's records; findings ranked by confidence (empty for a healthy job)."""
     s = settings or Settings()
@@ -80,6 +95,8 @@ def diagnose(data: JobData, settings: Settings | None = None) -> Diagnosis:
         "windows": int(data.spans()["window"].nunique()),
         "seconds": round(time.perf_counter() - t0, 3),
     }
+    if (cost := window_cost(data)) is not None:
+        analyzed["window_cost"] = cost
     if gaps := coverage_gaps(data.ranks):
         analyzed["coverage_gaps"] = gaps
     if lost := records_missing(data.missing):

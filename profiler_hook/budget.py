@@ -75,7 +75,11 @@ class WindowBudget:
     # --- the training thread -------------------------------------------------------------------
 
     def start(self, stacks: bool, recent_ns: Iterable[int]) -> None:
-        """A window starts at this step; ``recent_ns``: the durations of the steps before it."""
+        """A window starts at this step; ``recent_ns``: the durations of the steps before it. The
+        last window, if still measured here (this rank summarizes slower than the planner), is
+        counted with what it cost so far."""
+        if self._open is not None:
+            self._close(self._open)
         recent = list(recent_ns)
         self._open = [int(statistics.median(recent)) if recent else None, 0, 0, stacks, -1]
         self._cpu_ns = 0

@@ -140,11 +140,11 @@ class Schedule:
         self._rates: tuple[float, float] | None = None
         """This rank's own time and CPU time per step (µs) in its last block..."""
         self._published: tuple[float, float] | None = None
+        """...and the rates it last published and compared."""
         self.spent_ns = 0
         """What the windows cost the rank that measured the most, of the ranks rank 0 gathers."""
         self._pending = False
         """Rank 0: a window was asked for (and not in a cooldown); it waits for the budget."""
-        """...and the rates it last published and compared."""
         self._compare_warned = False
         self._standing_out = 0
         """Comparisons in a row in which this rank stood out (counted past ``STAND_OUT_BLOCKS``

@@ -60,8 +60,10 @@ def format_diagnosis(d: Diagnosis) -> str:
     a = d.analyzed
     steps = a.get("steps") or []
     span = f"steps {steps[0]}-{steps[1]}" if steps else "no steps"
+    cost = a.get("window_cost")
     lines = [
         f"rankscope diagnosis of job {d.job}: {a.get('ranks', 0)} ranks, {span}, {a.get('windows', 0)} windows"
+        + (f" (their cost: {_cost(cost)} of a rank's run at most)" if cost is not None else "")
     ]
     if gaps := a.get("coverage_gaps"):
         lines.append(f"  not seen by the hook: {'; '.join(gaps)}")

@@ -168,6 +168,7 @@ def test_a_hooked_multi_rank_job_is_stored_exactly_once_by_rankscope_aggregate(
         "kafka_api_version": "0.9",
         "kafka_topic": "ranks",
         "window_s": 0.5,
+        "window_budget": 1.0,  # windows every 0.5 s, whatever they cost: records of every kind
         "flush_s": 0.5,
     }
     stats = launch(

@@ -649,7 +649,7 @@ def test_reads_of_an_unknown_job_are_empty_frames_with_columns(store: Store) -> 
     assert df.empty and list(df.columns) == [
         c
         for c in TABLES["heartbeats"].column_names
-        if c not in ("samples", "sends", "windows", "window_cost_us")
+        if c not in ("samples", "sends")
     ]
     assert store.jobs().empty and "job" in store.jobs().columns
 
@@ -1318,3 +1318,7 @@ def test_what_a_ranks_windows_cost_is_read_from_its_heartbeats_as_a_share_of_its
     e = measure(JOB, store.steps(JOB), store.windows(JOB), store.ranks(JOB), None, costs)
     assert [(r.rank, r.window_cost) for r in e.ranks] == [(0, 0.0025), (1, None)]
     assert " 0.25%" in format_efficiency(e)
+    # The diagnosis says the most any rank's windows cost, from its start (the rank record) on.
+    store.write([rank_info(0, T0 - 20_000_000), rank_info(1)])
+    analyzed = diagnose(read_job(store, JOB)).analyzed
+    assert analyzed["window_cost"] == 0.00125  # 50 ms in the 40 s from rank 0's start

@@ -74,6 +74,26 @@ def _overhead(run: dict[str, Any]) -> list[str]:
     ]
 
 
+def _jobs(run: dict[str, Any]) -> list[str]:
+    rows = run["rows"]
+
+    def each(cell: Callable[[dict[str, Any]], str]) -> str:
+        return "; ".join(f"{r['job']} {cell(r)}" for r in rows)
+
+    worst = max(rows, key=lambda r: r["median_pair_pct"])
+    return [
+        f"{len(rows)} × {run['ranks']} ranks",
+        str(min(r["pairs"] for r in rows)),
+        each(lambda r: f"{r['off_ms_per_step']:.1f} → {r['on_ms_per_step']:.1f}"),
+        each(lambda r: f"{_pct(r['ratio_pct'])} ({_interval(r['ratio_ci95_pct'])})"),
+        each(lambda r: _pct(r["median_pair_pct"])),
+        f"{worst['job']} {_pct(worst['median_pair_pct'])} ({_interval(worst['median_ci95_pct'])})",
+        each(lambda r: "—" if r["window_ms"] is None else f"{r['window_ms']:.0f} ms"),
+        each(lambda r: "/".join("—" if x is None else f"{x:g}" for x in r["windows"])),
+        each(lambda r: "/".join("—" if x is None else f"{x:.2f}%" for x in r["windows_share_pct"])),
+    ]
+
+
 def _scale(run: dict[str, Any]) -> list[str]:
     sizes = run["sizes"]
 
@@ -126,6 +146,22 @@ TABLES: dict[str, tuple[str, list[str], Callable[[dict[str, Any]], list[str]]]] 
             "hangs: slowest",
         ],
         _faults,
+    ),
+    "job_overhead": (
+        "Users' jobs with and without the hook (`python -m benchmarks.job_overhead`): separate runs, "
+        "interleaved",
+        [
+            "jobs",
+            "pairs",
+            "ms/step off → on (medians)",
+            "ratio of medians (95% interval)",
+            "median pair",
+            "worst job, median pair",
+            "one window's cost",
+            "windows per rank",
+            "windows' share of each rank's run",
+        ],
+        _jobs,
     ),
     "hook_overhead": (
         "Hook overhead (`python -m benchmarks.hook_overhead`): in-run A/B, working vs. paused",
