@@ -65,7 +65,9 @@ def window_cost(data: JobData) -> float | None:
     start = dict(zip(ranks["rank"].astype(int), ranks["time_us"].astype(int), strict=True))
     shares = [
         cost / (t - start[r])
-        for r, t, cost in zip(beats["rank"].astype(int), beats["time_us"], beats["window_cost_us"], strict=True)
+        for r, t, cost in zip(
+            beats["rank"].astype(int), beats["time_us"], beats["window_cost_us"], strict=True
+        )
         if r in start and t > start[r]
     ]
     return round(max(shares), 5) if shares else None

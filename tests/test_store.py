@@ -647,9 +647,7 @@ def test_reads_of_an_unknown_job_are_empty_frames_with_columns(store: Store) -> 
     assert store.steps("nope").empty and list(store.steps("nope").columns) == STEP_COLUMNS
     df = store.heartbeats_latest("nope")
     assert df.empty and list(df.columns) == [
-        c
-        for c in TABLES["heartbeats"].column_names
-        if c not in ("samples", "sends")
+        c for c in TABLES["heartbeats"].column_names if c not in ("samples", "sends")
     ]
     assert store.jobs().empty and "job" in store.jobs().columns
 
