@@ -49,10 +49,8 @@ class Config:
     window_s: float = 30.0
     """A profiling window starts about every this many seconds, at a step every rank agrees on
     (0: never profile, not even when triggered); the first two come 10 and 20 s after start-up. A
-    periodic window (no Python stacks: ``with_stack``) cost a 2-rank DDP job with a core per rank
-    ~10 ms, within the steps' noise (``benchmarks.hook_overhead``; with stacks, 45-75 ms), so 30 s
-    keeps windows under 0.1% of the job's time, and a slowdown too small to trigger one (below)
-    is still profiled within 30 s of its start."""
+    slowdown too small to trigger one (below) is still profiled within 30 s of its start, where
+    ``window_budget`` has room: every window waits until it fits."""
     window_steps: int = 5
     """Steps profiled in each window, at most: fewer where a window costs more than one
     ``window_s`` interval's share of ``window_budget`` (``profiler_hook.budget``)."""
@@ -69,9 +67,10 @@ class Config:
     at 4 and 8 ranks, jumped 1.08x and 1.09x at most; a rank behind a 1 Gbit/s NIC slowed the
     job 1.26x, under the 1.5x this was before, and got one window in 30 s after it began."""
     with_stack: bool = True
-    """Record Python functions (by call stack) in the profiling windows that look for a cause: the
-    first two, those a slowdown or a rank standing out from its peers triggers, with their
-    follow-ups, and every window while a rank stands out. Other windows record operators only:
+    """Record Python functions (by call stack) in the profiling windows that look for a cause, where
+    ``window_budget`` has room for them: the second start-up window, those a slowdown or a rank
+    standing out from its peers triggers, with their follow-ups, and every window while a rank
+    stands out. Other windows record operators only:
     stacks took ~35 of the 45-75 ms a window cost a 2-rank DDP job at ~110 ms a step
     (``benchmarks.hook_overhead``)."""
     max_functions: int = 300
