@@ -65,7 +65,17 @@ def test_the_hugging_face_callback_in_a_two_process_trainer_under_torchrun(tmp_p
     pytest.importorskip("transformers", reason="pip install rankscope[hf] (./dev test installs it)")
     spool = tmp_path / "spool"
     out = _run(
-        [*torchrun(2), str(JOBS / "hf_trainer.py"), str(spool), str(tmp_path / "out"), "1.0"], tmp_path
+        # Windows every second whatever they cost: several to compare across the ranks.
+        [
+            *torchrun(2),
+            str(JOBS / "hf_trainer.py"),
+            str(spool),
+            str(tmp_path / "out"),
+            "1.0",
+            "--window-budget",
+            "1",
+        ],
+        tmp_path,
     )
     recs = _records(spool, "hf-job")
     _check(recs, 2400, saves=(800, 1600, 2400))

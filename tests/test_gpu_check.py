@@ -14,6 +14,7 @@ import torch
 
 from benchmarks import gpu_check
 from tests.commands import torchrun
+from wire.records import Heartbeat
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
@@ -29,8 +30,9 @@ def test_without_a_gpu_it_says_so_and_runs_nothing(
 def test_the_gpu_job_runs_and_its_spool_reads_as_gpu_check_reads_it(tmp_path: Path) -> None:
     """Two ranks of gpu_gpt.py (on the CPU here), rank 1 blocking in ``upload_metrics`` every 5th
     step from 4 s on: the run's measurements are written, each rank stored its first window (10 s
-    after its start-up, later on a loaded machine),
-    whose Python functions name the upload on rank 1, and every step row has collective time."""
+    after its start-up, later on a loaded machine), rank 1's heartbeats' stack samples name the
+    upload (at the hook's defaults, its windows record Python stacks only where their cost budget
+    has room), and every step row has collective time."""
     out = tmp_path / "run.json"
     env = {**os.environ, "RANKSCOPE_SPOOL": str(tmp_path / "spool"), "RANKSCOPE_JOB": "gpu-smoke"}
     flags = ["--d-model", "64", "--n-layer", "2", "--n-head", "4", "--seq-len", "32", "--vocab", "256"]
@@ -61,14 +63,10 @@ def test_the_gpu_job_runs_and_its_spool_reads_as_gpu_check_reads_it(tmp_path: Pa
     assert figures["windows"] >= 2, figures
     assert figures["steps_with_comm"] == 1.0 and figures["comm_us_per_step"] > 0, figures
     assert "DDP GPT on world: timed per backward pass" in figures["coverage"], figures
-    uploads = [
-        r.rank
-        for r in records
-        if isinstance(r, gpu_check.WindowSummary)
-        for f in r.functions
-        if f.kind == "python" and "upload_metrics" in f.name
-    ]
-    assert set(uploads) == {1}, uploads
+    uploads = {
+        r.rank for r in records if isinstance(r, Heartbeat) for key in r.samples if "upload_metrics" in key
+    }
+    assert 1 in uploads, uploads
     table = gpu_check.report(
         {
             "environment": {"torch": torch.__version__, "cuda": None},

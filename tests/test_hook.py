@@ -1110,7 +1110,14 @@ def test_ddps_all_reduces_let_go_of_the_backward_passes_context_by_the_end_of_th
 @pytest.mark.releases
 @pytest.mark.slow
 def test_hook_in_spawned_gloo_ranks(tmp_path: Path) -> None:
-    hook = {"spool_dir": str(tmp_path), "window_s": 0.5, "window_steps": 4, "flush_s": 0.5}
+    # Windows every 0.5 s whatever they cost (window_budget=1): many windows to compare across ranks.
+    hook = {
+        "spool_dir": str(tmp_path),
+        "window_s": 0.5,
+        "window_steps": 4,
+        "window_budget": 1.0,
+        "flush_s": 0.5,
+    }
     stats = launch(
         JobSpec(
             job="mr",
@@ -1138,15 +1145,17 @@ def test_hook_in_spawned_gloo_ranks(tmp_path: Path) -> None:
         windows[rank] = [(w.window, w.step_lo, w.step_hi) for w in wins]
         for i, w in enumerate(sorted(wins, key=lambda w: w.window)):
             kinds = {f.kind for f in w.functions}
-            assert {"op", "collective", "dataloader"} <= kinds
-            assert i >= 2 or "python" in kinds  # stacks: the first two windows (and triggered ones)
+            # A batch is fetched before its step begins: a window of one step holds no fetch.
+            assert {"op", "collective"} | ({"dataloader"} if w.step_hi - w.step_lo > 1 else set()) <= kinds
+            # Stacks in the second start-up window (the first measures what a window costs, without).
+            assert i != 1 or "python" in kinds
             # gloo's annotation of each all-reduce is communication, not an operator of the model.
             assert {f.kind for f in w.functions if f.name.startswith("gloo:")} == {"collective"}
             assert len(json.dumps([list(f) for f in w.functions])) < 100_000  # the per-window budget
         last = [r for r in rs if isinstance(r, Heartbeat)][-1]
         assert last.last_seq == {"world": 301}  # 300 all-reduces + the final barrier, on every rank
     # Windows cover the same steps on every rank: that is what makes ranks comparable.
-    assert windows[0] and all(lo == w and hi == lo + 4 for w, lo, hi in windows[0])  # id = first step
+    assert windows[0] and all(lo == w and lo < hi <= lo + 4 for w, lo, hi in windows[0])  # id = first step
     assert all(w == windows[0] for w in windows.values())
     hosts = {r.rank: r.host for rs in recs.values() for r in rs if isinstance(r, profiler_hook.RankInfo)}
     assert hosts == {0: "node0", 1: "node0", 2: "node1", 3: "node1"}

@@ -3,7 +3,7 @@ checkpoint every 800 steps, with rankscope as a callback. The Trainer builds DDP
 ``find_unused_parameters=True`` for a model that is not a ``PreTrainedModel``.
 
     torchrun --nproc-per-node 2 tests/jobs/hf_trainer.py SPOOL_DIR OUT_DIR [WINDOW_S]
-                                                         [--max-steps N] [--job ID]
+                                                         [--max-steps N] [--job ID] [--window-budget F]
 
 WINDOW_S: the hook's ``window_s`` (without it, the hook's default: 30 s, longer than the test's
 job). At the end rank 0 prints ``train: <steps> steps in <s> s (<ms> ms/step)`` from the
@@ -50,8 +50,11 @@ def main() -> None:
     ap.add_argument("window_s", type=float, nargs="?")
     ap.add_argument("--max-steps", type=int, default=2400)
     ap.add_argument("--job", default="hf-job")
+    ap.add_argument("--window-budget", type=float, help="the hook's window_budget (default: its own)")
     cli = ap.parse_args()
     hook: dict[str, Any] = {} if cli.window_s is None else {"window_s": cli.window_s}
+    if cli.window_budget is not None:
+        hook["window_budget"] = cli.window_budget
     args = TrainingArguments(
         output_dir=cli.out,
         max_steps=cli.max_steps,
