@@ -278,7 +278,7 @@ class Schedule:
             if budget.measuring:
                 return  # the last window's cost is not known yet
             stacks = stacks and budget.measured  # the first window measures what one costs
-            step_s = statistics.median(self.recent) / 1e9 if self.recent else LEAD_S
+            step_s = self._step_s()
             steps = budget.fit(stacks, self.window_steps, step_s, self.window_s, self.spent_ns)
             if stacks and not steps:
                 stacks = False  # Python stacks only where they fit: operators and kernels at least
@@ -337,10 +337,13 @@ class Schedule:
                 store.add(self._standing_key, -1)
             self._standing_out = 0
 
+    def _step_s(self) -> float:
+        """The recent step time (s): the median of the last steps (``LEAD_S`` before any)."""
+        return statistics.median(self.recent) / 1e9 if self.recent else LEAD_S
+
     def _lead(self) -> int:
         """Steps in the lead (``LEAD_S``, longer after misses) at the recent step time (at least 2)."""
-        step_s = statistics.median(self.recent) / 1e9 if self.recent else LEAD_S
-        return max(2, math.ceil(self._lead_s / max(step_s, 1e-6)))
+        return max(2, math.ceil(self._lead_s / max(self._step_s(), 1e-6)))
 
     def _adopt(self, first: int, step: int, stacks: bool, steps: int) -> bool:
         """Take the plan ``first`` (with Python ``stacks`` or not, of ``steps``); False if it is new
