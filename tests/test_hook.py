@@ -1364,9 +1364,7 @@ def test_the_profilers_first_start_is_paid_at_attach_not_by_a_step() -> None:
 
 
 def test_close_honours_its_timeout_with_a_dead_broker_and_counts_what_it_abandons() -> None:
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # nothing listens on it
     hook = Hook(
         Config(sink="kafka", kafka_bootstrap=f"127.0.0.1:{port}", window_s=0, queue_size=64, step_block_s=0,
                flush_s=1e-9),  # each step's row shipped as it ends
