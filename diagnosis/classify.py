@@ -101,12 +101,18 @@ def classify(
             return Attribution("dataloader", sampled.name, share, sampled_us / total, ev)
         return Attribution("dataloader", loader, share, share, ev)
     if extra is not None:
-        code = functions.innermost_code(excess, 0.5 * extra.excess_us) or extra
-        ev = {
-            **code_evidence(code),
+        code = functions.innermost_code(excess, 0.5 * extra.excess_us)
+        counts = {
             "calls_per_step": round(extra.rank_count, 2),
             "peer_calls_per_step": round(extra.peer_count, 2),
         }
+        if code is None and extra.kind not in functions.PYTHON_KINDS and sampled is not None:
+            # Windows without Python stacks saw an operator only the culprit runs; the function of
+            # its code that calls it is where its stack samples put it beyond its peers.
+            ev = {**sampled_evidence(sampled), "operator": extra.name, **counts}
+            return Attribution("code_path", sampled.name, extra.excess_us / total, sampled_us / total, ev)
+        code = code or extra
+        ev = {**code_evidence(code), **counts}
         if code is not extra:
             ev["entered_through"] = extra.name
         op = functions.top_of_kinds(excess, functions.WORK_KINDS)

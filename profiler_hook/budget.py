@@ -13,9 +13,10 @@ job's windows so far, plus what the next is expected to cost, stay within ``shar
 since the hook started (periodic, triggered, follow-up windows alike: a request waits until it
 fits), and sizes it so that one window costs at most what one ``window_s`` interval buys. What a
 window is expected to cost comes from the windows measured so far (per profiled step, with and
-without Python stacks: a window that looks for a cause records them only where they fit, else it
-records operators alone); before any is measured, the first window profiles one step of a slow
-job (``PROBE_S``), records no Python stacks and is assumed to cost ``FIRST_COST_S``.
+without Python stacks: a window that looks for a cause records them where one step with them costs
+no more than an interval buys, and waits for room for them; else it records operators alone);
+before any is measured, the first window profiles one step of a slow job (``PROBE_S``), records no
+Python stacks and is assumed to cost ``FIRST_COST_S``.
 """
 
 from __future__ import annotations
@@ -32,12 +33,12 @@ FIRST_COST_S = 0.05
 PROBE_S = 0.1
 """The first window profiles this many seconds of steps (at least one step, at most
 ``window_steps``): on a job of 250 ms steps one step, not five, before its cost is known."""
-STACK_FACTOR = 10.0
+STACK_FACTOR = 6.0
 """A window with Python stacks is expected to cost this many times one without until one with
 stacks is measured: the Python tracer's events cost most at the profiler's stop, on the training
 thread. One step of a small pipeline-parallel job on 2 shared cores: 5,500 events and ~0.16 s
-without stacks, 29,000 and ~1.45 s with them (stop() 0.14-0.81 s, summarizing 0.3-0.4 s of CPU);
-a 2-rank DDP MLP's five steps: 1,100 against 2,566 events, ~10 against 45-75 ms."""
+without stacks, 29,000 and ~1.45 s with them (9x; stop() 0.14-0.81 s, summarizing 0.3-0.4 s of
+CPU); a 2-rank DDP MLP's five steps: 1,100 against 2,566 events, ~10 against 45-75 ms (4.5-7.5x)."""
 
 
 class WindowBudget:
@@ -61,11 +62,6 @@ class WindowBudget:
         profiled, with stacks, steps still counted after it (-1 while it is open)]."""
         self._done: Callable[[], bool] = lambda: True
         self._cpu_ns = 0
-
-    @property
-    def measured(self) -> bool:
-        """Whether any window's cost is known: until then windows record no Python stacks."""
-        return self.windows > 0
 
     @property
     def measuring(self) -> bool:
@@ -127,15 +123,27 @@ class WindowBudget:
             self._started += self._clock() - self._paused_at
             self._paused_at = None
 
-    def step_cost_ns(self, stacks: bool) -> float | None:
-        """What one profiled step is expected to cost (None: no window measured yet)."""
+    def step_cost_ns(self, stacks: bool, spent_ns: int = 0) -> float | None:
+        """What one profiled step is expected to cost (None: no window measured yet). Another
+        rank's larger cost so far (``spent_ns``, the most the planner heard of) scales this rank's
+        alike."""
         steps, cost = self._steps, self._cost
         if steps[stacks]:
-            return cost[stacks] / steps[stacks]
-        if steps[not stacks]:
+            per_step = cost[stacks] / steps[stacks]
+        elif steps[not stacks]:
             other = cost[not stacks] / steps[not stacks]
-            return other * STACK_FACTOR if stacks else other / STACK_FACTOR
-        return None
+            per_step = other * STACK_FACTOR if stacks else other / STACK_FACTOR
+        else:
+            return None
+        if self.spent_ns > 0 and spent_ns > self.spent_ns:
+            per_step *= spent_ns / self.spent_ns
+        return max(per_step, 1.0)
+
+    def affordable(self, stacks: bool, interval_s: float, spent_ns: int = 0) -> bool:
+        """Whether one profiled step of this kind costs no more than one interval of ``interval_s``
+        buys (False before any window is measured)."""
+        per_step = self.step_cost_ns(stacks, spent_ns)
+        return per_step is not None and per_step <= self.share * interval_s * 1e9
 
     def fit(self, stacks: bool, most: int, step_s: float, interval_s: float, spent_ns: int = 0) -> int:
         """How many steps (1 to ``most``) a window may profile now; 0: none fits yet.
@@ -145,7 +153,7 @@ class WindowBudget:
         is left of the budget: ``share`` of the time since the start, less what the job's windows
         cost so far (``spent_ns``, the most any rank the planner heard of measured; at least this
         rank's). Another rank's larger cost scales this rank's per-step cost alike."""
-        per_step = self.step_cost_ns(stacks)
+        per_step = self.step_cost_ns(stacks, spent_ns)
         now = self._paused_at if self._paused_at is not None else self._clock()
         left = self.share * (now - self._started) * 1e9 - max(self.spent_ns, spent_ns)
         if per_step is None:
@@ -154,9 +162,6 @@ class WindowBudget:
                 if left >= FIRST_COST_S * 1e9
                 else 0
             )
-        if self.spent_ns > 0 and spent_ns > self.spent_ns:
-            per_step *= spent_ns / self.spent_ns
-        per_step = max(per_step, 1.0)
         n = min(
             most, max(1, math.floor(self.share * interval_s * 1e9 / per_step)), math.floor(left / per_step)
         )

@@ -17,8 +17,8 @@ step block (~2 s, ``profiler_hook.blocks``) each rank publishes its own time and
 step; rank 0 gathers those of up to ``SAMPLE`` ranks into one key, and each rank compares itself
 with the median of the others there.
 
-Python stacks are recorded in the windows that look for a cause, where the budget has room for
-them: the second start-up window (the first measures what a window costs), those a slowdown
+Python stacks are recorded in the windows that look for a cause, where one step with them costs
+no more than one interval of the budget buys (such a window waits for room for them): the second start-up window (the first measures what a window costs), those a slowdown
 triggers with their follow-ups, and every window while a rank stands out (a rank found at a change
 is attributed from the windows since). Other periodic windows record operators only: stacks more
 than double a window's events, and were more than half of what a window cost a 2-rank DDP job;
@@ -277,12 +277,11 @@ class Schedule:
         if budget is not None:
             if budget.measuring:
                 return  # the last window's cost is not known yet
-            stacks = stacks and budget.measured  # the first window measures what one costs
-            step_s = self._step_s()
-            steps = budget.fit(stacks, self.window_steps, step_s, self.window_s, self.spent_ns)
-            if stacks and not steps:
-                stacks = False  # Python stacks only where they fit: operators and kernels at least
-                steps = budget.fit(stacks, self.window_steps, step_s, self.window_s, self.spent_ns)
+            # The first window measures what one costs. Python stacks where a step with them costs
+            # no more than an interval buys: the window waits for room for them rather than spend
+            # it on one without (which would leave none for them). Else operators and kernels.
+            stacks = stacks and budget.affordable(True, self.window_s, self.spent_ns)
+            steps = budget.fit(stacks, self.window_steps, self._step_s(), self.window_s, self.spent_ns)
             if not steps:
                 return  # it waits until the windows so far have paid for it; a request stays
         if asked:

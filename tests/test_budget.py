@@ -75,25 +75,27 @@ def test_a_window_profiles_what_is_left_of_the_budget_and_what_one_interval_buys
 
 def _run(
     seconds: float, step_ms: float, extra_ms: float, share: float, slower_from_s: float = 1e9
-) -> tuple[Schedule, WindowBudget, float, int]:
+) -> tuple[Schedule, WindowBudget, float, list[tuple[float, bool]]]:
     """One rank's job on a simulated clock, driven as the hook drives it: a profiled step takes
     ``extra_ms`` longer, and so does the step after the window (its stop and summarizing); from
     ``slower_from_s`` on every step takes twice as long (a slowdown that triggers). Returns the
-    schedule, the budget, the job's extra time from windows, and the windows taken."""
+    schedule, the budget, the job's extra time from windows, and the windows taken (when, with
+    Python stacks or not). A window with stacks costs ``STACK_FACTOR`` times more a step."""
     clock = [0.0]
     budget = WindowBudget(share, clock=lambda: clock[0])
     s = Schedule(window_s=30, window_steps=5, trigger_ratio=1.2, rank=0, world_size=1, job="j",
                  clock=lambda: clock[0], budget=budget)  # fmt: skip
-    step, left, extra_total, taken, next_poll = 0, -1, 0.0, 0, 0.0
+    step, left, extra_total, next_poll, taken = 0, -1, 0.0, 0.0, []
     while clock[0] < seconds:
         if clock[0] >= next_poll:
             s.poll(step)
             next_poll += POLL_S
         if step == s.planned:
             budget.start(s.stacks, s.recent)
-            left, taken = s.steps, taken + 1
+            left = s.steps
+            taken.append((clock[0], s.stacks))
         base = step_ms * (2 if clock[0] >= slower_from_s else 1)
-        extra = extra_ms if left > 0 or left == 0 else 0.0
+        extra = extra_ms * (STACK_FACTOR if s.stacks else 1.0) if left >= 0 else 0.0
         dur_ns = int((base + extra) * 1e6)
         disturbed = budget.step(dur_ns)
         s.note_step(dur_ns, disturbed=disturbed)
@@ -117,11 +119,12 @@ def test_windows_stay_within_the_budget_however_much_they_cost(extra_ms: float) 
     s, budget, extra_s, taken = _run(seconds, step_ms=50.0, extra_ms=extra_ms, share=0.005)
     assert extra_s <= 0.005 * seconds
     assert budget.spent_ns / 1e9 == pytest.approx(extra_s, rel=0.05)  # what was measured is what it cost
-    assert taken >= 1 and budget.windows >= taken - 1
+    assert taken and budget.windows >= len(taken) - 1
     if extra_ms == 2.0:
-        assert taken >= seconds / 30 - 1 and s.steps == 5
+        assert len(taken) >= seconds / 30 - 1 and s.steps == 5
     if extra_ms == 400.0:
-        assert s.steps == 1 and taken <= 0.005 * seconds / 0.8 + 1
+        assert s.steps == 1 and len(taken) <= 0.005 * seconds / 0.8 + 1
+        assert not any(stacks for _, stacks in taken)  # 2.4 s a step with stacks: more than 30 s buys
 
 
 def test_a_slowdown_is_profiled_as_soon_as_the_budget_allows_and_no_window_triggers_another() -> None:
@@ -131,6 +134,16 @@ def test_a_slowdown_is_profiled_as_soon_as_the_budget_allows_and_no_window_trigg
     assert s.requests_read == 0 and s._last_trigger == -math.inf
     s, _, extra_s, _ = _run(600.0, step_ms=50.0, extra_ms=400.0, share=0.005, slower_from_s=200)
     assert s._last_trigger > 200 and not s._pending  # asked for at ~203 s, served once affordable
+    assert extra_s <= 0.005 * 600
+
+
+def test_a_slowdown_waits_for_room_for_python_stacks_where_a_step_with_them_fits_an_interval() -> None:
+    """60 ms a profiled step with stacks: 30 s of a 0.5% budget buy 150 ms, so the windows a
+    slowdown asks for wait for room for stacks rather than spend it without them."""
+    _, _, extra_s, taken = _run(600.0, step_ms=50.0, extra_ms=10.0, share=0.005, slower_from_s=200)
+    after = [stacks for when, stacks in taken if when > 200]
+    assert after[: 1 + 2] == [True] * 3  # the triggered window and its follow-ups
+    assert not taken[0][1]  # the first measures what a window costs
     assert extra_s <= 0.005 * 600
 
 

@@ -219,6 +219,25 @@ def test_code_path_straggler_names_the_extra_function() -> None:
     assert f.evidence["calls_per_step"] == 1.0 and f.evidence["peer_calls_per_step"] == 0.0
 
 
+def test_a_code_path_windows_saw_as_an_operator_only_is_named_by_the_function_its_samples_found() -> None:
+    """Windows without Python stacks (the budget had no room for them) see the operator only the
+    culprit runs; its stack samples put it in the function of its code that calls it."""
+    data = synthetic(slow={6: {"compute_us": 1500}})
+    common = [("op", "aten::addmm", 15, 10_000.0)]
+    extra = [*common, ("op", "aten::norm", 100, 6000.0)]
+    data = replace(data, functions=functions_frame({r: extra if r == 6 else common for r in range(8)}))
+    step, audit = "train.py(10): train_step", "train.py(50): audit_gradients"
+    samples = _samples(
+        {r: {sample_key(step, 12): 20} for r in range(8) if r != 6}
+        | {6: {sample_key(step, 12): 12, sample_key(audit, 52): 8}}
+    )
+    f = only(diagnose(replace(data, samples=samples)).findings)
+    assert (f.cause, f.ranks, f.function) == ("code_path", [6], audit)
+    assert f.evidence["operator"] == "aten::norm" and f.evidence["stack_samples_in_function"] == "8/20"
+    # Without samples the operator is all there is to name.
+    assert only(diagnose(data).findings).function == "aten::norm"
+
+
 def test_a_function_only_the_culprit_calls_every_few_steps_is_its_code_path() -> None:
     """A clean-up every 5 steps (a forced garbage collection): once in the 5-step window, less than
     once a step, and never on the peers. A different code path, not a slower device."""
