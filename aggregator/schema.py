@@ -24,7 +24,7 @@ from .errors import UnavailableError
 
 log = logging.getLogger(__name__)
 
-STORE_VERSION = 10
+STORE_VERSION = 11
 DEFAULT_DATABASE = "rankscope"
 _COMMENT = f"rankscope schema {STORE_VERSION}"
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -108,6 +108,7 @@ RANKS = Table(
         ("backend", "LowCardinality(String)"),
         ("device", "LowCardinality(String)"),
         ("coverage", "String"),  # schema 4
+        ("mesh", "Map(String, Int64)"),  # schema 11
         _TIME,
     ),
     order_by=("job", "rank"),
@@ -159,6 +160,7 @@ HEARTBEATS = Table(
         ("coll_group", "LowCardinality(String)"),
         ("coll_op", "LowCardinality(String)"),
         ("coll_seq", "Int64"),
+        ("coll_peer", "Int64"),  # schema 11
         ("coll_age_s", "Float64"),
         ("last_seq", "Map(String, Int64)"),
         ("stack", "String"),
@@ -577,7 +579,7 @@ def ensure_schema(client: Any, database: str = DEFAULT_DATABASE, cluster: str = 
         if name == HEARTBEATS.name and LATEST_HEARTBEATS.name in dict(found):
             # The latest heartbeats' table takes the new columns, and its view, which names the
             # columns it copies, is made anew below.
-            for alter in _TO_10[name]:
+            for alter in (*_TO_10[name], *_TO_11[name]):
                 client.command(f"ALTER TABLE `{database}`.`{LATEST_HEARTBEATS.name}` {alter}")
             client.command(f"DROP VIEW IF EXISTS `{database}`.`{LATEST_HEARTBEATS_OBJECTS[1]}`")
         _migrate(client, database, name, dict(found)[name])
@@ -635,6 +637,11 @@ _TO_10 = {
 }
 """Schema 10: what the windows cost each rank, in its heartbeats (``latest_heartbeats`` too: see
 :func:`ensure_schema`)."""
+_TO_11 = {
+    "heartbeats": ["ADD COLUMN IF NOT EXISTS `coll_peer` Int64 DEFAULT -1 AFTER `coll_seq`"],
+    "ranks": ["ADD COLUMN IF NOT EXISTS `mesh` Map(String, Int64) AFTER `coverage`"],
+}
+"""Schema 11: a point-to-point call's peer in heartbeats, each rank's place in the job's device mesh."""
 
 
 def _then(*steps: dict[str, list[str]]) -> dict[str, list[str]]:
@@ -655,15 +662,17 @@ MIGRATIONS: dict[str, dict[str, list[str]]] = {
         _TO_6,
         _TO_7,
         _TO_10,
+        _TO_11,
     ),
-    "rankscope schema 2": _then(_TO_3, _TO_4, _TO_5, _TO_6, _TO_7, _TO_10),
-    "rankscope schema 3": _then(_TO_4, _TO_5, _TO_6, _TO_7, _TO_10),
-    "rankscope schema 4": _then(_TO_5, _TO_6, _TO_7, _TO_10),
-    "rankscope schema 5": _then(_TO_6, _TO_7, _TO_10),
-    "rankscope schema 6": _then(_TO_7, _TO_10),
-    "rankscope schema 7": _TO_10,  # schema 8 added a table, ``arrivals``
-    "rankscope schema 8": _TO_10,  # schema 9 changed the sort key of ``functions`` (REKEYED)
-    "rankscope schema 9": _TO_10,
+    "rankscope schema 2": _then(_TO_3, _TO_4, _TO_5, _TO_6, _TO_7, _TO_10, _TO_11),
+    "rankscope schema 3": _then(_TO_4, _TO_5, _TO_6, _TO_7, _TO_10, _TO_11),
+    "rankscope schema 4": _then(_TO_5, _TO_6, _TO_7, _TO_10, _TO_11),
+    "rankscope schema 5": _then(_TO_6, _TO_7, _TO_10, _TO_11),
+    "rankscope schema 6": _then(_TO_7, _TO_10, _TO_11),
+    "rankscope schema 7": _then(_TO_10, _TO_11),  # schema 8 added a table, ``arrivals``
+    "rankscope schema 8": _then(_TO_10, _TO_11),  # schema 9 changed the sort key of ``functions`` (REKEYED)
+    "rankscope schema 9": _then(_TO_10, _TO_11),
+    "rankscope schema 10": _TO_11,
 }
 """For each older schema's comment, the ALTERs that bring its tables (by name) to this version."""
 

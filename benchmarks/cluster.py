@@ -375,6 +375,7 @@ def _heartbeats(
             "coll_group": np.where(in_coll, "world", ""),
             "coll_op": np.where(in_coll, "all_reduce", ""),
             "coll_seq": np.where(in_coll, seq, -1),
+            "coll_peer": -1,
             "last_seq": [{"world": int(x)} for x in last],
             "stack": stack,
             "window_cost_us": np.zeros(n, dtype=np.int64),

@@ -1,7 +1,8 @@
 """Run a user-style training script under ``torchrun`` for the fault suite.
 
 A scenario with ``script: demo_job`` runs ``rankscope/demo_job.py`` (the job ``rankscope demo`` runs)
-instead of the suite's workload; ``script: nanogpt_like`` runs ``benchmarks/jobs/nanogpt_like.py``.
+instead of the suite's workload; ``script: nanogpt_like`` runs ``benchmarks/jobs/nanogpt_like.py``,
+``script: pipeline_dp`` ``benchmarks/jobs/pipeline_dp.py`` (data x pipeline parallel, ``attach: loop``).
 The script injects its faults itself (command-line flags); its ``fault:`` block names one of the
 script's faults::
 
@@ -44,6 +45,7 @@ JOBS_DIR = Path(__file__).parent / "jobs"
 SCRIPTS = {
     "demo_job": Path(__file__).parents[1] / "rankscope" / "demo_job.py",
     "nanogpt_like": JOBS_DIR / "nanogpt_like.py",
+    "pipeline_dp": JOBS_DIR / "pipeline_dp.py",
 }
 """Scenario ``script:`` name -> the training script."""
 
@@ -58,6 +60,7 @@ LM_FAULTS: dict[str, tuple[str, str]] = {
 FAULTS = {
     "demo_job": LM_FAULTS,
     "nanogpt_like": {"none": ("none", "healthy"), "stall": ("code_path", "code_path")},
+    "pipeline_dp": {k: v for k, v in LM_FAULTS.items() if k != "slow_data"},
 }
 """Per script, its faults (as ``LM_FAULTS``)."""
 _FAULT_FIELDS = {"kind", "rank", "onset_s", "delay_ms", "factor"}

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import numpy as np
@@ -48,6 +48,7 @@ HEARTBEAT_FIELDS = [
     "coll_group",
     "coll_op",
     "coll_seq",
+    "coll_peer",
     "last_seq",
     "stack",
     "window_cost_us",
@@ -90,6 +91,15 @@ FLEET_COLUMNS = [*FUNCTION_FIELDS, "p50_us", "nbytes"]
 """What the diagnosis reads of the ``FLEET`` rows (a row per rank and window: at 100,000 ranks over
 10 minutes, 2 million): ``functions``' columns and what the transfer rule needs besides, not the
 summary's eight others."""
+
+
+PIPELINE_DIMS = ("pp", "pipeline")
+"""Device-mesh dimensions whose ranks do different work: pipeline stages (torchtitan and the
+PyTorch docs name the dimension ``pp``)."""
+
+
+def _pipeline(dim: str) -> bool:
+    return dim in PIPELINE_DIMS
 
 
 def _empty(columns: list[str]) -> pd.DataFrame:
@@ -147,6 +157,42 @@ class JobData:
             return _empty(SPAN_COLUMNS)
         cols = [c for c in SPAN_COLUMNS if c in f]
         return f[cols].drop_duplicates(["rank", "window"]).reset_index(drop=True)
+
+    def roles(self) -> list[list[int]]:
+        """The job's ranks grouped by role: the same coordinates on the pipeline dimensions of its
+        device mesh (``PIPELINE_DIMS``); one group where it has none. A pipeline's stages do
+        different work by design (the first embeds, the last computes the loss), so a rank is
+        compared only with the ranks of its stage, its data-parallel replicas; tensor, context and
+        expert parallel ranks share their work evenly, and are compared with each other."""
+        ranks = self.ranks
+        if "mesh" not in ranks or ranks.empty:
+            return [sorted(int(r) for r in (ranks if not ranks.empty else self.steps)["rank"].unique())]
+        by_role: dict[tuple[tuple[str, int], ...], list[int]] = {}
+        for rank, mesh in zip(ranks["rank"].astype(int), ranks["mesh"], strict=True):
+            role = tuple(sorted((d, int(c)) for d, c in dict(mesh or {}).items() if _pipeline(d)))
+            by_role.setdefault(role, []).append(rank)
+        return [sorted(g) for _, g in sorted(by_role.items())]
+
+    def of_ranks(self, ranks: Iterable[int]) -> JobData:
+        """This job's data of ``ranks`` only (a role's, to be compared among themselves)."""
+        wanted = sorted({int(r) for r in ranks})
+
+        def cut(df: pd.DataFrame) -> pd.DataFrame:
+            return df[df["rank"].isin(wanted)] if "rank" in df and not df.empty else df
+
+        read_samples = self.read_samples
+        return replace(
+            self,
+            ranks=cut(self.ranks),
+            steps=cut(self.steps),
+            functions=cut(self.functions),
+            windows=cut(self.windows),
+            heartbeats=cut(self.heartbeats),
+            samples=cut(self.samples),
+            read_samples=(lambda since_us: cut(read_samples(since_us))) if read_samples is not None else None,
+            links=cut(self.links),
+            missing=cut(self.missing),
+        )
 
     def hosts(self) -> dict[int, str]:
         return dict(zip(self.ranks["rank"].astype(int), self.ranks["host"].astype(str), strict=False))

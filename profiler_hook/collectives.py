@@ -5,8 +5,8 @@ its process group; ranks of a healthy job enter the same sequence numbers in the
 the first number a rank never entered names the rank a hang waits for. Unlike Flight Recorder
 this state is always shipped (on heartbeats), not dumped only at the watchdog timeout.
 
-Tracking wraps the public ``torch.distributed`` collective functions, which is where plain calls,
-FSDP and FSDP2 (``fully_shard``) pass; DDP's gradient all-reduces, launched from C++, are timed
+Tracking wraps the public ``torch.distributed`` collective and point-to-point functions, which is
+where plain calls, FSDP and FSDP2 (``fully_shard``) and pipeline schedules pass; DDP's gradient all-reduces, launched from C++, are timed
 once per backward pass by :mod:`profiler_hook.ddp`. A blocking call is timed by its wrapper;
 an asynchronous one (``async_op=True``) by its work's future, which on gloo completes when the
 collective has finished. Every other collective — DDP's, and those launched from C++ by
@@ -56,6 +56,13 @@ COLLECTIVES = (
     "scatter",
     "barrier",
 )
+P2P = ("send", "recv", "isend", "irecv")
+"""Point-to-point calls (what ``torch.distributed.pipelining``'s schedules issue, through
+``batch_isend_irecv`` and ``P2POp`` too): numbered with the group's collectives, as c10d numbers
+them on gloo, and timed where the thread waits for the peer: inside ``send``/``recv``, and in the
+``wait()`` of an ``isend``/``irecv``'s work (gloo's have no future)."""
+MAX_P2P_WORKS = 4096
+"""``isend``/``irecv`` works kept until waited on; the oldest go first (a job that never waits)."""
 
 
 @dataclass(slots=True)
@@ -76,6 +83,8 @@ class CollectiveCall:
     wait_ns: int = 0
     """...and how much it grew until the call completed: the part of ``dur_ns`` the training
     thread spent waiting for a CPU (counted in the step's collective time, not in its own)."""
+    peer: int = -1
+    """A point-to-point call's peer (global rank; -1: a collective, or a ``recv`` from any rank)."""
 
 
 def _nbytes(obj: Any) -> int:
@@ -127,6 +136,26 @@ def process_groups() -> list[tuple[str, str]]:
         return [(group_name(pg), str(world.pg_map[pg][0])) for pg in list(world.pg_names)]
     except Exception:  # no torch.distributed, or a group changed meanwhile
         return []
+
+
+def mesh_coordinates() -> dict[str, int]:
+    """This rank's coordinate on each named dimension of the job's device meshes: ``DeviceMesh``
+    gives the process group of each dimension the description ``mesh_<name>`` and orders its ranks
+    along it (a dimension that spans the whole job uses the default group, and is not named)."""
+    try:
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d
+
+        me, coords = dist.get_rank(), {}
+        for pg in list(distributed_c10d._world.pg_names):
+            desc = str(getattr(pg, "group_desc", "") or "")
+            if desc.startswith("mesh_") and desc != "mesh_default":
+                ranks = dist.get_process_group_ranks(pg)
+                if me in ranks:
+                    coords[desc.removeprefix("mesh_")] = ranks.index(me)
+        return coords
+    except Exception:  # no torch.distributed, or a group made meanwhile on another thread
+        return {}
 
 
 def _position(fn: Any, name: str) -> int:
@@ -185,8 +214,14 @@ class CollectiveTracker:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _originals: dict[str, Any] = field(default_factory=dict)
     _local: threading.local = field(default_factory=threading.local)
+    _p2p_works: dict[int, CollectiveCall] = field(default_factory=dict)
+    """``isend``/``irecv`` calls by their work's id, until the work is waited on."""
 
-    def enter(self, group: str, op: str, nbytes: int, blocking: bool = True) -> CollectiveCall:
+    def enter(
+        self, group: str, op: str, nbytes: int, blocking: bool = True, peer: int = -1
+    ) -> CollectiveCall:
+        """A call issued; an asynchronous point-to-point one (``peer`` >= 0) is waited on in
+        :meth:`wait_p2p`, not tracked in flight meanwhile: the thread computes while it runs."""
         now = time.perf_counter_ns()
         with self._lock:
             seq = self.last_seq.get(group, 0) + 1
@@ -199,10 +234,11 @@ class CollectiveTracker:
             now,
             blocking=blocking,
             enter_wait_ns=self._wait_mark(),
+            peer=peer,
         )
         if blocking:
             self.current = call
-        else:
+        elif op not in ("send", "recv"):
             self.inflight[(group, seq)] = call
             self.step_last_async = call
         if self.step_first_enter_ns < 0:
@@ -290,6 +326,19 @@ class CollectiveTracker:
         if recording is not None:
             recording.append(call)
 
+    def wait_p2p(self, work: Any, wait: Callable[[], Any]) -> Any:
+        """``work.wait()`` (``wait`` calls it) of an ``isend``/``irecv``: the thread waits for its
+        peer inside it, timed as a blocking call from there."""
+        call = self._p2p_works.pop(id(work), None)
+        if call is None or not self.active:
+            return wait()
+        call.enter_ns, call.blocking, call.enter_wait_ns = time.perf_counter_ns(), True, self._wait_mark()
+        self.current = call
+        try:
+            return wait()
+        finally:
+            self.exit(call)
+
     def exit_on_completion(self, call: CollectiveCall, future: Any) -> None:
         """Complete ``call`` when its work's ``future`` does (on the thread that completes it)."""
         future.add_done_callback(lambda _: self.exit(call))
@@ -344,15 +393,22 @@ class CollectiveTracker:
         import torch.distributed as dist
         import torch.distributed.distributed_c10d as c10d
 
-        for op in COLLECTIVES:
+        for op in (*COLLECTIVES, *P2P):
             original = getattr(c10d, op, None)
             if original is None or op in self._originals:
                 continue
             self._originals[op] = original
-            wrapped = self._wrap(op, original)
+            wrapped = self._wrap(op, original) if op in COLLECTIVES else self._wrap_p2p(op, original)
             setattr(c10d, op, wrapped)
             if getattr(dist, op, None) is original:
                 setattr(dist, op, wrapped)
+        if "Work.wait" not in self._originals and hasattr(dist, "Work"):
+            self._originals["Work.wait"] = wait = dist.Work.wait
+
+            def waited(work: Any, *args: Any, **kwargs: Any) -> Any:
+                return self.wait_p2p(work, lambda: wait(work, *args, **kwargs))
+
+            dist.Work.wait = waited
         self.active = True
         self.catch_up()  # what was launched until now (or while paused) belongs to no step
 
@@ -362,9 +418,13 @@ class CollectiveTracker:
 
         self.active = False
         for op, original in self._originals.items():
-            setattr(c10d, op, original)
-            setattr(dist, op, original)
+            if op == "Work.wait":
+                dist.Work.wait = original
+            else:
+                setattr(c10d, op, original)
+                setattr(dist, op, original)
         self._originals.clear()
+        self._p2p_works.clear()
 
     def _wrap(self, op: str, original: Any) -> Any:
         tracker, local = self, self._local
@@ -395,6 +455,43 @@ class CollectiveTracker:
                         tracker.exit_on_completion(call, work.get_future())
                     except Exception:  # no future (a backend without one): launch time only
                         tracker.exit(call)
+
+        wrapper.__rankscope_original__ = original  # type: ignore[attr-defined]
+        return wrapper
+
+    def _wrap_p2p(self, op: str, original: Any) -> Any:
+        tracker, blocking = self, op in ("send", "recv")
+        params = ("dst", "group_dst") if op.endswith("send") else ("src", "group_src")
+        peer_pos, group_pos = _position(original, params[0]), _position(original, "group")
+        name = op.removeprefix("i")
+
+        @functools.wraps(original)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            try:
+                pg = _arg(args, kwargs, "group", group_pos)
+                peer = _arg(args, kwargs, params[0], peer_pos)
+                if peer is None and kwargs.get(params[1]) is not None:
+                    import torch.distributed as dist
+
+                    peer = dist.get_global_rank(pg, kwargs[params[1]])
+                nbytes = _nbytes(args[0] if args else kwargs.get("tensor"))
+                call = tracker.enter(
+                    group_name(pg), name, nbytes, blocking, -1 if peer is None else int(peer)
+                )
+            except Exception:  # tracking must never break the call
+                return original(*args, **kwargs)
+            if blocking:
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    tracker.exit(call)
+            work = original(*args, **kwargs)
+            if work is not None:  # None: inside a coalescing manager (NCCL's batch_isend_irecv)
+                works = tracker._p2p_works
+                works[id(work)] = call
+                while len(works) > MAX_P2P_WORKS:  # works never waited on
+                    del works[next(iter(works))]
+            return work
 
         wrapper.__rankscope_original__ = original  # type: ignore[attr-defined]
         return wrapper

@@ -38,7 +38,7 @@ from wire.records import (
 from . import ddp, exits, threadstates
 from .blocks import StepBlocks
 from .budget import WindowBudget
-from .collectives import CollectiveTracker, process_groups
+from .collectives import CollectiveTracker, mesh_coordinates, process_groups
 from .config import Config, Identity
 from .gpu import GpuSampler
 from .nccl import NcclTiming
@@ -169,6 +169,7 @@ class Hook:
             device="cuda" if _cuda() else "cpu",
             attempt=ident.attempt,
             coverage=self.coverage(),
+            mesh=mesh_coordinates(),
         )
         if gaps := coverage_gaps(self._rank_info.coverage):
             log.warning("rankscope: collective tracking: %s", "; ".join(gaps))
@@ -423,13 +424,15 @@ class Hook:
 
     def _heartbeat(self, **fields: Any) -> Heartbeat:
         """A heartbeat (on the watchdog's thread); first, a rank record again where what the
-        tracking covers changed since the last (a model or a process group made since), stamped
+        tracking covers or the rank's place in a device mesh changed since the last (a model, a
+        process group or a mesh made since), stamped
         as the first: the store keeps one record per start of a rank, the latest one sent."""
         with contextlib.suppress(Exception):
             if self.cfg.patch_collectives and not self.paused:
                 self.nccl.scan()  # NCCL groups made since: their collectives' GPU time
-            if (coverage := self.coverage()) != self._rank_info.coverage:
-                self._rank_info = replace(self._rank_info, coverage=coverage)
+            coverage, mesh = self.coverage(), mesh_coordinates()
+            if (coverage, mesh) != (self._rank_info.coverage, self._rank_info.mesh):
+                self._rank_info = replace(self._rank_info, coverage=coverage, mesh=mesh)
                 self.shipper.submit(self._rank_info)
         gpu = self._gpu.sample() if self._gpu is not None else {}
         return Heartbeat(

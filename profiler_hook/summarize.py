@@ -262,7 +262,7 @@ def summarize(
     ]
     by_op: dict[tuple[str, str], list[CollectiveCall]] = defaultdict(list)
     for c in calls:
-        by_op[(c.op, c.group)].append(c)
+        by_op[(f"{c.op}:{c.peer}" if c.peer >= 0 else c.op, c.group)].append(c)  # "recv:2": from rank 2
         if c.blocking:  # an asynchronous one (DDP's buckets) overlaps the thread's other work
             busy["comm"].append((c.enter_ns + epoch_offset_ns, c.enter_ns + epoch_offset_ns + c.dur_ns))
     for (op, group), cs in by_op.items():

@@ -142,6 +142,7 @@ class Watchdog:
             coll_group=group,
             coll_op=op,
             coll_seq=seq,
+            coll_peer=call.peer if call is not None else -1,
             coll_age_s=round((now - call.enter_ns) / 1e9 if call else age if seq >= 0 else 0.0, 3),
             last_seq=seqs,
             stack=main_stack(self._main) if stalled else "",

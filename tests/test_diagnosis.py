@@ -1010,3 +1010,20 @@ def test_a_two_rank_job_names_the_rank_that_turned_slower_against_the_other() ->
         assert 600 <= f.evidence["held_since_step"] <= 780, f.evidence
         assert diagnose(synthetic(ranks=2, steps=1400, hosts_of=1, seed=seed)).findings == []
         assert diagnose(synthetic(ranks=2, steps=1400, hosts_of=1, seed=seed, bias={0: 1.2})).findings == []
+
+
+def test_pipeline_stages_are_compared_only_with_their_own_replicas() -> None:
+    """A (dp=2, pp=4) mesh: the last stage carries the loss head, 1.5x the others' work by design.
+    Compared across stages, its ranks stand out; compared with their stage's replica, they do not,
+    and a slower device on a rank of another stage is named alone."""
+    bias = {3: 1.5, 7: 1.5}
+    mesh = [{"dp": r // 4, "pp": r % 4} for r in range(8)]
+    healthy = synthetic(steps=1400, bias=bias)
+    assert {f.ranks[0] for f in diagnose(healthy).findings} == {3, 7}  # without roles: the split
+    staged = replace(healthy, ranks=healthy.ranks.assign(mesh=mesh))
+    assert staged.roles() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert diagnose(staged).findings == []
+    # Two ranks cannot outvote each other: the rank that turned slower against the other is named.
+    slow = synthetic(steps=1400, bias=bias, slow={5: {"compute_us": 1500, "from": 700}})
+    f = only(diagnose(replace(slow, ranks=slow.ranks.assign(mesh=mesh))).findings)
+    assert (f.cause, f.ranks) == ("compute", [5])

@@ -148,6 +148,9 @@ class RankInfo(_Base):
     collective calls, each DDP model, the process groups, the backends. A rank sends its record
     again, with its first stamp, when this changes (a model or a group made later); the parts
     :func:`coverage_gaps` picks say what is not seen."""
+    mesh: dict[str, int] = field(default_factory=dict)
+    """The rank's coordinate on each named dimension of the job's ``DeviceMesh`` (``{"dp": 1,
+    "pp": 0}``; empty: no mesh), sent again like ``coverage`` where a mesh is made later."""
 
 
 GAP_WORDS = ("not tracked", "untested", "off (")
@@ -191,7 +194,9 @@ class Heartbeat(_Base):
     coll_group: str = ""
     coll_op: str = ""
     coll_seq: int = -1
-    """The collective the rank is inside now (group, op, sequence number), -1 if none."""
+    """The collective the rank is inside now (group, op, sequence number), -1 if none..."""
+    coll_peer: int = -1
+    """...and where it is a ``send`` or ``recv``, its peer (global rank; -1: none, or any)."""
     coll_age_s: float = 0.0
     last_seq: dict[str, int] = field(default_factory=dict)
     """Per process group, the sequence number of the last collective entered."""
@@ -293,6 +298,7 @@ INT_RANGES: dict[str, tuple[int, int]] = {
     "attempt": (0, 1 << 31),
     "pid": (0, 1 << 31),
     "seq": (-1, INT64[1]),
+    "coll_peer": (-1, 1 << 31),
     "first_coll_us": (-1, INT64[1]),  # -1: the step entered no collective
 }
 """Integer fields with a narrower range than INT64 (Int32 columns; durations and counts)."""

@@ -16,13 +16,23 @@ ranks of a pipeline (stage 0 reads its inputs, stage 1 its targets).
 It trains ``--steps`` steps, or for ``--seconds`` (rank 0's clock; every rank stops at the same
 step) when that comes first, and rank 0 prints ``train: <steps> steps in <s> s (<ms> ms/step)``
 for the training loop alone.
+
+Faults, for rankscope's fault suite, as ``rankscope/demo_job.py`` has them (only on
+``--fault-rank``, from ``--onset-s`` seconds into training; rank 0 says when through the small
+all-reduce that already tells every rank when to stop; ``--marker-dir`` gets ``onset-r<rank>``):
+``slow_backward`` (the rank's stage does ``--fault-factor`` times the work: its microbatches padded
+with copies of their rows, sliced off again), ``metrics_block`` (``upload_metrics()`` blocks
+``--fault-ms`` every step) and ``hang_checkpoint`` (``save_checkpoint()`` never returns).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
+import tempfile
+import threading
 import time
 
 import torch
@@ -38,7 +48,7 @@ import profiler_hook
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=300, help="train this many steps")
+    ap.add_argument("--steps", type=int, default=0, help="train this many steps (0: until --seconds)")
     ap.add_argument("--seconds", type=float, default=0.0, help="or stop after this long (0: no limit)")
     ap.add_argument("--job", default="", help="job id (default: $RANKSCOPE_JOB or torchrun's run id)")
     ap.add_argument("--batch-size", type=int, default=8, help="sequences per step on each dp rank")
@@ -49,7 +59,18 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--n-heads", type=int, default=4)
     ap.add_argument("--n-layers", type=int, default=4)
     ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--fault", choices=FAULTS, default="none")
+    ap.add_argument("--fault-rank", type=int, default=1)
+    ap.add_argument("--onset-s", type=float, default=10.0)
+    ap.add_argument("--fault-ms", type=float, default=15.0, help="metrics_block: ms each upload blocks")
+    ap.add_argument("--fault-factor", type=float, default=1.7, help="slow_backward: work factor")
+    ap.add_argument("--marker-dir", default="", help="write the onset marker here")
+    ap.add_argument("--ckpt-dir", default="", help="hang_checkpoint writes here (default: a temporary one)")
+    ap.add_argument("--attach", choices=("loop",), default="loop", help="where the hook is attached")
     return ap.parse_args()
+
+
+FAULTS = ("none", "slow_backward", "metrics_block", "hang_checkpoint")
 
 
 # --- model -----------------------------------------------------------------------------------
@@ -104,7 +125,14 @@ class Transformer(nn.Module):
         self.norm: nn.RMSNorm | None = nn.RMSNorm(dim)
         self.output: nn.Linear | None = nn.Linear(dim, vocab, bias=False)
 
+    work_factor = 1.0
+    """Fault injection (``slow_backward``): above 1, every microbatch is padded with copies of its
+    rows, so that the stage does this many times the work, and sliced back."""
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        n = tokens.shape[0]
+        if self.work_factor > 1:
+            tokens = tokens[torch.arange(max(n + 1, round(n * self.work_factor))) % n]
         h = tokens
         if self.tok_embeddings is not None and self.pos_embeddings is not None:
             pos = torch.arange(tokens.shape[1], device=tokens.device)
@@ -113,7 +141,8 @@ class Transformer(nn.Module):
             h = layer(h)
         if self.norm is not None:
             h = self.norm(h)
-        return self.output(h) if self.output is not None else h
+        out = self.output(h) if self.output is not None else h
+        return out[:n].clone() if self.work_factor > 1 else out
 
 
 def stage_modules(n_layers: int) -> list[list[str]]:
@@ -138,6 +167,25 @@ def split_module(whole: Transformer, keep: list[str]) -> Transformer:
     return model
 
 
+def upload_metrics(metrics: dict, block_s: float) -> None:
+    """A synchronous metrics call (fault: the endpoint answers only after ``block_s``)."""
+    body = json.dumps(metrics).encode()
+    time.sleep(block_s)  # waiting for the HTTP response
+    del body
+
+
+def save_checkpoint(model: nn.Module, path: str, storage: threading.Event) -> None:
+    storage.wait()  # fault: the storage never acknowledges the write (a dead NFS server)
+    torch.save(model.state_dict(), path)
+
+
+def write_marker(marker_dir: str, rank: int, step: int, kind: str) -> None:
+    path = os.path.join(marker_dir, f"onset-r{rank}")
+    with open(path + ".tmp", "w") as fh:
+        json.dump({"time": time.time(), "step": step, "rank": rank, "kind": kind}, fh)
+    os.replace(path + ".tmp", path)
+
+
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
 
@@ -147,6 +195,8 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def main() -> None:
     args = parse_args()
+    if args.steps <= 0 and args.seconds <= 0:
+        raise SystemExit("say how long to train: --steps or --seconds")
     torch.set_num_threads(1)
     world_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
     dp_mesh, pp_mesh = world_mesh["dp"], world_mesh["pp"]
@@ -184,11 +234,19 @@ def main() -> None:
         y = torch.stack([data[i + 1 : i + 1 + args.seq_len] for i in ix])
         return x, y
 
+    fault = args.fault if rank == args.fault_rank else "none"
+    stuck_storage = threading.Event()  # never set: the faulty rank's checkpoint write never completes
+    ckpt = os.path.join(args.ckpt_dir or tempfile.gettempdir(), f"pipeline-stage{stage_idx}-dp{dp_rank}.pt")
     hook = profiler_hook.attach(job=args.job)
-    step = 0
+    step, onset_step = 0, -1
     start = time.perf_counter()
-    while step < args.steps:
+    while step < args.steps or args.steps <= 0:
         with hook.step(step):
+            faulty = fault != "none" and 0 <= onset_step <= step
+            if faulty and step == onset_step:
+                model.work_factor = args.fault_factor if fault == "slow_backward" else 1.0
+                if args.marker_dir:
+                    write_marker(args.marker_dir, rank, step, fault)
             inputs, targets = get_batch()
             optimizer.zero_grad()
             losses: list[torch.Tensor] | None = [] if stage.is_last else None
@@ -197,14 +255,22 @@ def main() -> None:
             else:
                 schedule.step(target=targets, losses=losses)
             optimizer.step()
+            if faulty and fault == "metrics_block":
+                upload_metrics({"step": step}, args.fault_ms / 1e3)
+            if faulty and fault == "hang_checkpoint":
+                save_checkpoint(model, ckpt, stuck_storage)
         step += 1
         if rank == pp_size - 1 and losses and step % 50 == 0:
             print(f"step {step:5d}  loss {torch.stack(losses).mean().item():.3f}", flush=True)
-        if args.seconds > 0:
-            # Rank 0's clock decides when to stop, on every rank at one step.
-            stop = torch.tensor([float(rank == 0 and time.perf_counter() - start >= args.seconds)])
-            dist.all_reduce(stop, op=dist.ReduceOp.MAX)
-            if stop.item():
+        if args.seconds > 0 or args.fault != "none":
+            # Rank 0's clock decides when to stop and when the fault begins, on every rank at one step.
+            elapsed = time.perf_counter() - start
+            flags = torch.tensor([float(rank == 0 and 0 < args.seconds <= elapsed)])
+            flags = torch.cat([flags, torch.tensor([float(rank == 0 and args.onset_s <= elapsed)])])
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            if flags[1] and onset_step < 0:
+                onset_step = step
+            if flags[0]:
                 break
     took = time.perf_counter() - start
     if rank == 0:

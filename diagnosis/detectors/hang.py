@@ -2,9 +2,11 @@
 heartbeats, in seconds rather than at the watchdog timeout.
 
 Every rank's heartbeat carries, per process group, the sequence number of the last collective it
-entered (as Flight Recorder does). When the job stops making progress, the ranks that never
-entered the collective the others wait in — a lower last sequence number — are the culprits; a
-rank whose heartbeats stopped altogether is dead or frozen. The culprit's stack says where it is.
+entered (as Flight Recorder does), and the call it waits in (a point-to-point one with its peer).
+When the job stops making progress, the ranks the waiting ones wait for — followed from rank to
+rank — that wait for no one are the culprits: in a collective, the members of its group that never
+entered it (a lower last sequence number); in a ``send`` or ``recv``, the peer. A rank whose
+heartbeats stopped altogether is dead or frozen. The culprit's stack says where it is.
 """
 
 from __future__ import annotations
@@ -43,13 +45,12 @@ class Hang:
     evidence: dict[str, Any]
 
 
-def _seq(last_seq: Any, group: str) -> int:
-    if isinstance(last_seq, dict):
-        return int(last_seq.get(group, 0))
+def _seqs(last_seq: Any) -> dict[str, int]:
+    """A heartbeat's ``last_seq``: per group the rank belongs to, its last collective's number."""
     try:  # ClickHouse maps come back as dicts; tolerate lists of pairs
-        return int(dict(last_seq).get(group, 0))
+        return {str(g): int(n) for g, n in dict(last_seq).items()}
     except (TypeError, ValueError):
-        return 0
+        return {}
 
 
 def find(data: JobData, s: Settings) -> list[Finding]:
@@ -59,7 +60,14 @@ def find(data: JobData, s: Settings) -> list[Finding]:
 
 
 def locate(heartbeats: pd.DataFrame, s: Settings | None = None) -> Hang | None:
-    """The hang the latest heartbeats show, or None while every rank makes progress."""
+    """The hang the latest heartbeats show, or None while every rank makes progress.
+
+    Each waiting rank waits for someone: in a collective, for the members of its group (those
+    whose numbers name the group) that never entered it; in a ``send`` or ``recv``, for its peer.
+    Followed from rank to rank, the waits end at the ranks that wait for no one (stuck in their
+    own code) or have fallen silent: the culprits. A collective's number is its group's: in a job
+    of several groups (a pipeline's stages, its data-parallel replicas) ranks wait in different
+    groups at different numbers, and each is compared only with the members of its own."""
     s = s or Settings()
     if heartbeats.empty:
         return None
@@ -70,34 +78,63 @@ def locate(heartbeats: pd.DataFrame, s: Settings | None = None) -> Hang | None:
     stalled = hb[age >= s.stall_s]
     if stalled.empty:
         return None
-    silent = hb[silent_age >= s.silent_s]
-    waiting = hb[hb["coll_seq"] >= 0]
-    group, seq = "", -1
-    if not waiting.empty:
-        top = waiting.sort_values(by="coll_seq").iloc[-1]
-        group, seq = str(top["coll_group"]), int(top["coll_seq"])
-    last = pd.Series([_seq(x, group) for x in hb["last_seq"]], index=hb.index, dtype="int64")
-    behind = hb[last < seq] if seq >= 0 else hb.iloc[0:0]
-    culprits = sorted(set(behind["rank"].astype(int)) | set(silent["rank"].astype(int)))
-    if culprits:
-        why = (
-            f"ranks {culprits} never entered collective #{seq} of group '{group}' that "
-            f"{len(waiting)} rank(s) wait in"
-            if seq >= 0 and not behind.empty
-            else f"ranks {culprits} stopped sending heartbeats"
+    silent = set(hb.loc[silent_age >= s.silent_s, "rank"].astype(int))
+    ranks = hb["rank"].astype(int).tolist()
+    seqs = {r: _seqs(x) for r, x in zip(ranks, hb["last_seq"], strict=True)}
+    peer = hb["coll_peer"] if "coll_peer" in hb else pd.Series(-1, index=hb.index)
+    members: dict[str, list[tuple[int, int]]] = {}
+    for r, last in seqs.items():
+        for g, n in last.items():
+            members.setdefault(g, []).append((r, n))
+    behind: dict[tuple[str, int], frozenset[int]] = {}
+    """The members of a group that never entered its collective of a number, once per (group, number)."""
+    waits: dict[int, tuple[str, int, str, frozenset[int]]] = {}
+    """Per waiting rank: the group, number and op it waits in, and the ranks it waits for."""
+    for r, group, op, seq, p in zip(
+        ranks, hb["coll_group"], hb["coll_op"], hb["coll_seq"], peer, strict=True
+    ):
+        if seq < 0 or r in silent:
+            continue
+        group, seq = str(group), int(seq)
+        if op in ("send", "recv") and int(p) >= 0:
+            waits[r] = (group, seq, str(op), frozenset([int(p)]))
+            continue
+        if (group, seq) not in behind:
+            behind[group, seq] = frozenset(m for m, n in members.get(group, ()) if n < seq)
+        waits[r] = (group, seq, str(op), behind[group, seq])
+    # Every rank some rank waits for is reached along the waits; those that wait for no one (or
+    # are silent) are where the waits end: the culprits.
+    culprits = set().union(*(w[3] for w in waits.values())) - waits.keys() | silent
+    group, seq, parts = "", -1, []
+    held = sorted(culprits - silent)
+    blamed = [(r, w) for r, w in waits.items() if w[3] & culprits]
+    if blamed:  # the wait a culprit holds up directly (the one in the highest-numbered call)
+        r, (group, seq, op, _) = max(blamed, key=lambda rw: rw[1][1])
+    if blamed and held:
+        parts.append(
+            f"rank {r} waits in {op} #{seq} of group '{group}' for rank(s) {held}"
+            if op in ("send", "recv")
+            else f"ranks {held} never entered collective #{seq} of group '{group}' that {len(waits)} rank(s) wait in"
         )
-    else:  # all in the same collective: the transport itself is stuck
-        culprits = sorted(stalled["rank"].astype(int))
-        why = f"all stalled ranks wait in collective #{seq} of group '{group}'"
-    mine = hb["rank"].isin(culprits)
+    if silent:
+        parts.append(f"ranks {sorted(silent)} stopped sending heartbeats")
+    if not parts:  # all in the same collective, or waiting for each other: the transport is stuck
+        culprits = set(stalled["rank"].astype(int))
+        if waits:
+            group, seq, *_ = max(waits.values(), key=lambda w: w[1])
+        parts.append(f"all stalled ranks wait in collective #{seq} of group '{group}'")
+    why = "; ".join(parts)
+    culprit_list = sorted(culprits)
+    last = pd.Series([seqs[r].get(group, 0) for r in ranks], index=hb.index, dtype="int64")
+    mine = hb["rank"].isin(culprit_list)
     stacks = {
         int(r): str(st) for r, st in zip(hb.loc[mine, "rank"], hb.loc[mine, "stack"], strict=True) if st
     }
     # Every rank's numbers for a small job; at scale the culprits' and how many ranks are where.
-    shown = hb["rank"].isin(culprits) | (len(hb) <= MAX_LISTED)
-    ranks = hb.loc[shown, "rank"].astype(int)
+    shown = mine | (len(hb) <= MAX_LISTED)
+    listed = hb.loc[shown, "rank"].astype(int)
     return Hang(
-        ranks=culprits,
+        ranks=culprit_list,
         stalled=sorted(stalled["rank"].astype(int)),
         group=group,
         seq=seq,
@@ -106,9 +143,14 @@ def locate(heartbeats: pd.DataFrame, s: Settings | None = None) -> Hang | None:
         evidence={
             "stalled_for_s": round(float(age.max()), 1),
             "waiting_in": {"group": group, "seq": seq},
-            "last_seq": dict(zip(ranks, last[shown].astype(int), strict=True)),
-            "last_step": dict(zip(ranks, hb.loc[shown, "step"].astype(int), strict=True)),
+            "last_seq": dict(zip(listed, last[shown].astype(int), strict=True)),
+            "last_step": dict(zip(listed, hb.loc[shown, "step"].astype(int), strict=True)),
             "ranks_by_last_seq": {int(k): int(v) for k, v in last.value_counts().sort_index().items()},
+            **(
+                {"waits_for": {str(r): sorted(w[3]) for r, w in waits.items()}}
+                if len(waits) <= MAX_LISTED
+                else {}
+            ),
         },
     )
 

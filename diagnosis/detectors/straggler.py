@@ -32,7 +32,15 @@ class Settings:
 
 
 def find(data: JobData, s: Settings) -> list[Finding]:
-    """The stragglers and the contended ranks the job waits for, one finding per rank."""
+    """The stragglers and the contended ranks the job waits for, one finding per rank; of a job
+    whose ranks have roles (pipeline stages), among the ranks of each role (``JobData.roles``)."""
+    roles = data.roles()
+    if len(roles) == 1:
+        return _find(data, s)
+    return [f for ranks in roles if len(ranks) > 1 for f in _find(data.of_ranks(ranks), s)]
+
+
+def _find(data: JobData, s: Settings) -> list[Finding]:
     sts = _stragglers(data.steps, s.steps)
     # Precedence between the two accounts of who holds the job back: a contended rank that waits
     # for a straggler is none, and then a straggler that waits for a contended rank is none.

@@ -92,3 +92,39 @@ def test_a_hung_job_is_its_hang_alone() -> None:
     assert [f.ranks for f in diagnose(slow).findings] == [[1]], "the straggler alone is found"
     f = only(diagnose(replace(slow, heartbeats=_hung(culprit=2))).findings)
     assert (f.cause, f.ranks) == ("hang", [2])
+
+
+def test_a_pipeline_hang_is_followed_along_the_waits_to_the_rank_that_waits_for_no_one() -> None:
+    """A (dp=2, pp=2) job, rank 2 stuck in its checkpoint write: rank 3, its next stage, waits in
+    ``recv`` from it; rank 0 in the all-gather of their data-parallel group that rank 2 never
+    entered; rank 1 in its own group's, for rank 3. The numbers of different groups are not
+    compared: rank 3's ``recv`` #101 names no one outside its pipeline."""
+
+    def beat(rank: int, op: str = "", group: str = "", seq: int = -1, peer: int = -1, **last: int) -> dict:
+        return {
+            "rank": rank,
+            "time_us": 10**9,
+            "step": 60,
+            "progress_age_s": 45.0,
+            "coll_group": group,
+            "coll_op": op,
+            "coll_seq": seq,
+            "coll_peer": peer,
+            "last_seq": last,
+            "stack": 'File "/job/train.py", line 9, in save_checkpoint' if rank == 2 else "",
+        }
+
+    hb = pd.DataFrame(
+        [
+            beat(0, "all_gather_into_tensor", "dp0", 51, dp0=51, pp0=100),
+            beat(1, "all_gather_into_tensor", "dp1", 51, dp1=51, pp0=100),
+            beat(2, dp0=50, pp1=100),
+            beat(3, "recv", "pp1", 101, peer=2, dp1=50, pp1=101),
+        ]
+    )
+    h = hang.locate(hb)
+    assert h is not None and h.ranks == [2]
+    assert h.evidence["waits_for"] == {"0": [2], "1": [3], "3": [2]}
+    assert h.why == "rank 3 waits in recv #101 of group 'pp1' for rank(s) [2]"
+    f = only(hang.find(JobData(job="pp", heartbeats=hb), hang.Settings()))
+    assert (f.ranks, f.function) == ([2], 'File "/job/train.py", line 9, in save_checkpoint')
