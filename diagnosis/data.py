@@ -13,6 +13,8 @@ from typing import Protocol
 import numpy as np
 import pandas as pd
 
+from wire import records
+
 from .communication import TRANSFER_PREFIX
 from .contention import WAIT_KIND, WAIT_PATTERN
 
@@ -93,15 +95,6 @@ FLEET_COLUMNS = [*FUNCTION_FIELDS, "p50_us", "nbytes"]
 summary's eight others."""
 
 
-PIPELINE_DIMS = ("pp", "pipeline")
-"""Device-mesh dimensions whose ranks do different work: pipeline stages (torchtitan and the
-PyTorch docs name the dimension ``pp``)."""
-
-
-def _pipeline(dim: str) -> bool:
-    return dim in PIPELINE_DIMS
-
-
 def _empty(columns: list[str]) -> pd.DataFrame:
     return pd.DataFrame({c: [] for c in columns})
 
@@ -160,7 +153,7 @@ class JobData:
 
     def roles(self) -> list[list[int]]:
         """The job's ranks grouped by role: the same coordinates on the pipeline dimensions of its
-        device mesh (``PIPELINE_DIMS``); one group where it has none. A pipeline's stages do
+        device mesh (``wire.records.pipeline_role``); one group where it has none. A pipeline's stages do
         different work by design (the first embeds, the last computes the loss), so a rank is
         compared only with the ranks of its stage, its data-parallel replicas; tensor, context and
         expert parallel ranks share their work evenly, and are compared with each other."""
@@ -169,8 +162,7 @@ class JobData:
             return [sorted(int(r) for r in (ranks if not ranks.empty else self.steps)["rank"].unique())]
         by_role: dict[tuple[tuple[str, int], ...], list[int]] = {}
         for rank, mesh in zip(ranks["rank"].astype(int), ranks["mesh"], strict=True):
-            role = tuple(sorted((d, int(c)) for d, c in dict(mesh or {}).items() if _pipeline(d)))
-            by_role.setdefault(role, []).append(rank)
+            by_role.setdefault(records.pipeline_role(dict(mesh or {})), []).append(rank)
         return [sorted(g) for _, g in sorted(by_role.items())]
 
     def of_ranks(self, ranks: Iterable[int]) -> JobData:

@@ -375,12 +375,18 @@ def _flag(
     return flagged, slow_in, n_chunks
 
 
-def find(steps: pd.DataFrame, s: StragglerSettings | None = None) -> list[Straggler]:
+def find(
+    steps: pd.DataFrame, s: StragglerSettings | None = None, roles: dict[int, int] | None = None
+) -> list[Straggler]:
     """Ranks whose own time per step persistently exceeds their peers'.
 
     Each step's own times are divided by that step's median over the ranks first: machine-wide
     noise (a busy neighbour, a slow step for everybody) cancels, and what is left is how much
-    longer this rank worked than the others on the very same step.
+    longer this rank worked than the others on the very same step. With ``roles`` (rank -> role,
+    a pipeline stage: ``JobData.roles``), over the median of the ranks of its role: what a stage
+    does by design cancels too, and the ranks of every stage are judged together (two replicas of
+    a stage cannot outvote each other; eight ranks of four stages can). A straggler's peers, what
+    it is measured against, are then the other ranks of its role.
     """
     s = s or StragglerSettings()
     cols = ["own_us", "data_us", "comm_us", "cpu_us", "nivcsw"]
@@ -389,13 +395,28 @@ def find(steps: pd.DataFrame, s: StragglerSettings | None = None) -> list[Stragg
         return []  # two ranks cannot outvote each other
     if g.steps < s.chunks * s.min_chunk_steps:
         return []
-    g.values["rel"] = _relative(g.values["own_us"])
+    role = (
+        np.array([roles.get(int(r), -1) for r in g.ranks])
+        if roles
+        else np.zeros(len(g.ranks), dtype=np.int64)
+    )
+
+    def relative(values: np.ndarray) -> np.ndarray:
+        """Each rank's values over its role's median on each step."""
+        if not roles:
+            return _relative(values)
+        out = np.empty_like(values)
+        for k in np.unique(role):
+            out[role == k] = _relative(values[role == k])
+        return out
+
+    g.values["rel"] = relative(g.values["own_us"])
     per = chunk_means(g, "rel", s.chunks)
     flagged, slow_in, n_chunks = _flag(per, s, s.min_ratio, np.zeros(len(g.ranks), dtype=bool))
     is_culprit = flagged >= needed(n_chunks, s.persistence)
     cpu = g.values["cpu_us"]
     if np.nanmax(cpu, initial=0.0) > 0:
-        g.values["rel_cpu"] = _relative(cpu)
+        g.values["rel_cpu"] = relative(cpu)
         per_cpu = chunk_means(g, "rel_cpu", s.chunks)
         by_cpu, slow_cpu, _ = _flag(per_cpu, s, s.cpu_min_ratio, np.zeros(len(g.ranks), dtype=bool))
         own_level = nanmean_rows(per) / np.nanmedian(nanmean_rows(per))
@@ -422,9 +443,11 @@ def find(steps: pd.DataFrame, s: StragglerSettings | None = None) -> list[Stragg
     chunk_steps, chunk_start = g.chunk_steps(s.chunks), g.chunk_starts(s.chunks)
     names = ["rel", *cols]
     own_mean = {c: nanmean_rows(g.values[c][cul_idx]) for c in names}
-    pm = {c: float(np.nanmedian(nanmean_rows(g.values[c][peer_idx]))) for c in names}
     out = []
     for j, i in enumerate(cul_idx):
+        same = peer_idx[role[peer_idx] == role[i]]
+        peers = same if same.size else peer_idx
+        pm = {c: float(np.nanmedian(nanmean_rows(g.values[c][peers]))) for c in names}
         found = []
         if flagged[i] >= needed(n_chunks, s.persistence):
             mine = {c: float(own_mean[c][j]) for c in names}
@@ -442,7 +465,7 @@ def find(steps: pd.DataFrame, s: StragglerSettings | None = None) -> list[Stragg
             # its values while slow, against the peers' on the same steps.
             at = burst_slow[i][fine]
             mine = {c: float(np.nanmean(g.values[c][i, at])) for c in names}
-            peer = {c: float(np.nanmedian(nanmean_rows(g.values[c][peer_idx][:, at]))) for c in names}
+            peer = {c: float(np.nanmedian(nanmean_rows(g.values[c][peers][:, at]))) for c in names}
             how = {
                 "chunks_flagged": int(burst_slow[i].sum()),
                 "chunks": s.burst_chunks,

@@ -33,6 +33,7 @@ from wire.records import (
     StepBatch,
     WindowSummary,
     coverage_gaps,
+    pipeline_role,
 )
 
 from . import ddp, exits, threadstates
@@ -73,6 +74,12 @@ class Window(NamedTuple):
     """The step it is due to end before (later where collectives are still held: ``MAX_POSTPONED``)."""
     started_ns: int
     """When it started (``time.time_ns()``)."""
+
+
+def _role(mesh: dict[str, int]) -> int:
+    """The schedule's number for a rank's role: 1 + its pipeline coordinates (0: no pipeline)."""
+    role = pipeline_role(mesh)
+    return 1 + sum(c << (16 * i) for i, (_, c) in enumerate(role)) if role else 0
 
 
 def _now_us() -> int:
@@ -171,6 +178,7 @@ class Hook:
             coverage=self.coverage(),
             mesh=mesh_coordinates(),
         )
+        self.schedule.role = _role(self._rank_info.mesh)
         if gaps := coverage_gaps(self._rank_info.coverage):
             log.warning("rankscope: collective tracking: %s", "; ".join(gaps))
         self.shipper.submit(self._rank_info)
@@ -434,6 +442,7 @@ class Hook:
             if (coverage, mesh) != (self._rank_info.coverage, self._rank_info.mesh):
                 self._rank_info = replace(self._rank_info, coverage=coverage, mesh=mesh)
                 self.shipper.submit(self._rank_info)
+                self.schedule.role = _role(mesh)
         gpu = self._gpu.sample() if self._gpu is not None else {}
         return Heartbeat(
             **self._origin(),

@@ -115,6 +115,9 @@ class Schedule:
         self.window_s, self.window_steps, self.trigger_ratio = window_s, window_steps, trigger_ratio
         self.budget = budget
         """What windows cost and may cost (``profiler_hook.budget``; None: unbounded)."""
+        self.role = 0
+        """This rank's role, a number (its pipeline stage + 1; 0: none): a rank stands out only
+        against the sampled ranks of its own role (the hook sets it once it sees a mesh)."""
         self.rank, self.world_size = rank, world_size
         self.planned = -1
         """The step the next window starts at (-1: none); the training thread compares against it."""
@@ -307,7 +310,7 @@ class Schedule:
             return
         self._published = rates
         cost_us = self.budget.spent_ns // 1000 if self.budget is not None else 0
-        store.set(f"{self._rates_key}{self.rank}", f"{rates[0]:.1f},{rates[1]:.1f},{cost_us}")
+        store.set(f"{self._rates_key}{self.rank}", f"{rates[0]:.1f},{rates[1]:.1f},{cost_us},{self.role}")
         keys = [f"{self._rates_key}{r}" for r in self._sample]
         if self.rank == 0 and store.check(keys):  # every sampled rank has ended a block
             values = store.multi_get(keys) if hasattr(store, "multi_get") else [store.get(k) for k in keys]
@@ -320,7 +323,7 @@ class Schedule:
             r, _, v = entry.partition(":")
             values = tuple(map(float, v.split(",")))
             spent = max([spent, *values[2:3]])
-            if int(r) != self.rank:
+            if int(r) != self.rank and values[3:4] == (float(self.role),):  # a rank of the same role
                 peers.append(values)
         self.spent_ns = int(spent * 1000)
         if not peers:

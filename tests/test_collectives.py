@@ -5,8 +5,10 @@ parallelism's, launched from C++ by functional collectives, counted and numbered
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import statistics
+import subprocess
 import time
 from pathlib import Path
 
@@ -20,8 +22,9 @@ import profiler_hook
 from benchmarks.workload import Fault, JobSpec, free_port, launch
 from diagnosis.detectors.hang import Settings as HangSettings
 from diagnosis.detectors.hang import locate
+from tests.commands import torchrun
 from tests.records import spool_records
-from wire.records import Heartbeat, StepBatch
+from wire.records import Heartbeat, RankInfo, StepBatch
 
 STEPS = 150
 
@@ -225,3 +228,42 @@ def test_collectives_launched_from_cxx_are_counted_numbered_and_name_the_rank_a_
         pd.DataFrame([dataclasses.asdict(x) for x in (waiting[-1], stuck[-1])]), HangSettings(stall_s=1.0)
     )
     assert hang is not None and (hang.ranks, hang.seq) == ([1], seqs[0][STUCK_AT] + 1), hang
+
+
+@pytest.mark.slow
+def test_a_pipeline_stage_that_waits_for_its_neighbour_waits_in_recv_not_in_its_own_time(
+    tmp_path: Path,
+) -> None:
+    """A (dp=2, pp=2) job written as torchtitan writes one (FSDP2 over dp, 1F1B over pp), rank 0
+    blocking 60 ms in a metrics upload every step from 4 s in: its next stage (rank 1) waits for
+    its activations in ``recv``, the other pipeline in FSDP's collectives with it. Only rank 0's
+    own time grows; each rank's record carries its place in the mesh."""
+    env = {**os.environ, "RANKSCOPE_SPOOL": str(tmp_path / "spool"), "RANKSCOPE_JOB": "pp"}
+    script = Path(__file__).parents[1] / "benchmarks" / "jobs" / "pipeline_dp.py"
+    flags = ["--steps", "70", "--fault", "metrics_block", "--fault-rank", "0", "--onset-s", "4"]
+    run = subprocess.run(
+        [*torchrun(4), str(script), *flags, "--fault-ms", "60", "--marker-dir", str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    onset = json.loads((tmp_path / "onset-r0").read_text())["step"]
+    recs = spool_records(tmp_path / "spool", "pp")
+    meshes = {r: [x for x in rs if isinstance(x, RankInfo)][-1].mesh for r, rs in recs.items()}
+    assert meshes == {r: {"dp": r // 2, "pp": r % 2} for r in range(4)}
+
+    def per_step_ms(rank: int, after: bool) -> tuple[float, float]:
+        """(own, collective) ms per step over the blocks wholly after the onset, or before it
+        (the first step, the warm-up, left out)."""
+        rows = [row for x in recs[rank] if isinstance(x, StepBatch) for row in x.rows]
+        rows = [r for r in rows if (r.step >= onset if after else r.step > 0 and r.step + r.n_steps <= onset)]
+        n = sum(r.n_steps for r in rows)
+        own = sum(r.dur_us - r.comm_us - r.data_us - r.wait_us for r in rows)
+        return own / n / 1e3, sum(r.comm_us for r in rows) / n / 1e3
+
+    grown = {
+        r: tuple(a - b for a, b in zip(per_step_ms(r, True), per_step_ms(r, False), strict=True))
+        for r in range(4)
+    }
+    assert grown[0][0] >= 45, grown  # rank 0's own time: its 60 ms upload
+    for r in (1, 2, 3):
+        assert grown[r][0] < 15 and grown[r][1] >= 35, grown  # the others wait for it

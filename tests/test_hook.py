@@ -601,6 +601,27 @@ def test_a_rank_that_stands_out_from_its_peers_with_no_jump_asks_for_a_window_on
     assert planner.requests_read == 2
 
 
+def test_a_pipeline_stage_stands_out_only_against_the_ranks_of_its_stage() -> None:
+    """Stage 1 carries the loss head: its own time is 1.5x stage 0's by design, and it asks for
+    no window; against a replica of its own stage it would."""
+    clock = [1.0]
+    planner, follower = _two_ranks(3600, clock)
+    planner.role, follower.role = 1, 2  # pipeline stages 0 and 1
+    for step in range(100, 800, 100):
+        planner.note_block(10_000.0, 8_000.0)
+        follower.note_block(15_000.0, 12_000.0)
+        for s in (follower, planner):
+            s.poll(step)
+    assert planner.requests_read == 0 and planner.plans == 0
+    follower.role = 1
+    for step in range(800, 1100, 100):
+        planner.note_block(10_000.0, 8_000.0)
+        follower.note_block(15_000.0, 12_000.0)
+        for s in (follower, planner):
+            s.poll(step)
+    assert planner.requests_read == 1
+
+
 def test_ranks_compare_their_rates_through_a_store_without_multi_get(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

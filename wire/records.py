@@ -153,6 +153,18 @@ class RankInfo(_Base):
     "pp": 0}``; empty: no mesh), sent again like ``coverage`` where a mesh is made later."""
 
 
+PIPELINE_DIMS = ("pp", "pipeline")
+"""Device-mesh dimensions whose ranks do different work by design: pipeline stages (torchtitan and
+the PyTorch docs name the dimension ``pp``). Tensor, context and expert parallel ranks share their
+work evenly."""
+
+
+def pipeline_role(mesh: dict[str, int]) -> tuple[tuple[str, int], ...]:
+    """A rank's role in the job: its coordinates on the ``PIPELINE_DIMS`` of its mesh (``()``:
+    none). Ranks of one role do the same work: only they are compared with each other."""
+    return tuple(sorted((d, int(c)) for d, c in mesh.items() if d in PIPELINE_DIMS))
+
+
 GAP_WORDS = ("not tracked", "untested", "off (")
 """Words of a part of ``RankInfo.coverage`` that says something is not seen as documented."""
 

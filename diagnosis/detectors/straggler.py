@@ -33,15 +33,10 @@ class Settings:
 
 def find(data: JobData, s: Settings) -> list[Finding]:
     """The stragglers and the contended ranks the job waits for, one finding per rank; of a job
-    whose ranks have roles (pipeline stages), among the ranks of each role (``JobData.roles``)."""
+    whose ranks have roles (pipeline stages, ``JobData.roles``), each measured against its role's."""
     roles = data.roles()
-    if len(roles) == 1:
-        return _find(data, s)
-    return [f for ranks in roles if len(ranks) > 1 for f in _find(data.of_ranks(ranks), s)]
-
-
-def _find(data: JobData, s: Settings) -> list[Finding]:
-    sts = _stragglers(data.steps, s.steps)
+    role_of = {r: k for k, ranks in enumerate(roles) for r in ranks} if len(roles) > 1 else {}
+    sts = _stragglers(data, s.steps, roles if role_of else [], role_of)
     # Precedence between the two accounts of who holds the job back: a contended rank that waits
     # for a straggler is none, and then a straggler that waits for a contended rank is none.
     waits = _waited_for(
@@ -55,7 +50,7 @@ def _find(data: JobData, s: Settings) -> list[Finding]:
     # every window (a sure contention finding).
     contended = {rank: _contention_finding(c, hosts) for rank, c in waits.items()}
     found = []
-    for f in _straggler_findings(sts, data, hosts, waits):
+    for f in _straggler_findings(sts, data, hosts, waits, role_of):
         c = contended.pop(f.ranks[0], None)
         found.append(c if c is not None and c.confidence > f.confidence else f)
     return found + list(contended.values())
@@ -84,6 +79,7 @@ def _straggler_findings(
     data: JobData,
     hosts: dict[int, str],
     waits: dict[int, contention.Contended],
+    role_of: dict[int, int],
 ) -> list[Finding]:
     if not sts:
         return []
@@ -91,20 +87,28 @@ def _straggler_findings(
     everyone = data.ranks["rank"] if not data.ranks.empty else data.steps["rank"]
     ranks = np.unique(everyone.to_numpy(dtype=np.int64))
     # The peers are the ranks that are not culprits themselves (all others when everybody is one),
-    # evenly spread as functions.pick_peers does, without a Python list of every rank.
+    # evenly spread as functions.pick_peers does, without a Python list of every rank; of a job
+    # with roles, those of the culprit's role.
     rest = ranks[~np.isin(ranks, culprits)]
     rest = rest if rest.size else ranks
-    if rest.size > functions.MAX_PEERS:
-        rest = rest[(np.arange(functions.MAX_PEERS) * (rest.size / functions.MAX_PEERS)).astype(np.int64)]
-    peers = [int(r) for r in rest]
-    fs = data.functions_of([*culprits, *peers])  # one read for all culprits, not one per culprit
+
+    def peers_of(rank: int) -> list[int]:
+        rs = rest
+        if role_of and (same := rs[np.array([role_of.get(int(r)) == role_of.get(rank) for r in rs])]).size:
+            rs = same
+        if rs.size > functions.MAX_PEERS:
+            rs = rs[(np.arange(functions.MAX_PEERS) * (rs.size / functions.MAX_PEERS)).astype(np.int64)]
+        return [int(r) for r in rs]
+
+    peers = {st.rank: peers_of(st.rank) for st in sts}
+    fs = data.functions_of({r for st in sts for r in (st.rank, *peers[st.rank])})  # one read for all
     return [
         _straggler_finding(
             st,
             fs,
             data.steps,
             _samples(data, st),
-            [p for p in peers if p != st.rank],
+            [p for p in peers[st.rank] if p != st.rank],
             hosts,
             waits.get(st.rank),
         )
@@ -270,17 +274,23 @@ def _not_waiting(
     ]
 
 
-def _stragglers(steps: pd.DataFrame, s: stragglers.StragglerSettings) -> list[stragglers.Straggler]:
+def _stragglers(
+    data: JobData, s: stragglers.StragglerSettings, roles: list[list[int]], role_of: dict[int, int]
+) -> list[stragglers.Straggler]:
     """The peer rule's stragglers, then the change-point rule's; a rank both find is described by
     the surer of the two (slow since step N in every chunk since, rather than in half of the last
-    800 steps). Each rank's change point is measured against the ranks not found slow."""
-    found = {st.rank: st for st in stragglers.find(steps, s)}
+    800 steps). Each rank's change point is measured against the ranks not found slow: of its role,
+    where the job's ranks have ``roles`` (each a list of ranks)."""
+    steps = data.steps
+    found = {st.rank: st for st in stragglers.find(steps, s, role_of)}
     slow = set(found)
-    cut = stragglers.shift_grid(steps, s)  # the same steps for every call
-    for st in stragglers.shifted(steps, s, exclude=slow, cut=cut):
-        found[st.rank] = st
-    for rank in slow:
-        for st in stragglers.shifted(steps, s, exclude=slow - {rank}, cut=cut, only=rank):
-            if st.strength > found[rank].strength:
-                found[rank] = st
+    for role in roles or [None]:
+        mine = steps if role is None else data.of_ranks(role).steps
+        cut = stragglers.shift_grid(mine, s)  # the same steps for every call
+        for st in stragglers.shifted(mine, s, exclude=slow, cut=cut):
+            found[st.rank] = st
+        for rank in slow if role is None else slow & set(role):
+            for st in stragglers.shifted(mine, s, exclude=slow - {rank}, cut=cut, only=rank):
+                if st.strength > found[rank].strength:
+                    found[rank] = st
     return sorted(found.values(), key=lambda st: st.rank)
