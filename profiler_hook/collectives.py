@@ -133,9 +133,20 @@ def process_groups() -> list[tuple[str, str]]:
         from torch.distributed import distributed_c10d
 
         world = distributed_c10d._world
-        return [(group_name(pg), str(world.pg_map[pg][0])) for pg in list(world.pg_names)]
+        return [(group_name(pg), _backend_of(pg, str(world.pg_map[pg][0]))) for pg in list(world.pg_names)]
     except Exception:  # no torch.distributed, or a group changed meanwhile
         return []
+
+
+def _backend_of(pg: Any, said: str) -> str:
+    """A group's backend: c10d records "undefined" for a group made without one named (as
+    ``init_device_mesh`` makes the default group); the process group knows which it chose."""
+    if said != "undefined":
+        return said
+    try:
+        return str(pg.name())
+    except Exception:
+        return said
 
 
 def mesh_coordinates() -> dict[str, int]:

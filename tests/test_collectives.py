@@ -24,7 +24,7 @@ from diagnosis.detectors.hang import Settings as HangSettings
 from diagnosis.detectors.hang import locate
 from tests.commands import torchrun
 from tests.records import spool_records
-from wire.records import Heartbeat, RankInfo, StepBatch
+from wire.records import Heartbeat, RankInfo, StepBatch, coverage_gaps
 
 STEPS = 150
 
@@ -248,8 +248,10 @@ def test_a_pipeline_stage_that_waits_for_its_neighbour_waits_in_recv_not_in_its_
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     onset = json.loads((tmp_path / "onset-r0").read_text())["step"]
     recs = spool_records(tmp_path / "spool", "pp")
-    meshes = {r: [x for x in rs if isinstance(x, RankInfo)][-1].mesh for r, rs in recs.items()}
-    assert meshes == {r: {"dp": r // 2, "pp": r % 2} for r in range(4)}
+    infos = {r: [x for x in rs if isinstance(x, RankInfo)][-1] for r, rs in recs.items()}
+    assert {r: i.mesh for r, i in infos.items()} == {r: {"dp": r // 2, "pp": r % 2} for r in range(4)}
+    # The mesh's groups, made without a backend named, are gloo's: no "untested backend" said.
+    assert all(coverage_gaps(i.coverage) == [] for i in infos.values()), infos[0].coverage
 
     def per_step_ms(rank: int, after: bool) -> tuple[float, float]:
         """(own, collective) ms per step over the blocks wholly after the onset, or before it
