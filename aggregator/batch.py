@@ -22,6 +22,7 @@ from wire.records import (
     STEP_COLUMNS,
     WIRE_VERSION,
     Checkpoint,
+    Exit,
     FunctionPattern,
     Heartbeat,
     RankInfo,
@@ -39,6 +40,7 @@ from .schema import (
     ATTEMPTS,
     CHECKPOINTS,
     DEAD_LETTERS,
+    EXITS,
     FUNCTIONS,
     HEARTBEATS,
     QUOTES_FIELD,
@@ -114,7 +116,7 @@ _WIRE_COLUMNS = {
 def _wire_types() -> dict[str, set[str]]:
     """Every field and row column of the records, by name: the types wire.records holds it to."""
     out: dict[str, set[str]] = {}
-    for cls in (StepBatch, Heartbeat, RankInfo, Checkpoint, WindowSummary):
+    for cls in (StepBatch, Heartbeat, RankInfo, Checkpoint, Exit, WindowSummary):
         for f in fields(cls):
             out.setdefault(f.name, set()).add(str(f.type))
     for row in (StepRow, FunctionPattern):
@@ -139,13 +141,13 @@ def _implied(column: str, type_: str, wire: set[str]) -> bool:
 # change to either side would let through a value its column cannot hold.
 _MADE_HERE = {(WINDOWS.name, "n_functions"), (ARRIVALS.name, "type")}
 _WIRE = _wire_types()
-for _table in (STEPS, HEARTBEATS, RANKS, ATTEMPTS, CHECKPOINTS, WINDOWS, FUNCTIONS, ARRIVALS):
+for _table in (STEPS, HEARTBEATS, RANKS, ATTEMPTS, CHECKPOINTS, EXITS, WINDOWS, FUNCTIONS, ARRIVALS):
     for _name, _type in zip(_table.column_names, _table.column_types, strict=True):
         if (_table.name, _name) not in _MADE_HERE and not _implied(_name, _type, _WIRE.get(_name, set())):
             raise ImportError(f"{_table.name}.{_name} ({_type}) may get values wire.records lets through")
 
 
-_GETTERS = {t.name: attrgetter(*t.column_names) for t in (HEARTBEATS, RANKS, ATTEMPTS, CHECKPOINTS)}
+_GETTERS = {t.name: attrgetter(*t.column_names) for t in (HEARTBEATS, RANKS, ATTEMPTS, CHECKPOINTS, EXITS)}
 
 
 def _attrs(record: Record, table: Table) -> tuple[Any, ...]:
@@ -172,6 +174,8 @@ def _rows_of(record: Record) -> list[tuple[Table, tuple[Any, ...]]]:
         return [(t, _attrs(record, t)) for t in (RANKS, ATTEMPTS)]
     if isinstance(record, Checkpoint):
         return [(CHECKPOINTS, _attrs(record, CHECKPOINTS))]
+    if isinstance(record, Exit):
+        return [(EXITS, _attrs(record, EXITS))]
     if isinstance(record, WindowSummary):
         window = tuple(
             len(record.functions) if c == "n_functions" else getattr(record, c) for c in WINDOWS.column_names

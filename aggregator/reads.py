@@ -21,6 +21,7 @@ from .schema import (
     ATTEMPTS,
     CHECKPOINTS,
     DEAD_LETTERS,
+    EXITS,
     FUNCTIONS,
     HEARTBEATS,
     JOB_TABLES,
@@ -208,6 +209,10 @@ class Reads:
         return self._frame(sql, {"job": job}, ("kind", "step", "attempt", *names, "ranks")).rename(
             columns=names
         )
+
+    def exits(self, job: str) -> pd.DataFrame:
+        """One row per process of ``job`` that said how it ended (``wire.records.Exit``), by time."""
+        return self._select(EXITS, job, "", {}, "time_us")
 
     def progress(self, job: str, rank: int) -> pd.DataFrame:
         """``time_us, step, progress_age_s`` of every heartbeat of one rank of ``job``, by time."""

@@ -243,6 +243,26 @@ CHECKPOINTS = Table(
 )
 """Checkpoint saves and loads timed by ``Hook.checkpoint()``."""
 
+EXITS = Table(
+    "exits",
+    (
+        _JOB,
+        _RANK,
+        _HOST,
+        ("pid", "Int64"),
+        ("attempt", "Int32"),
+        ("how", "LowCardinality(String)"),
+        ("step", "Int64"),
+        ("error", "String"),
+        ("message", "String"),
+        ("frame", "String"),
+        ("signal", "Int32"),
+        _TIME,
+    ),
+    order_by=("job", "rank", "pid"),
+)
+"""How each rank's process ended (schema 11): one row per process."""
+
 ARRIVALS = Table(
     "arrivals",
     (_JOB, _RANK, ("pid", "Int64"), ("seq", "Int64"), ("type", "LowCardinality(String)"), _TIME),
@@ -369,12 +389,23 @@ TABLES: dict[str, Table] = {
         WINDOWS,
         FUNCTIONS,
         CHECKPOINTS,
+        EXITS,
         ARRIVALS,
         DEAD_LETTERS,
         SPOOL_OFFSETS,
     )
 }
-JOB_TABLES = ("ranks", "attempts", "steps", "heartbeats", "windows", "functions", "checkpoints", "arrivals")
+JOB_TABLES = (
+    "ranks",
+    "attempts",
+    "steps",
+    "heartbeats",
+    "windows",
+    "functions",
+    "checkpoints",
+    "exits",
+    "arrivals",
+)
 """The tables whose rows belong to a job."""
 
 # --- window summaries parsed by ClickHouse ---------------------------------------------------------
@@ -641,7 +672,8 @@ _TO_11 = {
     "heartbeats": ["ADD COLUMN IF NOT EXISTS `coll_peer` Int64 DEFAULT -1 AFTER `coll_seq`"],
     "ranks": ["ADD COLUMN IF NOT EXISTS `mesh` Map(String, Int64) AFTER `coverage`"],
 }
-"""Schema 11: a point-to-point call's peer in heartbeats, each rank's place in the job's device mesh."""
+"""Schema 11: a point-to-point call's peer in heartbeats, each rank's place in the job's device mesh
+(and the table ``exits``, made as any missing table is)."""
 
 
 def _then(*steps: dict[str, list[str]]) -> dict[str, list[str]]:

@@ -58,6 +58,19 @@ HEARTBEAT_FIELDS = [
 
 
 LINK_FIELDS = ["rank", "time_us", "link", "nbytes", "send_us"]
+EXIT_FIELDS = [
+    "rank",
+    "host",
+    "pid",
+    "attempt",
+    "how",
+    "step",
+    "error",
+    "message",
+    "frame",
+    "signal",
+    "time_us",
+]
 
 SPAN_COLUMNS = ["rank", "window", "step_lo", "step_hi"]
 """What the diagnosis reads of a profiling window: the steps it spans."""
@@ -124,6 +137,8 @@ class JobData:
     span's are known)."""
     links: pd.DataFrame = field(default_factory=lambda: _empty(LINK_FIELDS))
     """Per heartbeat of the span read and network link of its rank, the sends since the rank's last."""
+    exits: pd.DataFrame = field(default_factory=lambda: _empty(EXIT_FIELDS))
+    """One row per process that said how it ended (``wire.records.Exit``), by time."""
     missing: pd.DataFrame = field(default_factory=lambda: _empty(["rank", "pid", "made", "stored"]))
     """Per rank and process whose records did not all reach the store: the records it numbered
     (up to its last one stored) and those stored."""
@@ -183,6 +198,7 @@ class JobData:
             samples=cut(self.samples),
             read_samples=(lambda since_us: cut(read_samples(since_us))) if read_samples is not None else None,
             links=cut(self.links),
+            exits=cut(self.exits),
             missing=cut(self.missing),
         )
 
@@ -232,6 +248,7 @@ class StoreReader(Protocol):
     def stack_samples(self, job: str, since_us: int | None = None) -> pd.DataFrame: ...
     def link_sends(self, job: str, since_us: int | None = None) -> pd.DataFrame: ...
     def missing(self, job: str) -> pd.DataFrame: ...
+    def exits(self, job: str) -> pd.DataFrame: ...
 
 
 def read_job(
@@ -269,6 +286,7 @@ def read_job(
         read_samples=lambda t: store.stack_samples(job, since_us=max(t, since_us or 0)),
         links=store.link_sends(job, since_us=since_us),
         missing=store.missing(job),
+        exits=store.exits(job),
     )
 
 
@@ -324,11 +342,12 @@ class RecentJob:
         since = last_us - int(self.recent_s * 1e6)
         ranks, beats = store.ranks(self.job), store.heartbeats_latest(self.job, columns=HEARTBEAT_FIELDS)
         # A row per rank and function, and per heartbeat and link: read whole.
-        samples, links, windows, missing = (
+        samples, links, windows, missing, exits = (
             store.stack_samples(self.job, since_us=since),
             store.link_sends(self.job, since_us=since),
             store.windows(self.job, since_us=since, columns=SPAN_COLUMNS),
             store.missing(self.job),  # over the job's life: one row per process
+            store.exits(self.job),  # as much
         )
 
         def held(steps: pd.DataFrame, fns: pd.DataFrame) -> JobData:
@@ -343,6 +362,7 @@ class RecentJob:
                 samples=samples,
                 read_samples=lambda t: store.stack_samples(self.job, since_us=max(t, since)),
                 links=links,
+                exits=exits,
                 missing=missing,
             )
 

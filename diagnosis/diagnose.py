@@ -12,7 +12,7 @@ from wire import records
 
 from . import topology
 from .data import JobData
-from .detectors import DETECTORS, hang, job_wide, link, straggler
+from .detectors import DETECTORS, failure, hang, job_wide, link, straggler
 from .findings import Diagnosis, Finding
 
 
@@ -20,6 +20,7 @@ from .findings import Diagnosis, Finding
 class Settings:
     """Each detector's settings, under its name (``detectors.DETECTORS``)."""
 
+    failure: failure.Settings = field(default_factory=failure.Settings)
     hang: hang.Settings = field(default_factory=hang.Settings)
     straggler: straggler.Settings = field(default_factory=straggler.Settings)
     link: link.Settings = field(default_factory=link.Settings)

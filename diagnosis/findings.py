@@ -6,7 +6,9 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, get_args
 
-Cause = Literal["compute", "communication", "dataloader", "host_contention", "code_path", "hang", "job_wide"]
+Cause = Literal[
+    "compute", "communication", "dataloader", "host_contention", "code_path", "hang", "job_wide", "failure"
+]
 CAUSES: tuple[Cause, ...] = get_args(Cause)
 """Stable cause names: part of the output contract (JSON, tickets, API)."""
 LEVELS = ("nic", "host", "switch", "spine")

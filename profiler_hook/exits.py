@@ -1,6 +1,8 @@
-"""Hooks the script never closed are closed when the process ends, so their last steps ship.
+"""Hooks the script never closed are closed when the process ends, so their last steps ship, and
+each rank's exit record says how it ended.
 
-* At a normal exit (or one on an uncaught exception): ``atexit``.
+* At a normal exit (or one on an uncaught exception: ``sys.excepthook`` tells the hooks which,
+  then prints it as before): ``atexit``.
 * On SIGTERM, when the script left it to the default (torchrun stops a failed attempt's surviving
   workers so): the steps since the last flush are what a restart's redone work is measured by.
   The process then dies as it would have. A Python signal handler runs only when the main thread
@@ -20,6 +22,7 @@ import atexit
 import contextlib
 import os
 import signal
+import sys
 import threading
 import time
 import weakref
@@ -37,6 +40,13 @@ _closing: dict[int, int] = {}
 """Closes in progress, per thread id."""
 _term_pending = False
 """A SIGTERM came while the main thread was closing a hook: it dies once that close ends."""
+_signalled = 0
+"""The signal that ends the process (0: none), for the hooks' exit records."""
+
+
+def signalled() -> int:
+    """The signal that ends this process, if one does (SIGTERM: torchrun stopping the workers)."""
+    return _signalled
 
 
 def closing_at_exit(hook: Any) -> None:
@@ -46,7 +56,22 @@ def closing_at_exit(hook: Any) -> None:
         _installed = True
         atexit.register(_close_open)
         _watch_sigterm()
+        _watch_exceptions()
     _open.add(hook)
+
+
+def _watch_exceptions() -> None:
+    """An exception that ends the script is told to the open hooks (their exit records carry it),
+    then to whatever ``sys.excepthook`` was (it prints the traceback)."""
+    theirs = sys.excepthook
+
+    def excepthook(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
+        for hook in list(_open):
+            with contextlib.suppress(Exception):
+                hook.failed(exc)
+        theirs(kind, exc, tb)
+
+    sys.excepthook = excepthook
 
 
 @contextlib.contextmanager
@@ -101,13 +126,20 @@ def _wake_on_sigterm(r: int) -> None:
     while data := os.read(r, 64):  # one byte per signal that has a Python handler
         ours = signal.SIGTERM in data and signal.getsignal(signal.SIGTERM) is _on_sigterm
         if ours and _dying.acquire(blocking=False):
+            _note_signal()
             with contextlib.suppress(Exception):
                 _close_open()
             os._exit(128 + signal.SIGTERM)
 
 
+def _note_signal() -> None:
+    global _signalled
+    _signalled = signal.SIGTERM
+
+
 def _on_sigterm(signum: int, frame: object) -> None:
     global _term_pending
+    _note_signal()
     if threading.get_ident() in _closing:  # interrupted its own close: let it finish first
         _term_pending = True
         return

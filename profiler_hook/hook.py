@@ -26,7 +26,9 @@ from dataclasses import replace
 from typing import Any, NamedTuple, TypeVar
 
 from wire.records import (
+    MAX_MESSAGE,
     Checkpoint,
+    Exit,
     FunctionPattern,
     Heartbeat,
     RankInfo,
@@ -47,7 +49,7 @@ from .schedstat import ThreadWait, Waits, run_queue_wait, wait_pattern
 from .schedule import Schedule
 from .shipper import Shipper
 from .sinks import NullSink, Sink, make_sink
-from .watchdog import Watchdog
+from .watchdog import Watchdog, job_frame
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -120,6 +122,8 @@ class Hook:
         self._warm = threading.Event()
         self.step_num = -1
         self._finished = -1
+        self._error: BaseException | None = None
+        """An exception that escaped a step (or the script) and no step has finished since."""
         """The last step that ended (``step_num`` is the one begun): what heartbeats report."""
         self._training_thread = threading.get_ident()
         self._wait = ThreadWait()
@@ -234,6 +238,8 @@ class Hook:
     def begin_step(self, step: int | None = None) -> None:
         if not self.enabled or self.paused:
             return
+        if self._error is not None:  # the script caught it and trains on
+            self._error = None
         try:
             self.step_num = self.step_num + 1 if step is None else step
             self._maybe_start_window()
@@ -369,6 +375,7 @@ class Hook:
                 self._wait.close()
                 self.watchdog.close(max(1.0, deadline - time.monotonic()))
                 self.shipper.submit(self.watchdog.beat())
+                self.shipper.submit(self._exit())
                 self.tracker.unpatch()
                 self.ddp.stop()
                 self.nccl.close()
@@ -376,6 +383,32 @@ class Hook:
             except Exception as exc:
                 self._fail("close", exc)
             self.shipper.close(max(0.0, deadline - time.monotonic()))
+
+    def failed(self, exc: BaseException) -> None:
+        """``exc`` escaped a step, or the script (``sys.excepthook``): the rank's exit record says
+        so unless a step finishes after it (the script caught it)."""
+        self._error = exc
+
+    def _exit(self) -> Exit:
+        """How this process ends (see ``Exit``)."""
+        exc, signum = self._error, exits.signalled()
+        fields: dict[str, Any] = {"how": "signal" if signum else "close", "signal": signum}
+        quiet = isinstance(exc, KeyboardInterrupt) or (isinstance(exc, SystemExit) and exc.code in (None, 0))
+        if exc is not None and not quiet:
+            kind = type(exc)
+            module = "" if kind.__module__ == "builtins" else f"{kind.__module__}."
+            fields.update(
+                how="exception",
+                error=f"{module}{kind.__qualname__}",
+                message=str(exc)[:MAX_MESSAGE],
+                frame=job_frame(exc.__traceback__),
+            )
+        return Exit(
+            **self._origin(),
+            step=self.step_num if exc is not None else self._finished,
+            attempt=self._rank_info.attempt,
+            **fields,
+        )
 
     def __enter__(self) -> Hook:
         return self
@@ -613,7 +646,9 @@ class _Step:
     def __enter__(self) -> None:
         self.hook.begin_step(self.step)
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        if exc is not None:
+            self.hook.failed(exc)
         self.hook.end_step()
 
 

@@ -20,7 +20,7 @@ import time
 import traceback
 from collections import Counter
 from collections.abc import Callable
-from types import CodeType
+from types import CodeType, TracebackType
 
 from wire.records import Heartbeat, sample_key
 
@@ -48,6 +48,16 @@ def _path_prefixes() -> tuple[str, ...]:
         return tuple(_prefix_regex())
     except Exception:  # a torch without it: sys.path, as that function starts from
         return tuple(sorted({os.path.abspath(p) + os.sep for p in sys.path}, reverse=True))
+
+
+def job_frame(tb: TracebackType | None) -> str:
+    """The innermost frame of the job's own code in a traceback, named as a stack sample names it
+    (``"train.py(40): load @57"``); "" where none is the job's."""
+    namer = StackSampler(0)
+    for frame, line in reversed(list(traceback.walk_tb(tb))):
+        if name := namer._name(frame.f_code):
+            return sample_key(name, line or 0)
+    return ""
 
 
 class StackSampler:

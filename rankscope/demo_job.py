@@ -25,6 +25,8 @@ already makes, so that every rank agrees on the step):
 ``crash``            the rank's process is killed (SIGKILL, as the kernel's OOM killer or a lost
                      node ends it) in the job's first attempt; under ``torchrun --max-restarts``
                      the job restarts and resumes from the latest checkpoint in ``--ckpt-dir``.
+``cuda_error``       the rank raises what PyTorch raises when its GPU fails under it
+                     (``RuntimeError: CUDA error: an illegal memory access was encountered``).
 
 Checkpoints are timed with ``hook.checkpoint()``, and steps numbered from the checkpoint a restart
 resumes at (``hook.step(step)``), so that ``rankscope reliability`` sees the restarts, the
@@ -57,7 +59,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import profiler_hook
 
-FAULTS = ("none", "slow_data", "slow_backward", "metrics_block", "hang_checkpoint", "crash")
+FAULTS = ("none", "slow_data", "slow_backward", "metrics_block", "hang_checkpoint", "crash", "cuda_error")
 
 
 def parse_args() -> argparse.Namespace:
@@ -282,6 +284,8 @@ def main() -> None:
                     write_marker(args.marker_dir, rank, step, fault)
                 if faulty and fault == "crash":
                     os.kill(os.getpid(), signal.SIGKILL)
+                if faulty and fault == "cuda_error":
+                    raise RuntimeError("CUDA error: an illegal memory access was encountered")
                 inp = degraded_device(x, args.fault_factor) if faulty and fault == "slow_backward" else x
                 logits = model(inp)[: x.shape[0]]
                 loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))

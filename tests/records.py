@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from wire.records import (
     Checkpoint,
+    Exit,
     FunctionPattern,
     Heartbeat,
     RankInfo,
@@ -73,6 +74,9 @@ def synthetic_records(job: str, ranks: int = 6, batches: int = 10) -> list[Recor
                 busy={"compute": 0.9}, n_events=100, functions=fns,
             )
         )  # fmt: skip
+        out.append(
+            Exit(job=job, rank=r, host=host, time_us=t0 + batches, pid=r, how="close", step=batches * 10 - 1)
+        )
     return out
 
 
@@ -89,6 +93,8 @@ def expected_counts(records: Iterable[Record]) -> dict[str, int]:
             keys["attempts"].add((r.job, r.rank, r.time_us))
         elif isinstance(r, Checkpoint):
             keys["checkpoints"].add((r.job, r.rank, r.kind, r.start_us))
+        elif isinstance(r, Exit):
+            keys["exits"].add((r.job, r.rank, r.pid))
         elif isinstance(r, StepBatch):
             keys["steps"].update((r.job, r.rank, row.step) for row in r.rows)
         elif isinstance(r, Heartbeat):

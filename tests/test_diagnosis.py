@@ -864,6 +864,7 @@ def test_findings_validate_their_contract() -> None:
         "code_path",
         "hang",
         "job_wide",
+        "failure",
     )
 
 

@@ -191,3 +191,42 @@ def test_a_script_scenario_runs_one_torchrun_per_simulated_host(tmp_path: Path) 
     bad.write_text("script: demo_job\nhosts: 3\n")
     with pytest.raises(ScenarioError, match="multiple of hosts"):
         load(bad)
+
+
+@pytest.mark.slow
+def test_a_rank_whose_gpu_fails_is_named_first_with_its_error_not_the_ranks_stopped_after_it(
+    tmp_path: Path,
+) -> None:
+    """Rank 1 raises PyTorch's "CUDA error: an illegal memory access" 3 s in: its peers' collectives
+    raise as it goes, torchrun stops the rest, the attempt ends. The diagnosis names rank 1 alone,
+    by time, with its error, its class and the line it raised at."""
+    from tests.commands import rankscope, torchrun
+
+    spool = tmp_path / "spool"
+    env = {
+        **os.environ,
+        "RANKSCOPE_SPOOL": str(spool),
+        "RANKSCOPE_JOB": "gpu-fault",
+        "RANKSCOPE_HOST": "nodeA",
+    }
+    cmd = [
+        *torchrun(4),
+        str(SCRIPTS["demo_job"]),
+        "--seconds",
+        "20",
+        "--fault",
+        "cuda_error",
+        "--fault-rank",
+        "1",
+    ]
+    run = subprocess.run([*cmd, "--onset-s", "3"], env=env, capture_output=True, text=True, timeout=240)
+    assert run.returncode != 0 and "illegal memory access" in run.stderr, run.stderr[-3000:]
+    store = tmp_path / "store"
+    assert rankscope("ingest", "--spool", str(spool), "--store", str(store)).returncode == 0
+    out = rankscope("diagnose", "--store", str(store), "--job", "gpu-fault", "--json")
+    assert out.returncode == 0, out.stderr
+    (f,) = json.loads(out.stdout)["findings"]
+    assert (f["cause"], f["ranks"], f["hosts"]) == ("failure", [1], ["nodeA"]), f["summary"]
+    assert f["evidence"]["class"] == "gpu_hardware" and f["evidence"]["error"] == "RuntimeError"
+    assert "demo_job.py" in f["function"] and f["evidence"]["step"] > 0
+    assert set(f["evidence"]["others"]) == {"0", "2", "3"}, f["evidence"]

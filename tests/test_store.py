@@ -61,6 +61,7 @@ from tests.jobdata import only
 from wire.records import (
     MAX_VALUE_BYTES,
     Checkpoint,
+    Exit,
     FunctionPattern,
     Heartbeat,
     RankInfo,
@@ -150,12 +151,21 @@ def checkpoint(rank: int, step: int = 5) -> Checkpoint:
     )  # fmt: skip
 
 
+def exit_record(rank: int) -> Exit:
+    """Rank 1 raised; rank 0 was stopped."""
+    how = {"how": "exception", "error": "RuntimeError", "message": "boom", "frame": "train.py(40): step @41"}
+    return Exit(
+        job=JOB, rank=rank, host=f"node{rank // 2}", time_us=T0 + 3_000_000 - rank, pid=1000 + rank, step=7,
+        **(how if rank else {"how": "signal", "signal": 15}),
+    )  # fmt: skip
+
+
 def all_records() -> list[Record]:
     out: list[Record] = []
     for rank in (0, 1):
         out += [rank_info(rank), steps(rank, 0, 5), checkpoint(rank), steps(rank, 5, 8)]
         out += [heartbeat(rank, T0 + 1_000_000, 4), heartbeat(rank, T0 + 2_000_000, 7)]
-        out += [window(rank, 1), window(rank, 2)]
+        out += [window(rank, 1), window(rank, 2), exit_record(rank)]
     return out
 
 
@@ -181,13 +191,14 @@ def snapshot(store: Store) -> dict[str, list[dict[str, object]]]:
         "heartbeats": store.heartbeats_latest(JOB),
         "attempts": store.attempts(JOB),
         "checkpoints": store.checkpoints(JOB),
+        "exits": store.exits(JOB),
     }
     return {name: df.to_dict("records") for name, df in frames.items()}
 
 
 EXPECTED_COUNTS = {
     "ranks": 2, "attempts": 2, "steps": 16, "heartbeats": 4, "windows": 4, "functions": 12, "checkpoints": 2,
-    "arrivals": 0,  # these records are not numbered, as an older hook's
+    "exits": 2, "arrivals": 0,  # these records are not numbered, as an older hook's
 }  # fmt: skip
 
 
@@ -611,6 +622,11 @@ def test_every_record_type_round_trips_through_the_spool(store: Store, tmp_path:
     assert "samples" not in latest and "sends" not in latest  # summed up by stack_samples and link_sends
     some = store.heartbeats_latest(JOB, columns=["stack", "rank", "nope"])
     assert list(some.columns) == ["rank", "stack"] and some["stack"][1] == "train.py:42 step"
+
+    exits = store.exits(JOB)  # by time: rank 1 first
+    assert exits.to_dict("records") == [
+        {k: getattr(exit_record(r), k) for k in TABLES["exits"].column_names} for r in (1, 0)
+    ]
 
     jobs = store.jobs()
     assert jobs.to_dict("records") == [

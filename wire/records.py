@@ -18,6 +18,7 @@ Record types:
 ``heartbeat``  always on, from a watchdog thread: progress, the collective in flight, a stack if stalled.
 ``window``     one per profiling window: per-function execution patterns and busy fractions.
 ``checkpoint`` one per checkpoint saved or loaded inside ``Hook.checkpoint()``: when, how long it blocked.
+``exit``       once, when the rank's process ends: how (closed, an exception and where, a signal).
 
 Readers ignore fields they do not know, so ``RankInfo.attempt``, ``.spine``, ``.coverage``, the heartbeats' GPU
 samples and the ``checkpoint`` type came within version 2, and the heartbeats' stack samples and link
@@ -263,9 +264,36 @@ class Checkpoint(_Base):
 
 
 CHECKPOINT_KINDS = ("save", "load")
-Record = RankInfo | StepBatch | Heartbeat | WindowSummary | Checkpoint
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Exit(_Base):
+    TYPE: ClassVar[str] = "exit"
+    how: str
+    """How the rank's process ended: ``close`` (the script closed the hook, or it ended normally),
+    ``exception`` (an exception escaped a step, or the script), ``signal`` (a SIGTERM: torchrun
+    stopping a failed attempt's other workers). One that ends without a word (SIGKILL, the OOM
+    killer, a node lost) sends none: its heartbeats stop."""
+    step: int = -1
+    """The step it was in, or had last finished."""
+    attempt: int = 0
+    """torchrun's restart count, as ``RankInfo.attempt``."""
+    error: str = ""
+    """The exception's class, qualified where not a built-in (``torch.OutOfMemoryError``)..."""
+    message: str = ""
+    """...its message (its first ``MAX_MESSAGE`` characters)..."""
+    frame: str = ""
+    """...and the innermost frame of the job's own code it came through (:func:`sample_key`)."""
+    signal: int = 0
+    """The signal that ended it (``signal``)."""
+
+
+MAX_MESSAGE = 2000
+"""An exit's message is cut to this many characters."""
+
+Record = RankInfo | StepBatch | Heartbeat | WindowSummary | Checkpoint | Exit
 _TYPES: dict[str, type[_Base]] = {
-    c.TYPE: c for c in (RankInfo, StepBatch, Heartbeat, WindowSummary, Checkpoint)
+    c.TYPE: c for c in (RankInfo, StepBatch, Heartbeat, WindowSummary, Checkpoint, Exit)
 }
 
 
@@ -311,6 +339,7 @@ INT_RANGES: dict[str, tuple[int, int]] = {
     "pid": (0, 1 << 31),
     "seq": (-1, INT64[1]),
     "coll_peer": (-1, 1 << 31),
+    "signal": (0, 256),
     "first_coll_us": (-1, INT64[1]),  # -1: the step entered no collective
 }
 """Integer fields with a narrower range than INT64 (Int32 columns; durations and counts)."""

@@ -8,6 +8,8 @@ A detector is a module here with
 and a line in :data:`DETECTORS`, which says in what order they run and which findings absorb
 which:
 
+0. ``failure`` — a job whose latest attempt died: the rank that failed first, its error and its
+   class; when it finds one, the others do not run (a dead job's heartbeats stopped: no hang);
 1. ``hang`` — a job that stopped making progress, and the ranks it waits for; when it finds one,
    the others do not run (``exclusive``): a job that stopped has one thing to fix, and what the
    others would read in the steps before it stopped (a rank slower by chance in its first
@@ -35,7 +37,7 @@ from typing import Any
 
 from ..data import JobData
 from ..findings import Finding
-from . import hang, job_wide, link, straggler
+from . import failure, hang, job_wide, link, straggler
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +52,7 @@ class Detector:
 
 
 DETECTORS: tuple[Detector, ...] = (
+    Detector("failure", failure.find, exclusive=True),
     Detector("hang", hang.find, exclusive=True),
     Detector("straggler", straggler.find),
     Detector("link", link.find),

@@ -1,0 +1,95 @@
+"""``failure`` on hand-built exit records: the rank that failed first, its class, and no one else."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from diagnosis import JobData, diagnose
+from diagnosis.detectors import failure
+from tests.jobdata import only
+
+T = 1_800_000_000_000_000
+FRAME = "train.py(80): train_step @95"
+
+
+def _exit(
+    rank: int, dt_s: float, how: str, error: str = "", message: str = "", signal: int = 0, attempt: int = 0
+) -> dict:
+    return {
+        "rank": rank,
+        "host": f"node{rank // 2}",
+        "pid": 100 + rank,
+        "attempt": attempt,
+        "how": how,
+        "step": 100,
+        "error": error,
+        "message": message,
+        "frame": FRAME if how == "exception" else "",
+        "signal": signal,
+        "time_us": T + int(dt_s * 1e6),
+    }
+
+
+RANKS = pd.DataFrame(
+    {"rank": range(4), "host": [f"node{r // 2}" for r in range(4)], "time_us": T - 60_000_000}
+)
+PEER = "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:29500"
+
+
+def _beats(last_s: dict[int, float]) -> pd.DataFrame:
+    return pd.DataFrame(
+        [
+            {"rank": r, "time_us": T + int(t * 1e6), "step": 99, "progress_age_s": 0.1, "coll_group": "",
+             "coll_op": "", "coll_seq": -1, "coll_peer": -1, "last_seq": {"world": 500}, "stack": ""}
+            for r, t in last_s.items()
+        ]
+    )  # fmt: skip
+
+
+def test_the_rank_that_raised_first_is_named_not_those_whose_peer_died_or_that_torchrun_stopped() -> None:
+    exits = pd.DataFrame(
+        [
+            _exit(0, 0.4, "exception", "torch.distributed.DistBackendError", PEER),
+            _exit(
+                1, 0.0, "exception", "RuntimeError", "CUDA error: an illegal memory access was encountered"
+            ),
+            _exit(2, 0.5, "exception", "RuntimeError", PEER),
+            _exit(3, 5.0, "signal", signal=15),
+        ]
+    )
+    data = JobData(job="j", ranks=RANKS, exits=exits, heartbeats=_beats({r: -1.0 for r in range(4)}))
+    f = only(diagnose(data).findings)  # a dead job's stale heartbeats make no hang
+    assert (f.cause, f.ranks, f.hosts, f.function) == ("failure", [1], ["node0"], FRAME)
+    assert f.evidence["class"] == "gpu_hardware" and "cordon the host" in f.evidence["advice"]
+    assert f.evidence["others"] == {
+        "0": "raised torch.distributed.DistBackendError (a peer died)",
+        "2": "raised RuntimeError (a peer died)",
+        "3": "stopped by signal 15",
+    }
+
+
+def test_a_rank_killed_without_a_word_is_the_one_its_peers_died_of() -> None:
+    exits = pd.DataFrame([_exit(r, 1.0 + r / 10, "exception", "RuntimeError", PEER) for r in (0, 1, 3)])
+    data = JobData(job="j", ranks=RANKS, exits=exits, heartbeats=_beats({0: 0.9, 1: 0.9, 2: -2.0, 3: 0.9}))
+    f = only(failure.find(data, failure.Settings()))
+    assert (f.ranks, f.evidence["class"], f.confidence) == ([2], "killed", 0.8)
+
+
+def test_an_out_of_memory_error_and_the_jobs_own_code_are_told_apart() -> None:
+    assert (
+        failure.classify("torch.OutOfMemoryError", "CUDA out of memory. Tried to allocate 2.00 GiB")[0]
+        == "out_of_memory"
+    )
+    assert failure.classify("KeyError", "'labels'")[0] == "code"
+    assert (
+        failure.classify("torch.distributed.DistBackendError", "NCCL error in: ... unhandled system error")[0]
+        == "network"
+    )
+
+
+def test_a_job_that_ended_well_or_restarted_has_no_failure() -> None:
+    closed = pd.DataFrame([_exit(r, 1.0, "close") for r in range(4)])
+    assert failure.find(JobData(job="j", ranks=RANKS, exits=closed), failure.Settings()) == []
+    crashed = pd.DataFrame([_exit(1, 0.0, "exception", "RuntimeError", "boom")])
+    restarted = RANKS.assign(time_us=T + 30_000_000)  # every rank started again after it
+    assert failure.find(JobData(job="j", ranks=restarted, exits=crashed), failure.Settings()) == []
