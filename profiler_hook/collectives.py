@@ -419,7 +419,7 @@ class CollectiveTracker:
             def waited(work: Any, *args: Any, **kwargs: Any) -> Any:
                 return self.wait_p2p(work, lambda: wait(work, *args, **kwargs))
 
-            dist.Work.wait = waited
+            setattr(dist.Work, "wait", waited)  # noqa: B010 (a method of a C++ class: mypy refuses the plain form)
         self.active = True
         self.catch_up()  # what was launched until now (or while paused) belongs to no step
 
@@ -430,7 +430,7 @@ class CollectiveTracker:
         self.active = False
         for op, original in self._originals.items():
             if op == "Work.wait":
-                dist.Work.wait = original
+                setattr(dist.Work, "wait", original)  # noqa: B010
             else:
                 setattr(c10d, op, original)
                 setattr(dist, op, original)

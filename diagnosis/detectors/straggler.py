@@ -284,7 +284,8 @@ def _stragglers(
     steps = data.steps
     found = {st.rank: st for st in stragglers.find(steps, s, role_of)}
     slow = set(found)
-    for role in roles or [None]:
+    every: list[list[int] | None] = [None]  # no roles: all ranks at once
+    for role in roles or every:
         mine = steps if role is None else data.of_ranks(role).steps
         cut = stragglers.shift_grid(mine, s)  # the same steps for every call
         for st in stragglers.shifted(mine, s, exclude=slow, cut=cut):
