@@ -6,8 +6,8 @@ the first number a rank never entered names the rank a hang waits for. Unlike Fl
 this state is always shipped (on heartbeats), not dumped only at the watchdog timeout.
 
 Tracking wraps the public ``torch.distributed`` collective and point-to-point functions, which is
-where plain calls, FSDP and FSDP2 (``fully_shard``) and pipeline schedules pass; DDP's gradient all-reduces, launched from C++, are timed
-once per backward pass by :mod:`profiler_hook.ddp`. A blocking call is timed by its wrapper;
+where plain calls, FSDP and FSDP2 (``fully_shard``) and pipeline schedules pass; DDP's gradient
+all-reduces, launched from C++, are timed once per backward pass by :mod:`profiler_hook.ddp`. A blocking call is timed by its wrapper;
 an asynchronous one (``async_op=True``) by its work's future, which on gloo completes when the
 collective has finished. Every other collective — DDP's, and those launched from C++ by
 functional collectives (tensor parallelism's DTensor), by ``ProcessGroup`` methods called directly

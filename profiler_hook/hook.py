@@ -122,9 +122,9 @@ class Hook:
         self._warm = threading.Event()
         self.step_num = -1
         self._finished = -1
-        self._error: BaseException | None = None
-        """An exception that escaped a step (or the script) and no step has finished since."""
         """The last step that ended (``step_num`` is the one begun): what heartbeats report."""
+        self._error: BaseException | None = None
+        """An exception that escaped a step (or the script), and no step has begun since."""
         self._training_thread = threading.get_ident()
         self._wait = ThreadWait()
         """The training thread's run-queue wait (see ``StepRow.wait_us``)."""

@@ -38,6 +38,7 @@ from wire.records import (
     MAX_VALUE_BYTES,
     Heartbeat,
     Record,
+    WindowSummary,
     decode,
     encode,
 )
@@ -374,12 +375,13 @@ def test_malformed_messages_are_dead_lettered_with_the_reason_and_the_rest_is_st
     good = synthetic_records("dl", ranks=1, batches=2)
     bad_step = json.loads(encode(good[1])[1])
     bad_step["rows"][0][1] = "yesterday"  # a string where an Int64 goes
-    bad_window = json.loads(encode(good[-1])[1])
+    window = next(r for r in reversed(good) if isinstance(r, WindowSummary))
+    bad_window = json.loads(encode(window)[1])
     bad_window["functions"][3][3] = "many"  # a call count
-    no_job = json.loads(encode(good[-1])[1])
+    no_job = json.loads(encode(window)[1])
     del no_job["job"]
     # What ClickHouse's JSON parser would have stored changed: a wrapped count, "7", NaN; and rank -1.
-    wrapped, quoted, nan = (json.loads(encode(good[-1])[1]) for _ in range(3))
+    wrapped, quoted, nan = (json.loads(encode(window)[1]) for _ in range(3))
     wrapped["functions"][0][3] = 99999999999999999999
     quoted["functions"][0][3] = "7"
     nan["functions"][0][9] = float("nan")

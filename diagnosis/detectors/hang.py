@@ -103,8 +103,11 @@ def locate(heartbeats: pd.DataFrame, s: Settings | None = None) -> Hang | None:
             behind[group, seq] = frozenset(m for m, n in members.get(group, ()) if n < seq)
         waits[r] = (group, seq, str(op), behind[group, seq])
     # Every rank some rank waits for is reached along the waits; those that wait for no one (or
-    # are silent) are where the waits end: the culprits.
-    culprits = set().union(*(w[3] for w in waits.values())) - waits.keys() | silent
+    # are silent) are where the waits end: the culprits. One still in a collective every other
+    # member has left (its own number behind theirs: a call launched from C++ before it stopped)
+    # waits for no one either.
+    waiting = {r for r, w in waits.items() if w[3]}
+    culprits = set().union(*(w[3] for w in waits.values())) - waiting | silent
     group, seq, parts = "", -1, []
     held = sorted(culprits - silent)
     blamed = [(r, w) for r, w in waits.items() if w[3] & culprits]

@@ -128,3 +128,12 @@ def test_a_pipeline_hang_is_followed_along_the_waits_to_the_rank_that_waits_for_
     assert h.why == "rank 3 waits in recv #101 of group 'pp1' for rank(s) [2]"
     f = only(hang.find(JobData(job="pp", heartbeats=hb), hang.Settings()))
     assert (f.ranks, f.function) == ([2], 'File "/job/train.py", line 9, in save_checkpoint')
+
+
+def test_a_rank_stuck_in_a_collective_its_peers_have_left_is_the_one_they_wait_for() -> None:
+    """Rank 1 stopped with a collective launched from C++ counted (#41, its heartbeat's "c10d"
+    call) that the others finished long ago; they wait in #42 for it."""
+    hb = _hung(culprit=1)
+    hb.loc[hb["rank"] == 1, ["coll_group", "coll_op", "coll_seq"]] = ["world", "c10d", 41]
+    h = hang.locate(hb)
+    assert h is not None and h.ranks == [1] and h.seq == 42
