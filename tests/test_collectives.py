@@ -267,5 +267,7 @@ def test_a_pipeline_stage_that_waits_for_its_neighbour_waits_in_recv_not_in_its_
         for r in range(4)
     }
     assert grown[0][0] >= 45, grown  # rank 0's own time: its 60 ms upload
-    for r in (1, 2, 3):  # the others wait for it (33-42 ms more a step in CI runs)
-        assert grown[r][0] < 15 and grown[r][1] >= 20, grown
+    # The others wait for it, in collectives (33-57 ms more a step in CI runs); their own time
+    # moves by the shared cores' noise (-8 to +19 ms), not by the wait (~+60 ms untracked).
+    for r in (1, 2, 3):
+        assert grown[r][0] < 0.4 * grown[0][0] and grown[r][1] >= 20, grown
