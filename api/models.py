@@ -18,6 +18,10 @@ class JobOut(BaseModel):
     steps_per_s: float = Field(description="over the last minute of steps")
     findings: int
     open_tickets: list[str]
+    watching: list[str] = Field(
+        default=[],
+        description="fingerprints of findings not yet ticketed (they open once held rules.open_after_s)",
+    )
 
 
 class EventOut(BaseModel):

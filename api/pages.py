@@ -14,11 +14,12 @@ from urllib.parse import quote
 from fastapi import APIRouter, Depends
 from fastapi.responses import HTMLResponse
 
+from diagnosis import Diagnosis
 from renderers.html import efficiency_section, page, reliability_section, render_report
 
 from .auth import need_read
 from .deps import Svc, known_job, known_ticket
-from .tickets import Ticket
+from .tickets import Ticket, culprit, fingerprint
 
 router = APIRouter(tags=["pages"], include_in_schema=False, dependencies=[Depends(need_read)])
 REFRESH_S = 5
@@ -57,6 +58,22 @@ def _ticket_rows(tickets: list[Ticket]) -> str:
     return f'<table class="list">{head}<th>lost rank-s</th><th>opened</th></tr>{rows}</table>'
 
 
+def _watched(d: Diagnosis, pending: dict[str, int], now_us: int, open_after_s: float) -> str:
+    """The findings not yet sure enough to ticket (``Rules.open_after_s``): shown, paging no one."""
+    rows = [
+        f"<li>{_e(f.cause)} on {_e(culprit(f))} (confidence {f.confidence:.2f}), seen for "
+        f"{(now_us - pending[fp]) / 1e6:.0f} s</li>"
+        for f in d.findings
+        if (fp := fingerprint(d.job, f)) in pending
+    ]
+    if not rows:
+        return ""
+    return (
+        f'<p class="note">Watching, not yet a ticket (one opens once a finding holds {open_after_s:g} s):</p>'
+        f"<ul>{''.join(rows)}</ul>"
+    )
+
+
 @router.get("/", response_class=HTMLResponse)
 def jobs_page(svc: Svc) -> HTMLResponse:
     now = svc.now_us
@@ -92,6 +109,7 @@ def job_page(job: str, svc: Svc) -> HTMLResponse:
         f'<p class="meta">state <span class="st {state}">{state}</span> · step {js.step} · '
         f'{js.steps_per_s:.2f} steps/s · diagnosed {_time(js.diagnosed_us)} · <a href="/">all jobs</a></p>'
         f"<h2>Tickets</h2>{_ticket_rows(tickets)}"
+        + _watched(d, js.pending, svc.now_us, svc.settings.rules.open_after_s)
     )
     if (e := svc.efficiency(job)) is not None:
         extra += efficiency_section(e)

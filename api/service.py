@@ -93,6 +93,9 @@ class JobState:
     """The job's ``last_us`` when it was last diagnosed: a job is diagnosed again only after it grew."""
     recent: RecentJob | None = None
     """Its recent data, brought up to date each time it is diagnosed (what the pictures show)."""
+    pending: dict[str, int] = field(default_factory=dict)
+    """Its findings not yet ticketed: fingerprint -> first seen (``Rules.open_after_s``). Held in
+    memory: a replica that takes the job over, or a restarted service, watches them afresh."""
 
     def adopt(self, stored: dict[str, Any]) -> None:
         """Take a stored diagnosis (one of ``storage.diagnoses``) as the job's latest."""
@@ -263,8 +266,13 @@ class Service:
                     self._follow(js)
             elif js.last_us != js.data_last_us:
                 self._diagnose(js, now_us, ended)
-            elif ended and any(t.active for t in self.tickets.values() if t.job == job):
+            elif ended and (js.pending or any(t.active for t in self.tickets.values() if t.job == job)):
                 self._reconcile(js, [], now_us, ended=True)
+            elif js.pending and not ended:
+                # Nothing new to diagnose: its latest diagnosis stands, and its watched findings
+                # hold on (a job that stopped growing ends, or opens their tickets, not neither).
+                findings = self.diagnosis_or_empty(job).findings
+                self._reconcile(js, findings, now_us, ended=False)
 
     def owns(self, job: str, among: list[str] | None = None) -> bool:
         """Whether this replica diagnoses ``job``: of the live replicas (or ``among``), the one whose
@@ -304,7 +312,9 @@ class Service:
         world = max(js.world_size, js.ranks)
         with self.lock:  # the API's ticket actions change tickets too
             self._refresh_tickets(js.job)
-            changes = reconcile(self.tickets, js.job, findings, now_us, world, self.settings.rules, ended)
+            changes = reconcile(
+                self.tickets, js.job, findings, now_us, world, self.settings.rules, ended, js.pending
+            )
             if not changes:
                 return
             storage.save_tickets(self.store, [c.ticket.to_dict() for c in changes])

@@ -5,6 +5,10 @@ The rules follow what operators already run:
 - **Dedup by fingerprint** (PagerDuty's dedup key, Alertmanager's alert fingerprint): job + cause +
   scope + culprit (the ranks, or the NIC, host or switch). A finding with the fingerprint of an
   unresolved ticket updates it (evidence, confidence, lost time) instead of opening another.
+- **Pending** (a Prometheus alerting rule's ``for``): a slowdown finding opens its ticket only once
+  every diagnosis for ``open_after_s`` has had it; until then the job page shows it as watched and
+  nobody is paged. A hang or a failure opens its ticket at once: each is a fact, not a trend (a
+  hang has already stood still for ``HangSettings.stall_s``).
 - **Resolve** (Alertmanager's ``resolve_timeout``): once the fingerprint has been absent from the
   job's diagnoses for ``resolve_after_s``, or when the job has ended.
 - **Regressions** (Sentry): the fingerprint returning after its ticket resolved opens a new
@@ -130,6 +134,15 @@ def lost_rank_s(f: Finding, world_size: int) -> float:
 class Rules:
     resolve_after_s: float = 60.0
     """A ticket resolves once its finding has been absent this long (Alertmanager's resolve_timeout)."""
+    open_after_s: float = 15.0
+    """A slowdown finding opens its ticket once every diagnosis this long has had it (Prometheus's
+    ``for``). Three of the service's 5-s cycles: a slowdown that costs a job this long costs it
+    little, and most of what a healthy job shows comes and goes faster (the fault suite's probes
+    of healthy runs: an early job-wide reading for 4-8 s)."""
+
+
+URGENT = ("hang", "failure")
+"""Causes whose ticket opens at the first diagnosis that finds them."""
 
 
 @dataclass(slots=True)
@@ -146,10 +159,13 @@ def reconcile(
     world_size: int,
     rules: Rules = Rules(),
     ended: bool = False,
+    pending: dict[str, int] | None = None,
 ) -> list[Change]:
     """Apply one diagnosis of ``job`` to ``tickets`` (id -> ticket, changed in place); the changes.
 
-    ``ended``: the job sends nothing any more; its unresolved tickets resolve.
+    ``ended``: the job sends nothing any more; its unresolved tickets resolve. ``pending``: the
+    job's findings not yet ticketed (fingerprint -> first seen, changed in place), to open their
+    tickets once they held ``rules.open_after_s``; None opens every finding's ticket at once.
     """
     changes: list[Change] = []
     latest: dict[str, Ticket] = {}
@@ -168,6 +184,11 @@ def reconcile(
             t.last_seen_us = t.updated_us = now_us
             changes.append(Change(t, "updated"))
             continue
+        if pending is not None and f.cause not in URGENT:
+            since = pending.setdefault(fp, now_us)
+            if now_us - since < rules.open_after_s * 1e6:
+                continue
+            del pending[fp]
         occurrence = t.occurrence + 1 if t is not None else 1
         new = Ticket(
             id=f"{fp}-{occurrence}",
@@ -196,6 +217,9 @@ def reconcile(
         tickets[new.id] = new
         latest[fp] = new
         changes.append(Change(new, "opened"))
+    if pending is not None:
+        for fp in set(pending) - seen:
+            del pending[fp]  # gone before it held: watched no longer
     groups = [t for t in latest.values() if t.active and t.scope in _GROUPS and t.fingerprint in seen]
     for t in latest.values():
         if not t.active:

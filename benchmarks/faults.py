@@ -7,8 +7,11 @@ For each scenario in ``benchmarks/scenarios/`` (see :mod:`benchmarks.scenarios`)
 CPU/gloo workload of ``rankscope demo`` with the hook writing to a spool, injects the fault from
 its onset on, ingests the spool into one embedded ClickHouse store (one job id per scenario), and
 runs ``diagnosis.diagnose`` as a user would. The final diagnosis is scored against the scenario's
-ground truth; the same data cut every ``--probe-s`` seconds after the onset gives the detection
-delay (first finding) and the localization delay (first correct top finding).
+ground truth, and so is the same data cut every ``--probe-s`` seconds from the run's start, as
+``rankscope serve`` diagnoses a running job: a finding at any probe of a healthy run, or before a
+fault's onset, is a false alarm; after the onset the probes give the detection delay (first
+finding), the localization delay (first correct top finding) and the time from which the top
+finding stays correct to the end.
 
 Network faults need root, ``ip`` and ``tc``; without them those scenarios are skipped, with the
 reason printed. Every namespace, link and hog process the suite makes is removed afterwards.
@@ -30,8 +33,9 @@ from typing import Any
 import pandas as pd
 
 from aggregator import Store, ingest
+from api.tickets import Rules, Ticket, fingerprint, reconcile
 from benchmarks.workload import JobSpec, RunningJob, first_onset, free_port
-from diagnosis import diagnose, read_job
+from diagnosis import Finding, diagnose, read_job
 
 from . import machine, scoring, torchrun_job
 from .injectors import CpuHog, Fabric, Unavailable, hog_core
@@ -180,21 +184,26 @@ def evaluate(
     )
     slowed = machine.slowed(speed)
     s = scoring.score(sc.truth, final, name=sc.name, machine_slowed=slowed)
-    probes = _probes(timeline, onset, probe_s) if onset else []
-    delays = scoring.delays(sc.truth, probes)
-    healthy_probe_findings = (
-        sum(len(p.diagnosis.findings) for p in _probes(timeline, None, probe_s)) if sc.truth.healthy else 0
-    )
+    probes = _probes(timeline, onset, probe_s)
     return {
         "ground_truth": scoring.expected(sc.truth),
         "score": s.to_dict(),
-        "delays": delays.to_dict(),
+        "delays": scoring.delays(sc.truth, probes).to_dict(),
+        "alarms": scoring.alarms(
+            sc.truth, probes, machine_slowed=slowed, opened=_tickets(job, probes, sc.world_size)
+        ).to_dict(),
         "onset": onset,
         "steps": int(timeline.steps["step"].max()) + 1 if not timeline.steps.empty else 0,
         "probes": [
-            {"after_s": p.after_s, "after_steps": p.after_steps, "top": _top(p.diagnosis)} for p in probes
+            {
+                "after_s": p.after_s,
+                "after_steps": p.after_steps,
+                "findings": [
+                    {"finding": scoring.describe(f), "confidence": f.confidence} for f in p.diagnosis.findings
+                ],
+            }
+            for p in probes
         ],
-        "healthy_probe_findings": healthy_probe_findings,
         "windows": windows(data, spool_job_dir.parents[1] / "logs"),
         "machine": speed,
         "diagnosis": final.to_dict(),
@@ -224,27 +233,39 @@ def _top(d: Any) -> str:
 
 
 def _probes(timeline: Timeline, onset: dict[str, Any] | None, every_s: float) -> list[scoring.Probe]:
-    """Diagnoses of the data cut every ``every_s`` seconds from onset (or, healthy, from the start)."""
-    end = timeline.end_us
-    if onset is not None:
-        t0_us, step0 = int(onset["time"] * 1e6), int(onset["step"])
-    else:
-        if timeline.steps.empty:
-            return []
-        t0_us, step0 = int(timeline.steps["avail_us"].min()), 0
+    """Diagnoses of the data cut every ``every_s`` seconds from the run's first step to its end,
+    as ``rankscope serve`` diagnoses a running job; timed from the onset (a healthy run's: its start)."""
+    if timeline.steps.empty:
+        return []
+    start_us, end = int(timeline.steps["avail_us"].min()), timeline.end_us
+    t0_us, step0 = (int(onset["time"] * 1e6), int(onset["step"])) if onset else (start_us, 0)
     out = []
-    k = 1
-    while t0_us + k * every_s * 1e6 <= end + every_s * 1e6:
-        t = int(t0_us + k * every_s * 1e6)
+    t = start_us + int(every_s * 1e6)
+    while t <= end + every_s * 1e6:
         out.append(
             scoring.Probe(
-                after_s=round(k * every_s, 1),
-                after_steps=max(0, timeline.last_step(t) - step0),
+                after_s=round((t - t0_us) / 1e6, 1),
+                after_steps=timeline.last_step(t) - step0,
                 diagnosis=diagnose(timeline.at(t)),
             )
         )
-        k += 1
+        t += int(every_s * 1e6)
     return out
+
+
+def _tickets(job: str, probes: list[scoring.Probe], world_size: int) -> list[tuple[float, Finding]]:
+    """The tickets ``rankscope serve``'s rules (its defaults) open over the probes, one diagnosis a
+    cycle: when each opened (seconds after onset) and on which finding."""
+    tickets: dict[str, Ticket] = {}
+    pending: dict[str, int] = {}
+    opened = []
+    for p in probes:
+        now_us = int(p.after_s * 1e6)
+        for c in reconcile(tickets, job, p.diagnosis.findings, now_us, world_size, Rules(), pending=pending):
+            if c.kind == "opened":
+                f = next(f for f in p.diagnosis.findings if fingerprint(job, f) == c.ticket.fingerprint)
+                opened.append((p.after_s, f))
+    return opened
 
 
 def _fmt_delay(s: float | None, steps: int | None) -> str:
@@ -254,12 +275,12 @@ def _fmt_delay(s: float | None, steps: int | None) -> str:
 def report(results: list[dict[str, Any]]) -> str:
     """The markdown tables: one row per scenario, then one per fault kind."""
     lines = [
-        "| scenario | ground truth | top finding | function named | conf | top ok | detect (steps) | localize (steps) | findings | false extra | windows stored/planned |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| scenario | ground truth | top finding at the end | function named | conf | top ok | detect (steps) | localize (steps) | right from (steps) | false alarms: probes | tickets: false / all | findings | false extra: end / probes | windows stored/planned |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         if "skipped" in r:
-            lines.append(f"| {r['name']} | skipped: {r['skipped']} | | | | | | | | | |")
+            lines.append(f"| {r['name']} | skipped: {r['skipped']} |" + " |" * 12)
             continue
         s, d = r["score"], r["delays"]
         ok = (
@@ -267,7 +288,7 @@ def report(results: list[dict[str, Any]]) -> str:
             if s["healthy"] and not s["false_findings"]
             else ("yes" if s["top_correct"] else "**no**")
         )
-        extra = f" ({r['healthy_probe_findings']} in probes)" if s["healthy"] else ""
+        extra = ""
         if s.get("explained"):
             extra += f"; job_wide explained: the machine itself ran {r['machine']['slowdown']:.2f}x slower"
         if s.get("both_found") is False:
@@ -276,7 +297,9 @@ def report(results: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['name']} | {r['ground_truth']} | {s['top'] or '—'} | {fn or '—'} | {s['confidence']:.2f} | {ok} | "
             f"{_fmt_delay(d['detect_s'], d['detect_steps'])} | "
-            f"{_fmt_delay(d['localize_s'], d['localize_steps'])} | {s['findings']}{extra} | {s.get('companions', '—')} | "
+            f"{_fmt_delay(d['localize_s'], d['localize_steps'])} | "
+            f"{_fmt_delay(d.get('stable_s'), d.get('stable_steps'))}{_fmt_flaps(d)} | {_fmt_alarms(r)} | {_fmt_tickets(r)} | "
+            f"{s['findings']}{extra} | {s.get('companions', '—')} / {r.get('alarms', {}).get('extra', '—')} | "
             f"{_fmt_windows(r)} |"
         )
     lines += [
@@ -295,6 +318,30 @@ def report(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _fmt_flaps(d: dict[str, Any]) -> str:
+    return f", lost {d['flaps']}x before" if d.get("flaps") else ""
+
+
+def _fmt_alarms(r: dict[str, Any]) -> str:
+    """``false/watched`` probes (a healthy run's all, a fault run's before onset), the first one's time."""
+    a = r.get("alarms")  # absent from reports written before every probe was scored
+    if not a or not a["probes"]:
+        return "—"
+    out = f"{a['false']}/{a['probes']}"
+    if a["false"]:
+        out += f" (from {a['first_s']:g} s, conf ≤ {a['top_confidence']:.2f}{'; machine slowed' if a['excused'] else ''})"
+    return out
+
+
+def _fmt_tickets(r: dict[str, Any]) -> str:
+    a = r.get("alarms")
+    if not a or "tickets" not in a:
+        return "—"
+    return f"{a['false_tickets']} / {a['tickets']}" + (
+        f" ({a['reopened']} reopened)" if a["reopened"] else ""
+    )
+
+
 def _fmt_windows(r: dict[str, Any]) -> str:
     w = r.get("windows")  # absent from reports written before it was measured
     return f"{w['stored_min']}/{w['planned']}" if w else "—"
@@ -311,6 +358,10 @@ def _scored(results: list[dict[str, Any]]) -> tuple[list[scoring.Score], list[sc
     scores = [scoring.Score(**r["score"]) for r in ran]
     delays = [scoring.Delays(**r["delays"]) for r in ran]
     return scores, delays
+
+
+def _alarms(results: list[dict[str, Any]]) -> list[scoring.Alarms]:
+    return [scoring.Alarms(**r["alarms"]) for r in results if "skipped" not in r]
 
 
 def _by_kind(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -354,7 +405,8 @@ def run_suite(
                 took = "" if r["run_s"] is None else f" in {r['run_s']} s"
                 print(
                     f"      {r['steps']} steps{took}; expected {r['ground_truth']}; "
-                    f"top: {s['top'] or 'no finding'}; localized after {r['delays']['localize_s']} s; "
+                    f"top: {s['top'] or 'no finding'}; localized after {r['delays']['localize_s']} s, "
+                    f"for good after {r['delays']['stable_s']} s; false alarms at {_fmt_alarms(r)} probes; "
                     f"windows stored {r['windows']['stored_min']} of {r['windows']['planned']} planned"
                     + (f"; machine {r['machine']['slowdown']:.2f}x slower" if r.get("machine") else "")
                     + (f"; ERROR {r['error']}" if r["error"] else ""),
@@ -366,7 +418,7 @@ def run_suite(
         "cpus": len(os.sched_getaffinity(0)),
         "hook": HOOK,
         "probe_s": probe_s,
-        "totals": scoring.totals(scores, delays),
+        "totals": scoring.totals(scores, delays, _alarms(results)),
         "by_kind": scoring.by_kind(scores, delays),
         "skipped": {r["name"]: r["skipped"] for r in results if "skipped" in r},
         "scenarios": results,

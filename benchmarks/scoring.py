@@ -20,6 +20,7 @@ ranks its slower machine hit, so it neither credits nor blames them.
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections import defaultdict
@@ -204,8 +205,19 @@ def score(truth: GroundTruth, diagnosis: Diagnosis, *, name: str = "", machine_s
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Probe:
+    """The diagnosis of the data as it stood ``after_s`` seconds (``after_steps`` steps) after onset
+    (a healthy run's: after its start); negative before the onset."""
+
+    after_s: float
+    after_steps: int
+    diagnosis: Diagnosis
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Delays:
-    """Time from fault onset until the diagnosis first saw something / named the culprit."""
+    """Time from fault onset until the diagnosis first saw something, first named the culprit, and
+    named it for good: as ``rankscope serve`` diagnoses a running job, every cycle counts."""
 
     detect_s: float | None = None
     """First time after onset with any finding (None: never within the run)."""
@@ -213,33 +225,104 @@ class Delays:
     localize_s: float | None = None
     """First time after onset at which the top finding was correct (ranks and cause)."""
     localize_steps: int | None = None
+    stable_s: float | None = None
+    """The time after onset from which the top finding is correct at every probe to the end of the
+    run (None: not right at the end)."""
+    stable_steps: int | None = None
+    flaps: int = 0
+    """Times a correct top finding was lost again at a later probe."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Probe:
-    """The diagnosis of the data as it stood ``after_s`` seconds (``after_steps`` steps) after onset."""
+class Alarms:
+    """False alarms at the probes where any finding is one: every probe of a healthy run, the
+    probes of a fault run before its onset; and after the onset, findings on ranks that are no
+    culprit (:func:`companion`)."""
 
-    after_s: float
-    after_steps: int
-    diagnosis: Diagnosis
+    probes: int = 0
+    """Probes where any finding is false: a healthy run's all, a fault run's before the onset."""
+    false: int = 0
+    """Of those, probes with a finding."""
+    first_s: float | None = None
+    """The first of those probes' time (after onset: negative before it)."""
+    top_confidence: float = 0.0
+    """The highest confidence of a false finding at those probes."""
+    extra: int = 0
+    """Probes after the onset with a finding on a rank that is no culprit."""
+    excused: bool = False
+    """The harness measured the machine itself slow down during the run (see :func:`score`): its
+    false alarms are reported, and counted apart."""
+    tickets: int = 0
+    """Tickets ``rankscope serve`` would have opened over the probes (its ticket rules)..."""
+    false_tickets: int = 0
+    """...on a healthy run, before the onset, or on a rank that is no culprit: someone paged for nothing."""
+    reopened: int = 0
+    """Right tickets opened again after they resolved while the fault lasted (a flapping ticket)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 def delays(truth: GroundTruth, probes: Sequence[Probe]) -> Delays:
-    """Detection and localization delay from diagnoses of the data cut at increasing times."""
-    if truth.healthy:
+    """Detection, localization and time-to-stable localization from diagnoses of the data cut at
+    increasing times (those before the onset play no part)."""
+    after = [p for p in probes if p.after_s > 0]
+    if truth.healthy or not after:
         return Delays()
-    detect = next((p for p in probes if p.diagnosis.findings), None)
-    localize = next(
-        (p for p in probes if p.diagnosis.findings and correct(truth, p.diagnosis.findings[0])), None
-    )
+    right = [bool(p.diagnosis.findings) and correct(truth, p.diagnosis.findings[0]) for p in after]
+    detect = next((p for p in after if p.diagnosis.findings), None)
+    localize = next((p for p, ok in zip(after, right, strict=True) if ok), None)
+    stable = None
+    for p, ok in zip(reversed(after), reversed(right), strict=True):
+        if not ok:
+            break
+        stable = p
     return Delays(
         detect_s=detect.after_s if detect else None,
         detect_steps=detect.after_steps if detect else None,
         localize_s=localize.after_s if localize else None,
         localize_steps=localize.after_steps if localize else None,
+        stable_s=stable.after_s if stable else None,
+        stable_steps=stable.after_steps if stable else None,
+        flaps=sum(a and not b for a, b in itertools.pairwise(right)),
+    )
+
+
+def alarms(
+    truth: GroundTruth,
+    probes: Sequence[Probe],
+    *,
+    machine_slowed: bool = False,
+    opened: Sequence[tuple[float, Finding]] = (),
+) -> Alarms:
+    """The false alarms of a run's probes (``machine_slowed``: as in :func:`score`; ``opened``: the
+    time and finding of each ticket the service's rules open over the same probes)."""
+
+    def false_ticket(at_s: float, f: Finding) -> bool:
+        return truth.healthy or at_s <= 0 or companion(truth, f)
+
+    right = [f for at, f in opened if not false_ticket(at, f)]
+    kinds = [(f.cause, f.scope, tuple(f.ranks)) for f in right]
+    watched = [p for p in probes if truth.healthy or p.after_s <= 0]
+    false = [p for p in watched if p.diagnosis.findings]
+    extra = [
+        p
+        for p in probes
+        if not truth.healthy and p.after_s > 0 and any(companion(truth, f) for f in p.diagnosis.findings)
+    ]
+    return Alarms(
+        probes=len(watched),
+        false=len(false),
+        first_s=false[0].after_s if false else None,
+        top_confidence=max((f.confidence for p in false for f in p.diagnosis.findings), default=0.0),
+        extra=len(extra),
+        excused=machine_slowed and bool(false),
+        tickets=len(opened),
+        false_tickets=sum(false_ticket(at, f) for at, f in opened),
+        reopened=len(kinds) - len(set(kinds)),
     )
 
 
@@ -252,7 +335,9 @@ def _median(values: Iterable[float | None]) -> float | None:
     return round(statistics.median(xs), 2) if xs else None
 
 
-def totals(scores: Sequence[Score], timings: Sequence[Delays] | None = None) -> dict[str, Any]:
+def totals(
+    scores: Sequence[Score], timings: Sequence[Delays] | None = None, alarmed: Sequence[Alarms] | None = None
+) -> dict[str, Any]:
     """Suite totals: ``top1_accuracy`` (fault runs whose top finding is right), ``precision`` (right
     findings / all findings, healthy runs included), ``recall`` (fault runs with a right finding
     anywhere in the list), ``healthy_false_findings`` (findings on healthy runs, all wrong but
@@ -287,6 +372,20 @@ def totals(scores: Sequence[Score], timings: Sequence[Delays] | None = None) -> 
         hung = [t.localize_s for s, t in pairs if s.kind.startswith("hang")]
         out["p90_localize_slowdowns_s"] = _quantile(slow, 0.9)
         out["max_localize_hangs_s"] = _quantile(hung, 1.0)
+        out["median_stable_s"] = _median(t.stable_s for t in ts)
+        out["p90_stable_s"] = _quantile([t.stable_s for t in ts], 0.9)
+        out["flapping_runs"] = sum(t.flaps > 0 for t in ts)
+    if alarmed is not None:
+        # As the service runs: every probe where a finding would be a false alarm, raw and with
+        # the runs on a machine measured to slow down set apart (never instead).
+        out["alarm_probes"] = sum(a.probes for a in alarmed)
+        out["false_alarm_probes"] = sum(a.false for a in alarmed)
+        out["false_alarm_runs"] = sum(a.false > 0 for a in alarmed)
+        out["false_alarm_runs_excused"] = sum(a.excused for a in alarmed)
+        out["false_extra_probes"] = sum(a.extra for a in alarmed)
+        out["false_tickets"] = sum(a.false_tickets for a in alarmed)
+        out["false_ticket_runs"] = sum(a.false_tickets > 0 for a in alarmed)
+        out["reopened_tickets"] = sum(a.reopened for a in alarmed)
     return out
 
 

@@ -278,7 +278,10 @@ def _serve(a: argparse.Namespace) -> int:
         kafka=kafka,
         interval_s=a.interval,
         ended_after_s=a.ended_after,
-        rules=Rules(resolve_after_s=a.resolve_after),
+        rules=Rules(
+            resolve_after_s=a.resolve_after,
+            **({} if a.open_after is None else {"open_after_s": a.open_after}),
+        ),
         webhooks=[Webhook(u) for u in a.webhook] + [Webhook(u, "slack") for u in a.slack_webhook],
         base_url=a.base_url or f"http://{a.host}:{a.port}",
         **({"replica": a.replica} if a.replica else {}),
@@ -437,6 +440,11 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("--replica", help="this replica's name among those sharing the store (default: HOST-PID)")
     v.add_argument(
         "--resolve-after", type=float, default=60.0, help="resolve a ticket healthy this long (default: 60 s)"
+    )
+    v.add_argument(
+        "--open-after",
+        type=float,
+        help="open a slowdown's ticket once it held this long; hangs and failures at once (default: 15 s)",
     )
     v.add_argument(
         "--ended-after", type=float, default=60.0, help="a job silent this long has ended (default: 60 s)"

@@ -102,6 +102,9 @@ def _service(store_dir: Path, spool: Path, **settings: Any) -> tuple[Store, Serv
     store = Store.embedded(store_dir, database=f"serve{next(_databases)}")
     ingest(spool, store)
     settings.setdefault("ended_after_s", 3600.0)  # the two recorded jobs ran a minute apart
+    # A recorded job is diagnosed once (it does not grow): its tickets open at that diagnosis. The
+    # pending rule (Rules.open_after_s) has its own tests.
+    settings.setdefault("rules", Rules(open_after_s=0))
     return store, Service(store, ServeSettings(spool=str(spool), **settings))
 
 
@@ -581,6 +584,32 @@ def test_pages_show_the_culprit_and_the_ticket(served: tuple[Service, TestClient
     assert client.get("/").status_code == 401
 
 
+def test_a_finding_not_yet_held_is_watched_on_the_job_page_and_pages_no_one(
+    store_dir: Path, spool: Path, receiver: Receiver
+) -> None:
+    """At the defaults a user gets, the slow rank's first diagnosis opens no ticket and sends no
+    webhook; the job page and the API say it is watched."""
+    store, svc = _service(store_dir, spool, webhooks=[Webhook(receiver.url)], rules=Rules())
+    try:
+        now = _running(svc)
+        client = TestClient(create_app(svc, Tokens({READ: "read", WRITE: "write"})))
+        assert svc.tickets == {} and _get(client, "/api/v1/tickets") == []
+        job = next(j for j in _get(client, "/api/v1/jobs") if j["job"] == "compute-r2")
+        (finding,) = svc.diagnosis_or_empty("compute-r2").findings
+        assert job["watching"] == [fingerprint("compute-r2", finding)] and job["open_tickets"] == []
+        client.cookies.set("rankscope_token", READ)
+        page = client.get("/jobs/compute-r2").text
+        assert "Watching, not yet a ticket" in page and "compute on ranks 2" in page
+        assert receiver.wait_for(1, timeout_s=1.0) == []
+        # Held on for open_after_s: the job sent nothing new, its diagnosis stands, it opens.
+        svc.cycle(now_us=now + int(Rules().open_after_s * 1e6))
+        assert [(t.job, t.cause, t.ranks) for t in svc.tickets.values()] == [("compute-r2", "compute", [2])]
+        assert receiver.wait_for(1)[0]["alerts"][0]["status"] == "firing"
+    finally:
+        svc.stop()
+        store.close()
+
+
 def _chromium(*args: str, profile: Path) -> str:
     """Headless Chromium, as SERVICES.md starts it; its stdout."""
     exe = shutil.which("chromium")
@@ -652,6 +681,32 @@ def test_a_fault_that_returns_after_resolving_is_a_new_linked_occurrence() -> No
     assert again.kind == "opened" and again.ticket.id == f"{fp}-2" and again.ticket.previous == f"{fp}-1"
     assert "returned" in again.ticket.events[0].reason
     assert tickets[f"{fp}-1"].events[-1].reason == "healthy for 30 s"
+
+
+def test_a_slowdown_opens_its_ticket_once_it_held_and_one_that_comes_and_goes_opens_none() -> None:
+    """Prometheus's ``for``: a slowdown is watched until every diagnosis for ``open_after_s`` had
+    it; one missing diagnosis starts it over. A hang opens its ticket at once."""
+    tickets: dict[str, Ticket] = {}
+    pending: dict[str, int] = {}
+    rules, s = Rules(open_after_s=15), 1_000_000
+
+    def cycle(at_s: float, *findings: Finding) -> list[str]:
+        return [
+            c.kind for c in reconcile(tickets, "j", list(findings), int(at_s * s), 8, rules, pending=pending)
+        ]
+
+    assert cycle(0, _finding()) == [] and pending == {fingerprint("j", _finding()): 0}
+    assert cycle(10, _finding()) == []
+    assert cycle(12) == [] and pending == {}, "gone before it held: watched no longer"
+    assert cycle(14, _finding()) == [] and cycle(24, _finding()) == []
+    assert cycle(29, _finding()) == ["opened"] and pending == {}
+    assert tickets[f"{fingerprint('j', _finding())}-1"].opened_us == 29 * s
+    assert cycle(34, _finding()) == ["updated"]
+    hang = _finding(cause="hang", stalled_for_s=40)
+    assert cycle(39, hang) == ["opened"]
+    assert cycle(40, _finding(ranks=(5,))) == [] and len(pending) == 1
+    ended = reconcile(tickets, "j", [], 41 * s, 8, rules, ended=True, pending=pending)
+    assert {c.kind for c in ended} == {"resolved"} and pending == {}, "an ended job watches nothing"
 
 
 def test_a_host_ticket_absorbs_the_rank_tickets_it_explains() -> None:

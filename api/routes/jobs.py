@@ -32,6 +32,7 @@ def job_out(svc: Service, js: JobState, now_us: int) -> JobOut:
         steps_per_s=round(js.steps_per_s, 3),
         findings=len(findings),
         open_tickets=sorted(t.id for t in list(svc.tickets.values()) if t.job == js.job and t.active),
+        watching=sorted(js.pending),
     )
 
 
