@@ -43,6 +43,10 @@ def find(data: JobData, s: Settings) -> list[Finding]:
         contention.find(data.functions, data.steps, s.contention), sts, data.steps, s.contention
     )
     sts = _not_waiting(sts, waits, data.steps, s.contention)
+    # The wait inversion: the rank the job waits for waits in the collectives the least. One that
+    # waits longer than its peers there holds no one back, whatever its own time reads (part of a
+    # wait the hook could not tell from its own work, say): the job waits elsewhere.
+    sts = [st for st in sts if st.comm_us <= st.peer_comm_us]
     hosts = data.hosts_of([*(st.rank for st in sts), *waits])
     # A contended rank need not work longer itself: the threads that queue may be the collectives'.
     # One that does too is told by the surer account: on a host whose hogs take its cores, a rank's

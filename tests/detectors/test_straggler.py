@@ -39,6 +39,19 @@ def test_threads_that_queue_on_a_rank_the_job_does_not_wait_for_are_no_finding()
     assert (f.cause, f.ranks) == ("host_contention", [5])
 
 
+def test_a_rank_that_waits_longer_than_its_peers_is_not_their_straggler() -> None:
+    """Rank 5's own time reads 1.3x its peers', but it also waits longer in the collectives than
+    they do (part of its wait counted as its own work): the job does not wait for it."""
+    data = synthetic(slow={5: {"compute_us": 1500}})
+    st = data.steps.copy()
+    mine = st["rank"] == 5
+    longer = st.loc[~mine, "comm_us"].max() + 500 - st.loc[mine, "comm_us"]
+    st.loc[mine, "comm_us"] += longer
+    st.loc[mine, "dur_us"] += longer  # its own time unchanged
+    assert 5 in {r.rank for r in stragglers.find(st)}  # its own time alone would name it
+    assert straggler.find(replace(data, steps=st), SETTINGS) == []
+
+
 def test_the_ranks_that_wait_for_a_contended_host_are_no_straggler_of_their_own() -> None:
     """Hogs on node1's core: its ranks' threads queue for a CPU, and every rank waits for them.
     node0's ranks arrive first and wait in the collectives longest, though part of their wait
