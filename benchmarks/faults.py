@@ -39,7 +39,7 @@ from diagnosis import Finding, diagnose, read_job
 
 from . import machine, scoring, torchrun_job
 from .injectors import CpuHog, Fabric, Unavailable, hog_core
-from .scenarios import Scenario, load_all
+from .scenarios import SUITES, Scenario, load_all
 from .timeline import Timeline
 
 HOOK: dict = {}
@@ -415,6 +415,7 @@ def run_suite(
     scores, delays = _scored(results)
     return {
         "suite_seconds": round(time.perf_counter() - t0, 1),
+        "split": "validation" if scenarios and all(sc.validation for sc in scenarios) else "tuning",
         "cpus": len(os.sched_getaffinity(0)),
         "hook": HOOK,
         "probe_s": probe_s,
@@ -427,7 +428,12 @@ def run_suite(
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.faults", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--suite", choices=("full", "ci"), default="full")
+    ap.add_argument(
+        "--suite",
+        choices=SUITES,
+        default="full",
+        help="full: the tuning set; ci: its reduced part; validation: the scenarios no threshold was set on",
+    )
     ap.add_argument(
         "--only",
         action="append",

@@ -94,6 +94,8 @@ class Scenario:
     """A user-style script run under torchrun instead of the suite's workload
     (``benchmarks.torchrun_job``); it injects ``script_fault`` itself, ``fault`` is the same family's."""
     script_fault: ScriptFault | None = None
+    validation: bool = False
+    """Of the validation split (``scenarios/validation/``): no threshold was set on it."""
 
     @property
     def kind(self) -> str:
@@ -181,6 +183,7 @@ def load(path: str | Path) -> Scenario:
             truth=truth,
             script=script,
             script_fault=script_fault,
+            validation=path.parent.name == "validation",
         )
     except (TypeError, ValueError) as exc:
         raise ScenarioError(f"{path}: {exc}") from exc
@@ -238,12 +241,18 @@ def _check(path: Path, sc: Scenario) -> None:
         raise ScenarioError(f"{path}: expect.also must be given exactly when fault.also is")
 
 
+SUITES = ("full", "ci", "validation")
+
+
 def load_all(suite: str = "full", only: Sequence[str] = (), directory: Path = SCENARIO_DIR) -> list[Scenario]:
-    """The scenarios of ``suite`` (``full``: all, ``ci``: those marked ``ci: true``), sorted by name;
-    ``only``: just the ones whose name contains one of these."""
-    if suite not in ("full", "ci"):
-        raise ScenarioError(f"suite must be 'full' or 'ci', got {suite!r}")
-    out = [load(p) for p in sorted(directory.glob("*.yaml"))]
+    """The scenarios of ``suite``, sorted by name; ``only``: just the ones whose name contains one
+    of these. ``full``: the tuning set, every scenario the diagnosis's thresholds were set on;
+    ``ci``: those of them marked ``ci: true``; ``validation``: those under ``validation/``, which no
+    threshold was set on (nor may be: a scenario tuned on moves to the tuning set)."""
+    if suite not in SUITES:
+        raise ScenarioError(f"suite must be one of {', '.join(SUITES)}, got {suite!r}")
+    where = directory / "validation" if suite == "validation" else directory
+    out = [load(p) for p in sorted(where.glob("*.yaml"))]
     if suite == "ci":
         out = [s for s in out if s.ci]
     if only:

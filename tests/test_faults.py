@@ -255,6 +255,10 @@ def test_every_scenario_file_loads_and_the_ci_suite_is_small() -> None:
     }
     ci = load_all("ci")
     assert 3 <= len(ci) <= 6 and any(s.truth.healthy for s in ci)
+    # The validation split: its own scenarios, healthy ones among them, none of the tuning set's.
+    held_out = load_all("validation")
+    assert held_out and all(s.validation for s in held_out) and not any(s.validation for s in full)
+    assert any(s.truth.healthy for s in held_out) and not {s.name for s in held_out} & {s.name for s in full}
 
 
 def test_a_bad_scenario_is_refused_with_the_field(tmp_path: Path) -> None:

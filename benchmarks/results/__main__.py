@@ -54,6 +54,12 @@ def _faults(run: dict[str, Any]) -> list[str]:
         _s(t["median_localize_s"]),
         _s(t["p90_localize_slowdowns_s"]),
         _s(t["max_localize_hangs_s"]),
+        _s(t.get("median_stable_s")),
+        # Scored as the service runs (absent before 2026-11-29's second session): every probe.
+        f"{t['false_alarm_probes']}/{t['alarm_probes']} ({t['false_alarm_runs']} runs)"
+        if "alarm_probes" in t
+        else "—",
+        str(t["false_tickets"]) if "false_tickets" in t else "—",
     ]
 
 
@@ -144,6 +150,9 @@ TABLES: dict[str, tuple[str, list[str], Callable[[dict[str, Any]], list[str]]]] 
             "median localize",
             "slowdowns' p90 localize",
             "hangs: slowest",
+            "median right from",
+            "false alarms: probes",
+            "false tickets",
         ],
         _faults,
     ),
