@@ -6,8 +6,9 @@ Starts ``rankscope serve`` (its defaults; a local webhook receiver) on an empty 
 spool. Runs fault-suite scenarios one after another as real multi-rank jobs writing to that spool,
 with the hook's defaults. Polls the API every 0.5 s. Per scenario it reports the ticket that opened
 (cause and culprit against the ground truth), the seconds from the fault's onset to the ticket and
-to the webhook's firing delivery, and whether the ticket resolved once the job ended. A healthy
-run must open no ticket.
+to the webhook's firing delivery, and whether the ticket resolved once the job ended; a ticket
+that opens again while its fault lasts (``-2``) is a flap, one on a healthy job, before a fault's
+onset or on a rank that is no culprit pages someone for nothing: reported per healthy job-hour.
 """
 
 from __future__ import annotations
@@ -30,7 +31,10 @@ from benchmarks.workload import JobSpec, free_port
 from .faults import HOOK, START_S, run_job
 from .scenarios import load_all
 
-DEFAULT = "compute-2x-r2,dataloader-15ms-r1,callback-15ms-r2,hang-collective-r1,healthy-4r"
+DEFAULT = (
+    "healthy-4r,healthy-8r,lm-healthy-4r,pp-healthy-4r,compute-2x-r2,dataloader-15ms-r1,"
+    "callback-15ms-r2,hang-collective-r1"
+)
 
 
 class Receiver:
@@ -84,7 +88,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--scenarios", default=DEFAULT, help="fault-suite scenario names, comma-separated")
     p.add_argument("--json", help="write the results here")
     a = p.parse_args(argv)
-    scenarios = load_all("full", a.scenarios.split(","))
+    names = a.scenarios.split(",")
+    scenarios = [sc for suite in ("full", "validation") for sc in load_all(suite, names) if sc.name in names]
     results = []
     with tempfile.TemporaryDirectory(prefix="rankscope-serve-e2e-") as tmp:
         spool, port, receiver = Path(tmp, "spool"), free_port(), Receiver()
@@ -108,8 +113,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     progress=False, marker_dir=str(markers),
                     timeout_s=sc.seconds + START_S + max(sc.observe_s, 60.0),
                 )  # fmt: skip
+                t0 = time.time()
                 onset, error, _ = run_job(sc, spec, markers)
-                results.append({"scenario": sc, "job": job, "onset": onset, "error": error})
+                results.append(
+                    {"scenario": sc, "job": job, "onset": onset, "error": error, "ran_s": time.time() - t0}
+                )
             deadline = time.time() + 150  # serve's defaults: a job silent 60 s has ended; its tickets resolve
             while time.time() < deadline and any(s["resolved_at"] is None for s in poller.seen.values()):
                 time.sleep(1)
@@ -128,9 +136,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "median_webhook_s": _median([r["webhook_s"] for r in faulty if not r["hang"]]),
         "hang_open_s": _median([r["open_s"] for r in faulty if r["hang"]]),
         "healthy_tickets": sum(r["tickets"] for r in rows if r["expected"] == "none"),
+        "healthy_job_hours": round(sum(r["ran_s"] for r in rows if r["expected"] == "none") / 3600, 3),
+        "false_tickets": sum(r["false"] for r in rows),
+        "flaps": sum(r["flaps"] for r in rows),
     }
+    hours = summary["healthy_job_hours"]
+    summary["healthy_tickets_per_job_hour"] = round(summary["healthy_tickets"] / hours, 2) if hours else None
     print(f"\nmedian onset->ticket {summary['median_open_s']} s, onset->webhook {summary['median_webhook_s']} s "
-          f"(hangs: {summary['hang_open_s']} s); tickets on healthy runs: {summary['healthy_tickets']}")  # fmt: skip
+          f"(hangs: {summary['hang_open_s']} s); tickets on healthy runs: {summary['healthy_tickets']} in "
+          f"{hours} job-hours; false tickets {summary['false_tickets']}, flaps {summary['flaps']}")  # fmt: skip
     if a.json:
         Path(a.json).write_text(json.dumps(summary, indent=2, default=str))
     return summary
@@ -152,6 +166,13 @@ def _row(r: dict[str, Any], poller: Poller, receiver: Receiver) -> dict[str, Any
     fired = [t for t, b in receiver.got if b.get("status") == "firing" and b["commonLabels"]["job"] == job]
     expected = f"{truth.cause} {list(truth.ranks)}" if truth.cause else "none"
     got = f"{first['ticket']['cause']} {first['ticket']['ranks']}" if first else "none"
+
+    def false(s: dict[str, Any]) -> bool:
+        """Opened on a healthy job, before the onset, or on ranks that are no culprit."""
+        t = s["ticket"]
+        early = t0 is not None and s["opened_at"] < t0
+        return truth.cause is None or early or not set(t["ranks"]) <= set(truth.ranks)
+
     return {
         "scenario": sc.name,
         "kind": truth.kind,
@@ -163,12 +184,27 @@ def _row(r: dict[str, Any], poller: Poller, receiver: Receiver) -> dict[str, Any
         "open_s": round(first["opened_at"] - t0, 1) if first and t0 else None,
         "webhook_s": round(fired[0] - t0, 1) if fired and t0 else None,
         "resolved": all(s["resolved_at"] is not None for s in mine) if mine else None,
+        "false": sum(false(s) for s in mine),
+        "flaps": sum(s["ticket"]["occurrence"] > 1 and not false(s) for s in mine),
+        "ran_s": round(r["ran_s"], 1),
         "error": r["error"],
     }
 
 
 def _print(rows: list[dict[str, Any]]) -> None:
-    cols = ["scenario", "expected", "ticket", "right", "tickets", "open_s", "webhook_s", "resolved"]
+    cols = [
+        "scenario",
+        "expected",
+        "ticket",
+        "right",
+        "tickets",
+        "false",
+        "flaps",
+        "open_s",
+        "webhook_s",
+        "resolved",
+        "ran_s",
+    ]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for r in rows:
