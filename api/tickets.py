@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from diagnosis import Finding
+from diagnosis.detectors.failure import HARDWARE
 from diagnosis.findings import LEVELS
 
 State = Literal["open", "acknowledged", "resolved"]
@@ -77,8 +78,9 @@ class Ticket:
 
     @property
     def severity(self) -> str:
-        """``critical`` for a hang or ≥ 1 rank-hour lost, ``major`` from 1 rank-minute, else ``minor``."""
-        if self.cause == "hang" or self.lost_rank_s >= 3600:
+        """``critical`` for a hang, a failure or ≥ 1 rank-hour lost, ``major`` from 1 rank-minute,
+        else ``minor``."""
+        if self.cause in URGENT or self.lost_rank_s >= 3600:
             return "critical"
         return "major" if self.lost_rank_s >= 60 else "minor"
 
@@ -224,6 +226,10 @@ def reconcile(
     for t in latest.values():
         if not t.active:
             continue
+        if t.cause == "failure":
+            if t.fingerprint not in seen and (c := _after_failure(t, ended, now_us)) is not None:
+                changes.append(c)
+            continue
         if ended:
             t.move(now_us, "resolved", "the job ended")
         elif t.fingerprint not in seen and now_us - t.last_seen_us >= rules.resolve_after_s * 1e6:
@@ -234,3 +240,27 @@ def reconcile(
             continue
         changes.append(Change(t, "resolved"))
     return changes
+
+
+def _after_failure(t: Ticket, ended: bool, now_us: int) -> Change | None:
+    """A failure is an event, not a state: its ticket says what came of the job after it. Where the
+    job started again (its ranks restarted), it resolves, saying so; where the job ended, it stays
+    open (someone must see the job died), and so does a hardware class's after a restart (its host
+    needs checking before it runs again) until a person resolves it."""
+    attempt = t.evidence.get("attempt", "?")
+    what = (
+        f"the job ended after attempt {attempt} failed"
+        if ended
+        else f"attempt {attempt} ended and the job started again"
+    )
+    if any(e.reason.startswith(what) for e in t.events):
+        return None
+    if not ended and t.evidence.get("class") not in HARDWARE:
+        t.move(now_us, "resolved", what)
+        return Change(t, "resolved")
+    hosts = ", ".join(t.hosts) or "its host"
+    t.events.append(
+        Event(now_us, t.state, f"{what}; open until someone has checked {hosts}" if not ended else what)
+    )
+    t.updated_us = now_us
+    return Change(t, "updated")

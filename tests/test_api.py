@@ -709,6 +709,29 @@ def test_a_slowdown_opens_its_ticket_once_it_held_and_one_that_comes_and_goes_op
     assert {c.kind for c in ended} == {"resolved"} and pending == {}, "an ended job watches nothing"
 
 
+def test_a_failure_opens_a_critical_ticket_at_once_and_says_what_came_after_it() -> None:
+    """A crash pages at once. A restart that worked resolves its ticket saying so, but a hardware
+    class's stays open for someone to check the host; a job that ended after it keeps it open."""
+    s = 1_000_000
+
+    def crash(klass: str) -> Finding:
+        return _finding(cause="failure", **{"class": klass, "attempt": 0})
+
+    for klass, restarted in (("code", "resolved"), ("gpu_hardware", "open")):
+        tickets: dict[str, Ticket] = {}
+        (c,) = reconcile(tickets, "j", [crash(klass)], 0, 8, pending={})
+        assert (c.kind, c.ticket.severity) == ("opened", "critical")
+        (c,) = reconcile(tickets, "j", [], 5 * s, 8, pending={})  # ranks started again: no finding
+        assert c.ticket.state == restarted
+        assert c.ticket.events[-1].reason.startswith("attempt 0 ended and the job started again")
+        assert reconcile(tickets, "j", [], 10 * s, 8, pending={}) == [], "said once"
+    tickets = {}
+    reconcile(tickets, "j", [crash("code")], 0, 8)
+    (c,) = reconcile(tickets, "j", [], 70 * s, 8, ended=True)
+    assert (c.ticket.state, c.ticket.events[-1].reason) == ("open", "the job ended after attempt 0 failed")
+    assert reconcile(tickets, "j", [], 75 * s, 8, ended=True) == []
+
+
 def test_a_host_ticket_absorbs_the_rank_tickets_it_explains() -> None:
     tickets: dict[str, Ticket] = {}
     reconcile(tickets, "j", [_finding(ranks=(8,)), _finding(ranks=(3,))], 0, 16)

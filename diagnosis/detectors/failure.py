@@ -61,6 +61,8 @@ CLASSES: tuple[tuple[str, re.Pattern[str], str], ...] = (
     ),
 )
 """Error classes by what the exception says (class, then message), first match; else ``code``."""
+HARDWARE = ("gpu_hardware",)
+"""The classes whose host must be checked before it runs again (their advice: cordon it)."""
 CODE_ADVICE = "fix the job's code where it raised"
 KILLED_ADVICE = (
     "the process ended without a word (SIGKILL: the OOM killer, a preemption, a node lost): "
