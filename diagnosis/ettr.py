@@ -28,7 +28,7 @@ interval and write time.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -37,6 +37,7 @@ import pandas as pd
 from wire.errors import NotFoundError
 
 from . import reliability
+from .detectors import failure
 
 CAUSES = ("startup", "slowdown", "hang", "checkpoint", "restart", "redo", "other")
 
@@ -56,6 +57,8 @@ class RunRecords:
     """One row per checkpoint: ``kind, step, start_us, end_us, dur_us``."""
     progress: pd.DataFrame
     """That rank's heartbeats: ``time_us, step, progress_age_s``."""
+    exits: pd.DataFrame = field(default_factory=pd.DataFrame)
+    """How each rank's process ended (``Reads.exits``): which rank failed each attempt, and why."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -75,6 +78,13 @@ class Attempt:
     restart_s: float = 0.0
     """From its last progress until the next attempt runs at pace: to its first step, and that
     step beyond the pace (0 for the last attempt)."""
+    failed_rank: int = -1
+    """The rank that failed it first (``detectors.failure``), -1 if none said so."""
+    failure: str = ""
+    """Its error's class (``detectors.failure.CLASSES``: ``gpu_hardware``, ``code``...); ``unknown``
+    for an attempt followed by another without a rank's word on why; '' for one that did not fail."""
+    error: str = ""
+    """The exception, ``Error: message`` (its first 200 characters)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -104,6 +114,10 @@ class Reliability:
     expected_ettr: float | None
     """E[ETTR] at the measured restart time, checkpoint interval and write time."""
     optimal_interval_s: float | None
+    lost_by_failure: dict[str, float] = field(default_factory=dict)
+    """Seconds the failed attempts lost (redone work, hang, restart), per failure class."""
+    failures: dict[str, int] = field(default_factory=dict)
+    """Failed attempts per failure class."""
     notes: list[str] = field(default_factory=list)
     """What could not be measured, said plainly."""
 
@@ -120,6 +134,7 @@ class RunReader(Protocol):
     ) -> pd.DataFrame: ...
     def checkpoints(self, job: str) -> pd.DataFrame: ...
     def progress(self, job: str, rank: int) -> pd.DataFrame: ...
+    def exits(self, job: str) -> pd.DataFrame: ...
 
 
 def read_run(store: RunReader, job: str) -> RunRecords:
@@ -132,6 +147,7 @@ def read_run(store: RunReader, job: str) -> RunRecords:
         attempts=attempts,
         checkpoints=store.checkpoints(job),
         progress=store.progress(job, rank),
+        exits=store.exits(job),
     )
 
 
@@ -258,9 +274,20 @@ def measure(
         )
         lost["redo"] += max(redo, 0.0)
         lost["hang"] += hang
+    attempts = _failures(attempts, run, starts)
 
     wall = max(float(hi.max()), spans[-1][3]) - begin
     lost["other"] = max(0.0, wall - productive - sum(lost.values()))
+    by_class: dict[str, float] = {}
+    failures: dict[str, int] = {}
+    for a in attempts:
+        if a.failure:
+            by_class[a.failure] = round(by_class.get(a.failure, 0.0) + a.redo_s + a.hang_s + a.restart_s, 3)
+            failures[a.failure] = failures.get(a.failure, 0) + 1
+    if len(attempts) > 1 and run.exits.empty:
+        notes.append(
+            "no rank said how its process ended (hooks before exit records): the failures' causes are unknown"
+        )
     restarts = [a.restart_s for a in attempts[:-1] if a.restart_s > 0]
     measured_u0 = float(np.median(restarts)) if restarts else None
     u0 = measured_u0 if measured_u0 is not None else restart_s
@@ -309,8 +336,48 @@ def measure(
         mttf_s=reliability.mttf_s(rate),
         expected_ettr=reliability.expected_ettr(shape) if shape else None,
         optimal_interval_s=reliability.optimal_interval_s(shape) if shape and write else None,
+        lost_by_failure=by_class,
+        failures=failures,
         notes=notes,
     )
+
+
+def _failures(attempts: list[Attempt], run: RunRecords, starts: np.ndarray) -> list[Attempt]:
+    """Each attempt with the rank that failed it first and its error's class, from the exit
+    records sent within it (by time: a record belongs to the latest attempt started before it). A
+    rank of an attempt that another followed and that sent no exit record ended without a word
+    (SIGKILL, the OOM killer, a node lost): where no rank raised an error of its own, it is the one."""
+
+    def attempt_of(frame: pd.DataFrame) -> np.ndarray:
+        if frame.empty:
+            return np.zeros(0, dtype=np.int64)
+        return np.searchsorted(starts, frame["time_us"].to_numpy(dtype=np.float64), side="right") - 1
+
+    exits, began = run.exits, run.attempts
+    ended_in, began_in = attempt_of(exits), attempt_of(began)
+    out = []
+    for k, a in enumerate(attempts):
+        ended = exits[ended_in == k]
+        followed = k < len(attempts) - 1
+        said = set(ended["rank"].astype(int)) if not ended.empty else set()
+        quiet = (
+            set(began.loc[began_in == k, "rank"].astype(int)) - said
+            if followed and not ended.empty
+            else set()
+        )
+        first = failure.first_failed(ended, dict.fromkeys(quiet, 1 << 62)) if not ended.empty else None
+        if first is not None and first[2] is not None:
+            row = first[2]
+            klass, _ = failure.classify(str(row.error), str(row.message))
+            error = f"{row.error}: {row.message}".strip(": ")[:200]
+            a = replace(a, failed_rank=first[1], failure=klass, error=error)
+        elif first is not None:  # ranks that ended without a word: which went first, none can tell
+            who = first[1] if len(quiet) == 1 else -1
+            a = replace(a, failed_rank=who, failure="killed", error="its process ended without a word")
+        elif followed:
+            a = replace(a, failure="unknown")  # another attempt followed, without a word on why
+        out.append(a)
+    return out
 
 
 def observed_failure_rate(runs: list[Reliability]) -> tuple[float | None, int, float]:

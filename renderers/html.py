@@ -435,7 +435,9 @@ def reliability_section(r: Reliability) -> str:
     )
     attempts = "".join(
         f"<tr><td>{a.number}</td><td>{a.start_s:.1f}</td><td>{a.first_step}-{a.last_step}</td>"
-        f"<td>{a.redone_steps}</td><td>{a.hang_s:.1f}</td><td>{a.restart_s:.1f}</td></tr>"
+        f"<td>{a.redone_steps}</td><td>{a.hang_s:.1f}</td><td>{a.restart_s:.1f}</td>"
+        f"<td>{_e(f'rank {a.failed_rank} ' if a.failed_rank >= 0 else '')}{_e(a.failure)}"
+        f"{'<br>' + _e(a.error) if a.error else ''}</td></tr>"
         for a in r.attempts
     )
     projected = f", expected {r.expected_ettr:.3f}" if r.expected_ettr is not None else ""
@@ -446,7 +448,7 @@ def reliability_section(r: Reliability) -> str:
         f"{r.saves} checkpoints saved, MTTF at {r.nodes} nodes {r.mttf_s / 86_400:.1f} days</p>"
         f'<table class="list"><tr><th>lost to</th><th>s</th><th>of wall</th></tr>{lost}</table>'
         f'<table class="list"><tr><th>attempt</th><th>from s</th><th>steps</th><th>redone</th>'
-        f"<th>hung s</th><th>restart s</th></tr>{attempts}</table>{notes}"
+        f"<th>hung s</th><th>restart s</th><th>failed</th></tr>{attempts}</table>{notes}"
     )
 
 

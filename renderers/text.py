@@ -6,7 +6,7 @@ from typing import TextIO
 
 from diagnosis import Diagnosis
 from diagnosis.efficiency import Efficiency
-from diagnosis.ettr import Reliability
+from diagnosis.ettr import Attempt, Reliability
 from preflight.verdict import Report
 
 _KEYS = (
@@ -118,6 +118,15 @@ def format_reliability(r: Reliability) -> str:
             + (f"; {a.redone_steps} steps redone ({_dur(a.redo_s)})" if a.redone_steps else "")
             + (f"; hung {_dur(a.hang_s)}" if a.hang_s else "")
             + (f"; restart took {_dur(a.restart_s)}" if a.restart_s else "")
+            + (_failed(a) if a.failure else "")
+        )
+    if r.failures:
+        lines.append(
+            "  failures by class: "
+            + ", ".join(
+                f"{k} {n}x, lost {_dur(r.lost_by_failure.get(k, 0.0))}"
+                for k, n in sorted(r.failures.items(), key=lambda kv: -r.lost_by_failure.get(kv[0], 0.0))
+            )
         )
     lines.append(
         f"  checkpoints: {r.saves} saved (blocking {_dur(r.write_s)}, every {_dur(r.interval_s)}), {r.loads} loaded"
@@ -129,6 +138,11 @@ def format_reliability(r: Reliability) -> str:
     )
     lines += [f"  note: {n}" for n in r.notes]
     return "\n".join(printable(line) for line in lines)
+
+
+def _failed(a: Attempt) -> str:
+    who = f"rank {a.failed_rank}" if a.failed_rank >= 0 else "no rank said why"
+    return f"; failed: {who} [{a.failure}]" + (f" {a.error}" if a.error else "")
 
 
 def pct(x: float | None) -> str:

@@ -73,6 +73,58 @@ def test_a_restarted_job_puts_every_second_in_one_bucket() -> None:
     assert r.expected_ettr is None, "one checkpoint: no interval to project with"
 
 
+def _exits(rows: list[tuple[int, int, str, str, str]]) -> pd.DataFrame:
+    """Exit records: (rank, time_us, how, error, message)."""
+    return pd.DataFrame(
+        [
+            {"rank": r, "time_us": t, "how": how, "error": e, "message": m, "step": 79, "attempt": 0, "frame": "",
+             "signal": 15 if how == "signal" else 0}
+            for r, t, how, e, m in rows
+        ]
+    )  # fmt: skip
+
+
+def test_each_failed_attempt_names_its_first_failing_rank_and_the_time_lost_by_class() -> None:
+    """Rank 1 raised a CUDA error first; rank 0's all-reduce raised after it (a peer died): the
+    attempt's failure is rank 1's, a GPU hardware fault, and the time it lost (the work redone
+    and the restart) is put down to that class."""
+    run = _run()
+    end0 = 8.8 * S
+    crashed = replace(
+        run,
+        exits=_exits(
+            [
+                (0, int(end0 + 1 * S), "exception", "DistBackendError", "Connection closed by peer"),
+                (
+                    1,
+                    int(end0),
+                    "exception",
+                    "RuntimeError",
+                    "CUDA error: an illegal memory access was encountered",
+                ),
+                (0, int(40 * S), "close", "", ""),
+                (1, int(40 * S), "close", "", ""),
+            ]
+        ),
+    )
+    r = measure(crashed)
+    first, second = r.attempts
+    assert (first.failed_rank, first.failure) == (1, "gpu_hardware") and "illegal memory" in first.error
+    assert (second.failed_rank, second.failure) == (-1, ""), "it closed normally"
+    assert r.failures == {"gpu_hardware": 1}
+    assert r.lost_by_failure["gpu_hardware"] == pytest.approx(first.redo_s + first.hang_s + first.restart_s)
+    # Rank 1 killed without a word (SIGKILL): only rank 0's peer-death and torchrun's stop are left.
+    killed = replace(
+        run,
+        exits=_exits([(0, int(end0 + 1 * S), "exception", "DistBackendError", "Connection reset by peer")]),
+    )
+    first = measure(killed).attempts[0]
+    assert (first.failed_rank, first.failure) == (1, "killed")
+    # No exit records at all (hooks before them): the restart is a failure of unknown cause.
+    r = measure(run)
+    assert r.attempts[0].failure == "unknown" and any("how its process ended" in n for n in r.notes)
+
+
 def test_ranks_alive_without_progress_before_the_restart_count_as_a_hang() -> None:
     r = measure(_run(hung_s=12, warmup_s=11))
     assert r.lost_s["hang"] == pytest.approx(12), "the first step's 11 s are start-up, not a hang"

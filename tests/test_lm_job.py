@@ -126,6 +126,9 @@ def test_a_rank_killed_under_torchrun_restarts_the_job_and_reliability_measures_
     )
     assert second["first_step"] % 15 == 1, "...one step after the checkpoint's"
     assert first["last_step"] >= second["first_step"] - 1 and first["restart_s"] > 0
+    # Why it ended: rank 1 went without a word (SIGKILL); its peer said how it ended.
+    assert (first["failed_rank"], first["failure"]) == (1, "killed") and second["failure"] == ""
+    assert r["failures"] == {"killed": 1} and r["lost_by_failure"]["killed"] >= first["restart_s"]
     # The killed rank's peer shipped its last steps as torchrun stopped it (the hook closes on
     # SIGTERM); none are redone only if the kill came right after a checkpoint (1 run in 15).
     assert first["redone_steps"] == max(0, first["last_step"] - second["first_step"] + 1)
@@ -137,6 +140,7 @@ def test_a_rank_killed_under_torchrun_restarts_the_job_and_reliability_measures_
     assert r["productive_s"] + sum(r["lost_s"].values()) == pytest.approx(r["wall_s"], rel=1e-3)
     text = rankscope("reliability", "--store", str(store))
     assert text.returncode == 0 and "attempt 1" in text.stdout and "ETTR" in text.stdout, text.stdout
+    assert "failed: rank 1 [killed]" in text.stdout and "failures by class: killed 1x" in text.stdout
     own = json.loads(
         rankscope(
             "reliability", "--store", str(store), "--json", "--failures-per-1000-node-days", "store"

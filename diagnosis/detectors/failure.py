@@ -91,17 +91,10 @@ def find(data: JobData, s: Settings) -> list[Finding]:
         for r, t in zip(data.ranks["rank"], data.ranks["time_us"], strict=True)
     ):
         return []  # a rank started again after it ended: the job restarted and runs
-    raised = ended[ended["how"] == "exception"]
-    own = raised[~raised["message"].astype(str).str.contains(PEER_DIED)]
-    # The first to fail: the earliest exception of its own, or rank that went silent before the
-    # others ended; where every exception is a peer's death and none went silent, the earliest.
-    candidates = [
-        *((int(r.time_us), int(r.rank), r) for r in own.itertuples(index=False)),
-        *((t, rank, None) for rank, t in _silent(data, ended).items()),
-    ] or [(int(r.time_us), int(r.rank), r) for r in raised.itertuples(index=False)]
-    if not candidates:
+    first = first_failed(ended, _silent(data, ended))
+    if first is None:
         return []  # every rank closed, or was stopped: no failure
-    t, rank, row = min(candidates, key=lambda c: c[0])
+    t, rank, row = first
     host = data.hosts_of([rank]).get(rank, "")
     if row is not None:
         klass, advice = classify(str(row.error), str(row.message))
@@ -145,6 +138,21 @@ def find(data: JobData, s: Settings) -> list[Finding]:
             },
         )
     ]
+
+
+def first_failed(ended: pd.DataFrame, silent: dict[int, int]) -> tuple[int, int, Any] | None:
+    """Of one attempt's exit records (``ended``) and the ranks that went silent before its first
+    exit (rank -> last heartbeat), the one that failed first: ``(time_us, rank, its exit row or
+    None if silent)``, or None where no rank failed (all closed or were stopped). The earliest
+    exception of its own (not a peer's death) or silence; where every exception is a peer's death
+    and none went silent, the earliest."""
+    raised = ended[ended["how"] == "exception"]
+    own = raised[~raised["message"].astype(str).str.contains(PEER_DIED)]
+    candidates = [
+        *((int(r.time_us), int(r.rank), r) for r in own.itertuples(index=False)),
+        *((t, rank, None) for rank, t in silent.items()),
+    ] or [(int(r.time_us), int(r.rank), r) for r in raised.itertuples(index=False)]
+    return min(candidates, key=lambda c: c[0]) if candidates else None
 
 
 def _silent(data: JobData, ended: pd.DataFrame) -> dict[int, int]:
