@@ -80,6 +80,7 @@ class Attempt:
     step beyond the pace (0 for the last attempt)."""
     failed_rank: int = -1
     """The rank that failed it first (``detectors.failure``), -1 if none said so."""
+    failed_host: str = ""
     failure: str = ""
     """Its error's class (``detectors.failure.CLASSES``: ``gpu_hardware``, ``code``...); ``unknown``
     for an attempt followed by another without a rank's word on why; '' for one that did not fail."""
@@ -355,6 +356,11 @@ def _failures(attempts: list[Attempt], run: RunRecords, starts: np.ndarray) -> l
 
     exits, began = run.exits, run.attempts
     ended_in, began_in = attempt_of(exits), attempt_of(began)
+
+    def host(rank: int, k: int) -> str:
+        mine = began[(began_in == k) & (began["rank"] == rank)]
+        return str(mine["host"].iloc[-1]) if not mine.empty else ""
+
     out = []
     for k, a in enumerate(attempts):
         ended = exits[ended_in == k]
@@ -370,14 +376,60 @@ def _failures(attempts: list[Attempt], run: RunRecords, starts: np.ndarray) -> l
             row = first[2]
             klass, _ = failure.classify(str(row.error), str(row.message))
             error = f"{row.error}: {row.message}".strip(": ")[:200]
-            a = replace(a, failed_rank=first[1], failure=klass, error=error)
+            a = replace(a, failed_rank=first[1], failed_host=host(first[1], k), failure=klass, error=error)
         elif first is not None:  # ranks that ended without a word: which went first, none can tell
             who = first[1] if len(quiet) == 1 else -1
-            a = replace(a, failed_rank=who, failure="killed", error="its process ended without a word")
+            a = replace(
+                a,
+                failed_rank=who,
+                failed_host=host(who, k),
+                failure="killed",
+                error="its process ended without a word",
+            )
         elif followed:
             a = replace(a, failure="unknown")  # another attempt followed, without a word on why
         out.append(a)
     return out
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FailingHost:
+    host: str
+    failures: dict[str, int]
+    """Attempts it failed first, per failure class."""
+    jobs: list[str]
+    lemon: bool
+    """It failed ``LEMON_FAILURES`` attempts or more with a hardware class: a lemon node."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+LEMON_FAILURES = 2
+"""Hardware-class failures on one host that make it a lemon node (Meta's study finds lemons by
+their repeated failures: a host that failed twice with a GPU fault is likely to again)."""
+
+
+def failing_hosts(runs: list[Reliability]) -> list[FailingHost]:
+    """The hosts whose ranks failed attempts first, over ``runs`` (a fleet's jobs), lemon nodes
+    first, then by failures."""
+    by_host: dict[str, tuple[dict[str, int], set[str]]] = {}
+    for r in runs:
+        for a in r.attempts:
+            if a.failure and a.failed_host:
+                classes, jobs = by_host.setdefault(a.failed_host, ({}, set()))
+                classes[a.failure] = classes.get(a.failure, 0) + 1
+                jobs.add(r.job)
+    out = [
+        FailingHost(
+            host=h,
+            failures=classes,
+            jobs=sorted(jobs),
+            lemon=sum(n for k, n in classes.items() if k in failure.HARDWARE) >= LEMON_FAILURES,
+        )
+        for h, (classes, jobs) in by_host.items()
+    ]
+    return sorted(out, key=lambda f: (not f.lemon, -sum(f.failures.values()), f.host))
 
 
 def observed_failure_rate(runs: list[Reliability]) -> tuple[float | None, int, float]:

@@ -164,10 +164,26 @@ def _diagnose(a: argparse.Namespace) -> int:
     return 0
 
 
+def _failing_hosts(a: argparse.Namespace) -> int:
+    from diagnosis.ettr import failing_hosts, measure, read_run
+    from renderers.text import format_failing_hosts
+
+    with _reading(a) as store:
+        runs = [read_run(store, str(j)) for j in store.jobs()["job"]]
+    hosts = failing_hosts([measure(r) for r in runs if not r.steps.empty])
+    print(
+        json.dumps([h.to_dict() for h in hosts], indent=2) if a.json else format_failing_hosts(hosts),
+        flush=True,
+    )
+    return 0
+
+
 def _reliability(a: argparse.Namespace) -> int:
     from diagnosis.ettr import measure, observed_failure_rate, read_run
     from renderers.text import format_reliability, printable
 
+    if a.fleet:
+        return _failing_hosts(a)
     with _reading(a) as store:
         run = read_run(store, job := _pick_job(a, store))
         others = (
@@ -395,6 +411,12 @@ def parser() -> argparse.ArgumentParser:
     )
     r.add_argument(
         "--restart-s", type=_positive, help="restart time to project with when the job had no restart"
+    )
+    r.add_argument(
+        "--fleet",
+        action="store_true",
+        help="every job in the store: the hosts whose ranks failed attempts first, by class; "
+        "lemon nodes (2+ hardware failures) first",
     )
     r.set_defaults(func=_reliability)
 

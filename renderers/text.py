@@ -6,7 +6,7 @@ from typing import TextIO
 
 from diagnosis import Diagnosis
 from diagnosis.efficiency import Efficiency
-from diagnosis.ettr import Attempt, Reliability
+from diagnosis.ettr import Attempt, FailingHost, Reliability
 from preflight.verdict import Report
 
 _KEYS = (
@@ -188,6 +188,20 @@ def format_fleet(fleet: list[Efficiency]) -> str:
         lines.append(
             f"{e.job[:32]:<32} {len(e.ranks):>5} {e.device_hours:>9.3f} {idle:>14} {pct(s['compute']):>8} "
             f"{pct(s['comm_wait']):>7} {pct(s['data_wait']):>7}"
+        )
+    return "\n".join(printable(line) for line in lines)
+
+
+def format_failing_hosts(hosts: list[FailingHost]) -> str:
+    """The hosts whose ranks failed attempts first, as ``rankscope reliability --fleet`` orders them."""
+    if not hosts:
+        return "rankscope reliability --fleet: no attempt in this store failed on a known host"
+    lines = [f"{'host':<24} {'failures (first to fail), by class':<44} jobs"]
+    for h in hosts:
+        classes = ", ".join(f"{k} {n}x" for k, n in sorted(h.failures.items(), key=lambda kv: -kv[1]))
+        lines.append(
+            f"{h.host[:24]:<24} {classes[:44]:<44} {len(h.jobs)}"
+            + ("  LEMON: cordon it and check its GPUs" if h.lemon else "")
         )
     return "\n".join(printable(line) for line in lines)
 

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pandas as pd
 import pytest
 
-from diagnosis.ettr import CAUSES, RunRecords, measure, observed_failure_rate
+from diagnosis.ettr import CAUSES, RunRecords, failing_hosts, measure, observed_failure_rate
 from wire.errors import NotFoundError
 
 S = 1_000_000  # µs
@@ -123,6 +123,31 @@ def test_each_failed_attempt_names_its_first_failing_rank_and_the_time_lost_by_c
     # No exit records at all (hooks before them): the restart is a failure of unknown cause.
     r = measure(run)
     assert r.attempts[0].failure == "unknown" and any("how its process ended" in n for n in r.notes)
+
+
+def test_a_host_whose_gpu_failed_two_jobs_is_a_lemon_node() -> None:
+    """Rank 1 on host h1 fails with a GPU fault in two jobs: h1 is a lemon; rank 1 of a third job,
+    failing in its own code, names h1 again but no more hardware."""
+    gpu = (
+        1,
+        int(8.8 * S),
+        "exception",
+        "RuntimeError",
+        "CUDA error: an illegal memory access was encountered",
+    )
+    code = (1, int(8.8 * S), "exception", "ValueError", "bad batch")
+    runs = [
+        measure(replace(_run(), job=j, exits=_exits([e]))) for j, e in (("a", gpu), ("b", gpu), ("c", code))
+    ]
+    assert runs[0].attempts[0].failed_host == "h1"
+    (h1,) = failing_hosts(runs)
+    assert (h1.host, h1.failures, h1.jobs, h1.lemon) == (
+        "h1",
+        {"gpu_hardware": 2, "code": 1},
+        ["a", "b", "c"],
+        True,
+    )
+    assert not failing_hosts(runs[:1])[0].lemon, "one failure is no pattern"
 
 
 def test_ranks_alive_without_progress_before_the_restart_count_as_a_hang() -> None:

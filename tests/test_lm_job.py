@@ -141,6 +141,8 @@ def test_a_rank_killed_under_torchrun_restarts_the_job_and_reliability_measures_
     text = rankscope("reliability", "--store", str(store))
     assert text.returncode == 0 and "attempt 1" in text.stdout and "ETTR" in text.stdout, text.stdout
     assert "failed: rank 1 [killed]" in text.stdout and "failures by class: killed 1x" in text.stdout
+    fleet = rankscope("reliability", "--store", str(store), "--fleet").stdout
+    assert fleet.splitlines()[1].split()[:3] == ["nodeA", "killed", "1x"] and "LEMON" not in fleet, fleet
     own = json.loads(
         rankscope(
             "reliability", "--store", str(store), "--json", "--failures-per-1000-node-days", "store"
