@@ -38,18 +38,21 @@ DEFAULT = (
 
 
 class Receiver:
-    """Records the arrival time and body of every webhook POST."""
+    """A local webhook receiver: answers each POST with the next of ``codes`` (then 200), keeps the
+    arrival time and body of each it accepted (``got``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, codes: tuple[int, ...] = ()) -> None:
         self.got: list[tuple[float, dict[str, Any]]] = []
+        self.codes = list(codes)
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
-                outer.got.append(
-                    (time.time(), json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-                )
-                self.send_response(200)
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                code = outer.codes.pop(0) if outer.codes else 200
+                if code == 200:
+                    outer.got.append((time.time(), body))
+                self.send_response(code)
                 self.end_headers()
 
             def log_message(self, *args: object) -> None:
@@ -58,6 +61,17 @@ class Receiver:
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         self.url = f"http://127.0.0.1:{self.server.server_port}/hook"
+
+    @property
+    def bodies(self) -> list[dict[str, Any]]:
+        return [b for _, b in self.got]
+
+    def wait_for(self, n: int, timeout_s: float = 10.0) -> list[dict[str, Any]]:
+        """The bodies once ``n`` have come, or those that came within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while len(self.got) < n and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self.bodies
 
 
 class Poller(threading.Thread):

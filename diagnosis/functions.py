@@ -19,6 +19,7 @@ import pandas as pd
 from wire import records
 
 from .contention import WAIT_KIND
+from .robust import evenly
 
 CUT_KIND = "cut"
 """The kind of the pattern that says what a window left out beyond ``max_functions`` (the hook's
@@ -194,10 +195,7 @@ def _at_line(function: str, line: int) -> str:
 
 def pick_peers(peers: list[int]) -> list[int]:
     """At most ``MAX_PEERS`` of ``peers``, evenly spread."""
-    if len(peers) <= MAX_PEERS:
-        return peers
-    stride = len(peers) / MAX_PEERS
-    return [peers[int(i * stride)] for i in range(MAX_PEERS)]
+    return [int(p) for p in evenly(np.asarray(peers, dtype=np.int64), MAX_PEERS)]
 
 
 def compare(functions: pd.DataFrame, rank: int, peers: list[int]) -> list[FunctionExcess]:

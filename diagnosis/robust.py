@@ -21,6 +21,11 @@ def spread(
     return med, np.maximum(np.maximum(mad, mad_floor * med), tiny), groups.transform("size")
 
 
+def evenly(xs: np.ndarray, n: int) -> np.ndarray:
+    """At most ``n`` of ``xs``, evenly spread over them (peers to compare with, at any scale)."""
+    return xs[(np.arange(n) * (xs.size / n)).astype(np.int64)] if xs.size > n else xs
+
+
 def needed(of: int, share: float) -> int:
     """In how many of ``of`` windows (or chunks) a fault must show to count as persistent: ``share``
     of them and two at least. One window, or one burst, is never a finding: a single window of a

@@ -24,7 +24,7 @@ import numpy as np
 import pandas as pd
 
 from .findings import effect
-from .robust import dense_index, needed
+from .robust import dense_index, evenly, needed
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -297,15 +297,10 @@ def nanmean_rows(a: np.ndarray) -> np.ndarray:
     return np.where(n > 0, np.where(ok, a, 0.0).sum(axis=1) / np.maximum(n, 1), np.nan)
 
 
-def _at_most(rows: np.ndarray) -> np.ndarray:
-    """``MAX_PEERS`` of ``rows``, evenly spread, where there are more."""
-    return rows[np.linspace(0, rows.size - 1, MAX_PEERS).astype(np.int64)] if rows.size > MAX_PEERS else rows
-
-
 def _step_median(values: np.ndarray, among: np.ndarray | None = None) -> np.ndarray:
     """Each step's (column's) median over the ranks ``among`` (a row mask; all ranks if None), of
     ``MAX_PEERS`` of them evenly spread where there are more: as exact, and 25x cheaper at 100,000."""
-    rows = _at_most(np.arange(values.shape[0]) if among is None else np.flatnonzero(among))
+    rows = evenly(np.arange(values.shape[0]) if among is None else np.flatnonzero(among), MAX_PEERS)
     return nanmedian(values[rows] if rows.size < values.shape[0] else values, axis=0)
 
 
@@ -438,7 +433,7 @@ def find(
     peer_idx = np.flatnonzero(~is_culprit)
     if peer_idx.size == 0:
         return []  # everybody is "slow": that is a job-wide question, not a straggler
-    peer_idx = _at_most(peer_idx)
+    peer_idx = evenly(peer_idx, MAX_PEERS)
     cul_idx = np.flatnonzero(is_culprit)
     chunk_steps, chunk_start = g.chunk_steps(s.chunks), g.chunk_starts(s.chunks)
     names = ["rel", *cols]

@@ -27,6 +27,8 @@ already makes, so that every rank agrees on the step):
                      the job restarts and resumes from the latest checkpoint in ``--ckpt-dir``.
 ``cuda_error``       the rank raises what PyTorch raises when its GPU fails under it
                      (``RuntimeError: CUDA error: an illegal memory access was encountered``).
+``oom``              the rank raises what PyTorch raises when its device runs out of memory
+                     (``torch.OutOfMemoryError: CUDA out of memory. Tried to allocate ...``).
 
 Checkpoints are timed with ``hook.checkpoint()``, and steps numbered from the checkpoint a restart
 resumes at (``hook.step(step)``), so that ``rankscope reliability`` sees the restarts, the
@@ -59,7 +61,16 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import profiler_hook
 
-FAULTS = ("none", "slow_data", "slow_backward", "metrics_block", "hang_checkpoint", "crash", "cuda_error")
+FAULTS = (
+    "none",
+    "slow_data",
+    "slow_backward",
+    "metrics_block",
+    "hang_checkpoint",
+    "crash",
+    "cuda_error",
+    "oom",
+)
 
 
 def parse_args() -> argparse.Namespace:
@@ -286,6 +297,11 @@ def main() -> None:
                     os.kill(os.getpid(), signal.SIGKILL)
                 if faulty and fault == "cuda_error":
                     raise RuntimeError("CUDA error: an illegal memory access was encountered")
+                if faulty and fault == "oom":
+                    raise torch.OutOfMemoryError(
+                        "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.11 GiB "
+                        "of which 1.19 GiB is free."
+                    )
                 inp = degraded_device(x, args.fault_factor) if faulty and fault == "slow_backward" else x
                 logits = model(inp)[: x.shape[0]]
                 loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))

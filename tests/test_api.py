@@ -15,7 +15,6 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from itertools import count
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ from api.auth import Forbidden, Tokens, Unauthenticated
 from api.notify import Webhook
 from api.service import VIEWS
 from api.tickets import Rules, Ticket, fingerprint, reconcile
+from benchmarks.serve_e2e import Receiver
 from benchmarks.workload import free_port
 from diagnosis import Finding, diagnose, read_job
 from diagnosis.ettr import measure, read_run
@@ -42,37 +42,6 @@ FIXTURES = Path(__file__).parent / "fixtures"
 JOBS = ("compute-r2", "healthy")
 READ, WRITE = "r" * 20, "w" * 20
 _databases = count()
-
-
-class Receiver:
-    """A local webhook receiver: answers each POST with the next of ``codes`` (then 200), keeps bodies."""
-
-    def __init__(self, codes: tuple[int, ...] = ()) -> None:
-        self.bodies: list[dict[str, Any]] = []
-        self.codes = list(codes)
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                code = outer.codes.pop(0) if outer.codes else 200
-                if code == 200:
-                    outer.bodies.append(body)
-                self.send_response(code)
-                self.end_headers()
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.server.server_port}/hook"
-
-    def wait_for(self, n: int, timeout_s: float = 10.0) -> list[dict[str, Any]]:
-        deadline = time.monotonic() + timeout_s
-        while len(self.bodies) < n and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return self.bodies
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ from schemathesis.specs.openapi.checks import response_schema_conformance
 from aggregator import Store, ingest
 from api import ServeSettings, Service, create_app
 from api.auth import Tokens
+from api.tickets import Rules
 
 from .test_api import JOBS, WRITE, spool  # noqa: F401 (the recorded runs as a spool: a fixture)
 
@@ -30,7 +31,9 @@ def api_schema(spool: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     with Store.embedded(tmp_path_factory.mktemp("store"), database="fuzz") as store:
         ingest(spool, store)
         svc = Service(store, ServeSettings(spool=str(spool), ended_after_s=1e9))
-        svc.cycle(now_us=int(store.jobs()["last_us"].max()) + 1_000_000)
+        now = int(store.jobs()["last_us"].max()) + 1_000_000
+        svc.cycle(now_us=now)
+        svc.cycle(now_us=now + int(Rules().open_after_s * 1e6))  # the slow rank's finding held: a ticket
         assert svc.tickets  # the ticket routes have something to act on
         app = create_app(svc, Tokens({WRITE: "write"}))
         yield schemathesis.openapi.from_asgi("/openapi.json", app)

@@ -200,12 +200,20 @@ def test_a_script_scenario_runs_one_torchrun_per_simulated_host(tmp_path: Path) 
 
 
 @pytest.mark.slow
-def test_a_rank_whose_gpu_fails_is_named_first_with_its_error_not_the_ranks_stopped_after_it(
-    tmp_path: Path,
+@pytest.mark.parametrize(
+    ("fault", "rank", "error", "klass", "said"),
+    [
+        ("cuda_error", 1, "RuntimeError", "gpu_hardware", "illegal memory access"),
+        ("oom", 2, "OutOfMemoryError", "out_of_memory", "CUDA out of memory"),
+    ],
+)
+def test_a_rank_whose_device_fails_is_named_first_with_its_error_not_the_ranks_stopped_after_it(
+    tmp_path: Path, fault: str, rank: int, error: str, klass: str, said: str
 ) -> None:
-    """Rank 1 raises PyTorch's "CUDA error: an illegal memory access" 3 s in: its peers' collectives
-    raise as it goes, torchrun stops the rest, the attempt ends. The diagnosis names rank 1 alone,
-    by time, with its error, its class and the line it raised at."""
+    """A rank raises what PyTorch raises when its GPU fails under it, or runs out of memory, 3 s in:
+    its peers' collectives raise as it goes, torchrun stops the rest, the attempt ends. The
+    diagnosis names that rank alone, by time, with its error, its class and the line it raised
+    at; the reliability report puts the attempt down to it."""
     from tests.commands import rankscope, torchrun
 
     spool = tmp_path / "spool"
@@ -221,18 +229,21 @@ def test_a_rank_whose_gpu_fails_is_named_first_with_its_error_not_the_ranks_stop
         "--seconds",
         "20",
         "--fault",
-        "cuda_error",
+        fault,
         "--fault-rank",
-        "1",
+        str(rank),
     ]
     run = subprocess.run([*cmd, "--onset-s", "3"], env=env, capture_output=True, text=True, timeout=240)
-    assert run.returncode != 0 and "illegal memory access" in run.stderr, run.stderr[-3000:]
+    assert run.returncode != 0 and said in run.stderr, run.stderr[-3000:]
     store = tmp_path / "store"
     assert rankscope("ingest", "--spool", str(spool), "--store", str(store)).returncode == 0
     out = rankscope("diagnose", "--store", str(store), "--job", "gpu-fault", "--json")
     assert out.returncode == 0, out.stderr
     (f,) = json.loads(out.stdout)["findings"]
-    assert (f["cause"], f["ranks"], f["hosts"]) == ("failure", [1], ["nodeA"]), f["summary"]
-    assert f["evidence"]["class"] == "gpu_hardware" and f["evidence"]["error"] == "RuntimeError"
+    assert (f["cause"], f["ranks"], f["hosts"]) == ("failure", [rank], ["nodeA"]), f["summary"]
+    assert f["evidence"]["class"] == klass and f["evidence"]["error"] == error
     assert "demo_job.py" in f["function"] and f["evidence"]["step"] > 0
-    assert set(f["evidence"]["others"]) == {"0", "2", "3"}, f["evidence"]
+    assert set(f["evidence"]["others"]) == {str(r) for r in range(4)} - {str(rank)}, f["evidence"]
+    r = json.loads(rankscope("reliability", "--store", str(store), "--job", "gpu-fault", "--json").stdout)
+    (only,) = r["attempts"]
+    assert (only["failed_rank"], only["failed_host"], only["failure"]) == (rank, "nodeA", klass), only

@@ -366,7 +366,8 @@ def _float(v: Any) -> float:
     return v  # type: ignore[no-any-return]
 
 
-def _str(v: Any) -> str:
+def checked_str(v: Any) -> str:
+    """``v`` if it is a string of valid Unicode; else ValueError saying what it must be."""
     if type(v) is not str:
         raise ValueError("str")
     if not v.isascii():
@@ -388,7 +389,7 @@ def _map(check: Callable[[Any], Any], what: str) -> Callable[[Any], Any]:
         if type(v) is not dict:
             raise ValueError(what)
         try:
-            return {_str(k): check(x) for k, x in v.items()}
+            return {checked_str(k): check(x) for k, x in v.items()}
         except ValueError:
             raise ValueError(what) from None
 
@@ -398,7 +399,7 @@ def _map(check: Callable[[Any], Any], what: str) -> Callable[[Any], Any]:
 _CHECKS: dict[str, Callable[[Any], Any]] = {
     "int": _int,
     "float": _float,
-    "str": _str,
+    "str": checked_str,
     "dict[str, float]": _map(_float, "dict[str, float] of finite floats"),
     "dict[str, int]": _map(_int, "dict[str, int] of Int64 integers"),
     "dict[str, tuple[int, int]]": _map(_pair, "dict[str, tuple[int, int]] of pairs of Int64 integers >= 0"),

@@ -21,6 +21,7 @@ from .. import contention, functions, stragglers
 from ..classify import ACROSS_OPERATORS, CPU_WAIT, UNATTRIBUTED, classify, wait_evidence
 from ..data import JobData
 from ..findings import Finding, effect, ms
+from ..robust import evenly
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -91,7 +92,7 @@ def _straggler_findings(
     everyone = data.ranks["rank"] if not data.ranks.empty else data.steps["rank"]
     ranks = np.unique(everyone.to_numpy(dtype=np.int64))
     # The peers are the ranks that are not culprits themselves (all others when everybody is one),
-    # evenly spread as functions.pick_peers does, without a Python list of every rank; of a job
+    # evenly spread (``robust.evenly``), without a Python list of every rank; of a job
     # with roles, those of the culprit's role.
     rest = ranks[~np.isin(ranks, culprits)]
     rest = rest if rest.size else ranks
@@ -100,9 +101,7 @@ def _straggler_findings(
         rs = rest
         if role_of and (same := rs[np.array([role_of.get(int(r)) == role_of.get(rank) for r in rs])]).size:
             rs = same
-        if rs.size > functions.MAX_PEERS:
-            rs = rs[(np.arange(functions.MAX_PEERS) * (rs.size / functions.MAX_PEERS)).astype(np.int64)]
-        return [int(r) for r in rs]
+        return [int(r) for r in evenly(rs, functions.MAX_PEERS)]
 
     peers = {st.rank: peers_of(st.rank) for st in sts}
     fs = data.functions_of({r for st in sts for r in (st.rank, *peers[st.rank])})  # one read for all
