@@ -352,7 +352,10 @@ def _failures(attempts: list[Attempt], run: RunRecords, starts: np.ndarray) -> l
     def attempt_of(frame: pd.DataFrame) -> np.ndarray:
         if frame.empty:
             return np.zeros(0, dtype=np.int64)
-        return np.searchsorted(starts, frame["time_us"].to_numpy(dtype=np.float64), side="right") - 1
+        # A rank's start can come a little before the lowest rank's: the same attempt.
+        return np.clip(
+            np.searchsorted(starts, frame["time_us"].to_numpy(dtype=np.float64), side="right") - 1, 0, None
+        )
 
     exits, began = run.exits, run.attempts
     ended_in, began_in = attempt_of(exits), attempt_of(began)

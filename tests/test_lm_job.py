@@ -204,7 +204,7 @@ def test_a_script_scenario_runs_one_torchrun_per_simulated_host(tmp_path: Path) 
     ("fault", "rank", "error", "klass", "said"),
     [
         ("cuda_error", 1, "RuntimeError", "gpu_hardware", "illegal memory access"),
-        ("oom", 2, "OutOfMemoryError", "out_of_memory", "CUDA out of memory"),
+        ("oom", 2, "torch.OutOfMemoryError", "out_of_memory", "CUDA out of memory"),
     ],
 )
 def test_a_rank_whose_device_fails_is_named_first_with_its_error_not_the_ranks_stopped_after_it(
