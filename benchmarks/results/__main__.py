@@ -20,7 +20,9 @@ from typing import Any
 
 HERE = Path(__file__).parent
 OUT = HERE / "RESULTS.md"
-_NAME = re.compile(r"(?P<bench>[a-z_]+?)(?:-(?P<label>[a-z0-9_]+))?-(?P<date>\d{4}-\d{2}-\d{2})\.json")
+_NAME = re.compile(
+    r"(?P<bench>[a-z][a-z0-9_]*?)(?:-(?P<label>[a-z0-9_]+))?-(?P<date>\d{4}-\d{2}-\d{2})\.json"
+)
 
 
 def _pct(x: float | None) -> str:
@@ -60,6 +62,21 @@ def _faults(run: dict[str, Any]) -> list[str]:
         if "alarm_probes" in t
         else "—",
         str(t["false_tickets"]) if "false_tickets" in t else "—",
+    ]
+
+
+def _serve(run: dict[str, Any]) -> list[str]:
+    rows = run["rows"]
+    healthy = [r for r in rows if r["expected"] == "none"]
+    faults = [r for r in rows if r["expected"] != "none"]
+    return [
+        f"{len(faults)} faults, {len(healthy)} healthy",
+        f"{sum(r['right'] for r in faults)}/{len(faults)}",
+        _s(run["median_open_s"]),
+        _s(run["hang_open_s"]),
+        f"{run['healthy_tickets']} in {run.get('healthy_job_hours', '—')} job-h",
+        str(run.get("false_tickets", "—")),
+        str(run.get("flaps", "—")),
     ]
 
 
@@ -155,6 +172,19 @@ TABLES: dict[str, tuple[str, list[str], Callable[[dict[str, Any]], list[str]]]] 
             "false tickets",
         ],
         _faults,
+    ),
+    "serve_e2e": (
+        "`rankscope serve` end to end (`python -m benchmarks.serve_e2e`): live jobs into its spool",
+        [
+            "jobs",
+            "right ticket",
+            "median onset → ticket",
+            "hang: onset → ticket",
+            "tickets on healthy jobs",
+            "false tickets",
+            "flaps",
+        ],
+        _serve,
     ),
     "job_overhead": (
         "Users' jobs with and without the hook (`python -m benchmarks.job_overhead`): separate runs, "
