@@ -266,7 +266,9 @@ class Service:
                     self._follow(js)
             elif js.last_us != js.data_last_us:
                 self._diagnose(js, now_us, ended)
-            elif ended and (js.pending or any(t.active for t in self.tickets.values() if t.job == job)):
+            elif ended and (
+                js.pending or any(t.waits_for_end for t in self.tickets.values() if t.job == job)
+            ):
                 self._reconcile(js, [], now_us, ended=True)
             elif js.pending and not ended:
                 # Nothing new to diagnose: its latest diagnosis stands, and its watched findings

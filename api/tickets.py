@@ -77,6 +77,14 @@ class Ticket:
         return self.state != "resolved"
 
     @property
+    def waits_for_end(self) -> bool:
+        """Active, and its job's end would change it: a slowdown's resolves, a failure's says so
+        (once: then it waits for a person)."""
+        return self.active and not (
+            self.cause == "failure" and self.events[-1].reason.startswith(ENDED_AFTER)
+        )
+
+    @property
     def severity(self) -> str:
         """``critical`` for a hang, a failure or ≥ 1 rank-hour lost, ``major`` from 1 rank-minute,
         else ``minor``."""
@@ -145,6 +153,7 @@ class Rules:
 
 URGENT = ("hang", "failure")
 """Causes whose ticket opens at the first diagnosis that finds them."""
+ENDED_AFTER = "the job ended after"
 
 
 @dataclass(slots=True)
@@ -249,7 +258,7 @@ def _after_failure(t: Ticket, ended: bool, now_us: int) -> Change | None:
     needs checking before it runs again) until a person resolves it."""
     attempt = t.evidence.get("attempt", "?")
     what = (
-        f"the job ended after attempt {attempt} failed"
+        f"{ENDED_AFTER} attempt {attempt} failed"
         if ended
         else f"attempt {attempt} ended and the job started again"
     )

@@ -699,6 +699,7 @@ def test_a_failure_opens_a_critical_ticket_at_once_and_says_what_came_after_it()
     (c,) = reconcile(tickets, "j", [], 70 * s, 8, ended=True)
     assert (c.ticket.state, c.ticket.events[-1].reason) == ("open", "the job ended after attempt 0 failed")
     assert reconcile(tickets, "j", [], 75 * s, 8, ended=True) == []
+    assert not c.ticket.waits_for_end, "the service leaves it to a person"
 
 
 def test_a_host_ticket_absorbs_the_rank_tickets_it_explains() -> None:
