@@ -228,10 +228,6 @@ def windows(data: Any, logs: Path) -> dict[str, int]:
     }
 
 
-def _top(d: Any) -> str:
-    return scoring.describe(d.findings[0]) if d.findings else ""
-
-
 def _probes(timeline: Timeline, onset: dict[str, Any] | None, every_s: float) -> list[scoring.Probe]:
     """Diagnoses of the data cut every ``every_s`` seconds from the run's first step to its end,
     as ``rankscope serve`` diagnoses a running job; timed from the onset (a healthy run's: its start)."""
@@ -290,7 +286,7 @@ def report(results: list[dict[str, Any]]) -> str:
         )
         extra = ""
         if s.get("explained"):
-            extra += f"; job_wide explained: the machine itself ran {r['machine']['slowdown']:.2f}x slower"
+            extra = f"; job_wide explained: the machine itself ran {r['machine']['slowdown']:.2f}x slower"
         if s.get("both_found") is False:
             ok += " (one of two)"
         fn = _short(s.get("function", "")) + {True: " ✓", False: " ✗"}.get(s.get("function_ok"), "")
