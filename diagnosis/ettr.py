@@ -375,20 +375,12 @@ def _failures(attempts: list[Attempt], run: RunRecords, starts: np.ndarray) -> l
             else set()
         )
         first = failure.first_failed(ended, dict.fromkeys(quiet, 1 << 62)) if not ended.empty else None
-        if first is not None and first[2] is not None:
-            row = first[2]
-            klass, _ = failure.classify(str(row.error), str(row.message))
-            error = f"{row.error}: {row.message}".strip(": ")[:200]
-            a = replace(a, failed_rank=first[1], failed_host=host(first[1], k), failure=klass, error=error)
-        elif first is not None:  # ranks that ended without a word: which went first, none can tell
-            who = first[1] if len(quiet) == 1 else -1
-            a = replace(
-                a,
-                failed_rank=who,
-                failed_host=host(who, k),
-                failure="killed",
-                error="its process ended without a word",
-            )
+        if first is not None:
+            _, rank, row = first
+            # Of ranks that all ended without a word, which went first none can tell.
+            who = rank if row is not None or len(quiet) == 1 else -1
+            klass, _, what = failure.explain(row)
+            a = replace(a, failed_rank=who, failed_host=host(who, k), failure=klass, error=what[:200])
         elif followed:
             a = replace(a, failure="unknown")  # another attempt followed, without a word on why
         out.append(a)

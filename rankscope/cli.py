@@ -164,13 +164,20 @@ def _diagnose(a: argparse.Namespace) -> int:
     return 0
 
 
+def _measured_runs(store: Any) -> list[Any]:
+    """Every job of the store with steps, measured (``diagnosis.ettr.measure``): the fleet."""
+    from diagnosis.ettr import measure, read_run
+
+    runs = [read_run(store, str(j)) for j in store.jobs()["job"]]
+    return [measure(r) for r in runs if not r.steps.empty]
+
+
 def _failing_hosts(a: argparse.Namespace) -> int:
-    from diagnosis.ettr import failing_hosts, measure, read_run
+    from diagnosis.ettr import failing_hosts
     from renderers.text import format_failing_hosts
 
     with _reading(a) as store:
-        runs = [read_run(store, str(j)) for j in store.jobs()["job"]]
-    hosts = failing_hosts([measure(r) for r in runs if not r.steps.empty])
+        hosts = failing_hosts(_measured_runs(store))
     print(
         json.dumps([h.to_dict() for h in hosts], indent=2) if a.json else format_failing_hosts(hosts),
         flush=True,
@@ -186,18 +193,12 @@ def _reliability(a: argparse.Namespace) -> int:
         return _failing_hosts(a)
     with _reading(a) as store:
         run = read_run(store, job := _pick_job(a, store))
-        others = (
-            [read_run(store, str(j)) for j in store.jobs()["job"]]
-            if a.failures_per_1000_node_days == "store"
-            else []
-        )
+        others = _measured_runs(store) if a.failures_per_1000_node_days == "store" else []
     if run.steps.empty:
         raise NotFoundError(f"job {printable(job)!r} has no steps yet: nothing to measure")
     rate, note = 6.5e-3, ""
-    if others:  # the store's own jobs: their restarts over their node-days
-        observed, failures, node_days = observed_failure_rate(
-            [measure(o) for o in others if not o.steps.empty]
-        )
+    if a.failures_per_1000_node_days == "store":  # the store's own jobs: their restarts over their node-days
+        observed, failures, node_days = observed_failure_rate(others)
         if observed is None:
             note = f"no failure in this store's {node_days:.3g} node-days: projected at the default 6.5 per 1,000"
         else:

@@ -70,6 +70,15 @@ KILLED_ADVICE = (
 )
 
 
+def explain(row: Any) -> tuple[str, str, str]:
+    """Of the rank that failed first (its exit row, or None where it ended without a word): its
+    error's class, what to do about it, and what it said."""
+    if row is None:
+        return "killed", KILLED_ADVICE, "its process ended without a word"
+    klass, advice = classify(str(row.error), str(row.message))
+    return klass, advice, f"{row.error}: {row.message}".strip(": ")
+
+
 def classify(error: str, message: str) -> tuple[str, str]:
     """The failure class of an exception, and what to do about it."""
     text = f"{error}: {message}"
@@ -96,9 +105,8 @@ def find(data: JobData, s: Settings) -> list[Finding]:
         return []  # every rank closed, or was stopped: no failure
     t, rank, row = first
     host = data.hosts_of([rank]).get(rank, "")
+    klass, advice, what = explain(row)
     if row is not None:
-        klass, advice = classify(str(row.error), str(row.message))
-        what = f"{row.error}: {row.message}".strip(": ")
         function = str(row.frame) or str(row.error)
         step, confidence = int(row.step), 0.95
         evidence: dict[str, Any] = {
@@ -107,7 +115,6 @@ def find(data: JobData, s: Settings) -> list[Finding]:
             "frame": str(row.frame),
         }
     else:
-        klass, advice, what = "killed", KILLED_ADVICE, "its process ended without a word"
         function, confidence = "(killed: no exit record)", 0.8
         beats = data.heartbeats[data.heartbeats["rank"] == rank]
         step = int(beats["step"].max()) if not beats.empty else -1
