@@ -291,6 +291,12 @@ def delays(truth: GroundTruth, probes: Sequence[Probe]) -> Delays:
     )
 
 
+def false_ticket(truth: GroundTruth, at_s: float, f: Finding) -> bool:
+    """A ticket opened ``at_s`` after the onset on finding ``f`` pages someone for nothing: on a
+    healthy run, before the onset, or on a rank, host or link that is no culprit."""
+    return truth.healthy or at_s <= 0 or companion(truth, f)
+
+
 def alarms(
     truth: GroundTruth,
     probes: Sequence[Probe],
@@ -300,11 +306,7 @@ def alarms(
 ) -> Alarms:
     """The false alarms of a run's probes (``machine_slowed``: as in :func:`score`; ``opened``: the
     time and finding of each ticket the service's rules open over the same probes)."""
-
-    def false_ticket(at_s: float, f: Finding) -> bool:
-        return truth.healthy or at_s <= 0 or companion(truth, f)
-
-    right = [f for at, f in opened if not false_ticket(at, f)]
+    right = [f for at, f in opened if not false_ticket(truth, at, f)]
     kinds = [(f.cause, f.scope, tuple(f.ranks)) for f in right]
     watched = [p for p in probes if truth.healthy or p.after_s <= 0]
     false = [p for p in watched if p.diagnosis.findings]
@@ -321,7 +323,7 @@ def alarms(
         extra=len(extra),
         excused=machine_slowed and bool(false),
         tickets=len(opened),
-        false_tickets=sum(false_ticket(at, f) for at, f in opened),
+        false_tickets=sum(false_ticket(truth, at, f) for at, f in opened),
         reopened=len(kinds) - len(set(kinds)),
     )
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -27,9 +28,11 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.workload import JobSpec, free_port
+from diagnosis import Finding
 
 from .faults import HOOK, START_S, run_job
 from .scenarios import load_all
+from .scoring import false_ticket
 
 DEFAULT = (
     "healthy-4r,healthy-8r,lm-healthy-4r,pp-healthy-4r,compute-2x-r2,dataloader-15ms-r1,"
@@ -182,10 +185,9 @@ def _row(r: dict[str, Any], poller: Poller, receiver: Receiver) -> dict[str, Any
     got = f"{first['ticket']['cause']} {first['ticket']['ranks']}" if first else "none"
 
     def false(s: dict[str, Any]) -> bool:
-        """Opened on a healthy job, before the onset, or on ranks that are no culprit."""
         t = s["ticket"]
-        early = t0 is not None and s["opened_at"] < t0
-        return truth.cause is None or early or not set(t["ranks"]) <= set(truth.ranks)
+        finding = Finding(**{k: t[k] for k in Finding.__dataclass_fields__})
+        return false_ticket(truth, s["opened_at"] - t0 if t0 is not None else math.inf, finding)
 
     return {
         "scenario": sc.name,
