@@ -270,7 +270,7 @@ class Service:
                 js.pending or any(t.waits_for_end for t in self.tickets.values() if t.job == job)
             ):
                 self._reconcile(js, [], now_us, ended=True)
-            elif js.pending and not ended:
+            elif js.pending:  # (an ended job's pending findings were dropped just above)
                 # Nothing new to diagnose: its latest diagnosis stands, and its watched findings
                 # hold on (a job that stopped growing ends, or opens their tickets, not neither).
                 findings = self.diagnosis_or_empty(job).findings
