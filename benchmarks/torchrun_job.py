@@ -2,7 +2,8 @@
 
 A scenario with ``script: demo_job`` runs ``rankscope/demo_job.py`` (the job ``rankscope demo`` runs)
 instead of the suite's workload; ``script: nanogpt_like`` runs ``benchmarks/jobs/nanogpt_like.py``,
-``script: pipeline_dp`` ``benchmarks/jobs/pipeline_dp.py`` (data x pipeline parallel, ``attach: loop``).
+``script: pipeline_dp`` ``benchmarks/jobs/pipeline_dp.py`` (data x pipeline parallel, ``attach: loop``),
+``script: tp_dp`` ``benchmarks/jobs/tp_dp.py`` (data x tensor parallel, ``attach: loop``).
 The script injects its faults itself (command-line flags); its ``fault:`` block names one of the
 script's faults::
 
@@ -46,6 +47,7 @@ SCRIPTS = {
     "demo_job": Path(__file__).parents[1] / "rankscope" / "demo_job.py",
     "nanogpt_like": JOBS_DIR / "nanogpt_like.py",
     "pipeline_dp": JOBS_DIR / "pipeline_dp.py",
+    "tp_dp": JOBS_DIR / "tp_dp.py",
 }
 """Scenario ``script:`` name -> the training script."""
 
@@ -61,6 +63,7 @@ FAULTS = {
     "demo_job": LM_FAULTS,
     "nanogpt_like": {"none": ("none", "healthy"), "stall": ("code_path", "code_path")},
     "pipeline_dp": {k: v for k, v in LM_FAULTS.items() if k != "slow_data"},
+    "tp_dp": {k: v for k, v in LM_FAULTS.items() if k != "slow_data"},
 }
 """Per script, its faults (as ``LM_FAULTS``)."""
 _FAULT_FIELDS = {"kind", "rank", "onset_s", "delay_ms", "factor"}

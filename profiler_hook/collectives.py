@@ -6,13 +6,17 @@ the first number a rank never entered names the rank a hang waits for. Unlike Fl
 this state is always shipped (on heartbeats), not dumped only at the watchdog timeout.
 
 Tracking wraps the public ``torch.distributed`` collective and point-to-point functions, which is
-where plain calls, FSDP and FSDP2 (``fully_shard``) and pipeline schedules pass; DDP's gradient
-all-reduces, launched from C++, are timed once per backward pass by :mod:`profiler_hook.ddp`. A blocking call is timed by its wrapper;
-an asynchronous one (``async_op=True``) by its work's future, which on gloo completes when the
-collective has finished. Every other collective — DDP's, and those launched from C++ by
-functional collectives (tensor parallelism's DTensor), by ``ProcessGroup`` methods called directly
-or by an extension — is counted and numbered (only DDP's also timed) from c10d's own per-group
-sequence number, which every collective launched on a group advances: the step rows count them
+where plain calls, FSDP and FSDP2 (``fully_shard``) and pipeline schedules pass, and the functional
+collectives' Python entry points (``torch.distributed._functional_collectives``), which is where
+tensor parallelism's DTensor launches its all-reduces, all-gathers and reduce-scatters inside
+forward and backward; DDP's gradient all-reduces, launched from C++, are timed once per backward
+pass by :mod:`profiler_hook.ddp`. A blocking call is timed by its wrapper; an asynchronous one
+(``async_op=True``) by its work's future, which on gloo completes when the collective has
+finished; a point-to-point call's work and a functional collective's tensor where the thread waits
+for them (``Work.wait``, ``wait_tensor``). Every other collective — DDP's, and those launched from
+C++ by a functional collective's backward, by ``ProcessGroup`` methods called directly or by an
+extension — is counted and numbered (only DDP's also timed) from c10d's own per-group sequence
+number, which every collective launched on a group advances: the step rows count them
 once per block
 (:meth:`CollectiveTracker.catch_up`), and heartbeats report c10d's numbers (:func:`c10d_seqs`), so
 a rank that never launched the collective its peers wait in is named whatever launched it.
@@ -25,6 +29,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -61,8 +66,25 @@ P2P = ("send", "recv", "isend", "irecv")
 ``batch_isend_irecv`` and ``P2POp`` too): numbered with the group's collectives, as c10d numbers
 them on gloo, and timed where the thread waits for the peer: inside ``send``/``recv``, and in the
 ``wait()`` of an ``isend``/``irecv``'s work (gloo's have no future)."""
-MAX_P2P_WORKS = 4096
-"""``isend``/``irecv`` works kept until waited on; the oldest go first (a job that never waits)."""
+FUNCTIONAL = (
+    "all_reduce",
+    "all_gather_single",
+    "all_gather_tensor",
+    "all_gather_tensor_autograd",
+    "reduce_scatter_single",
+    "reduce_scatter_tensor",
+    "reduce_scatter_tensor_autograd",
+    "all_to_all_single",
+    "all_to_all_single_autograd",
+    "broadcast",
+)
+"""Functional collectives (``torch.distributed._functional_collectives``; those a release lacks are
+skipped): each launches one collective and returns a tensor that ``wait_tensor`` waits on, at its
+first use (DTensor) or at once."""
+_FUNCOL = "torch.distributed._functional_collectives"
+MAX_AWAITED = 4096
+"""Calls kept until the thread waits on them (``isend``/``irecv`` works, functional collectives'
+tensors); the oldest go first (a job that never waits)."""
 
 
 @dataclass(slots=True)
@@ -169,6 +191,14 @@ def mesh_coordinates() -> dict[str, int]:
         return {}
 
 
+def _wait_key(on: Any) -> int:
+    """What a wait is matched to its call by: a work itself; a tensor's storage, since DTensor
+    waits on a view of the tensor a functional collective returned (a view of an
+    ``AsyncCollectiveTensor`` is one too)."""
+    storage = getattr(on, "untyped_storage", None)
+    return int(storage().data_ptr()) if storage is not None else id(on)
+
+
 def _position(fn: Any, name: str) -> int:
     """Index of parameter ``name`` of ``fn`` when passed positionally (-1 if it has none)."""
     try:
@@ -225,14 +255,16 @@ class CollectiveTracker:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _originals: dict[str, Any] = field(default_factory=dict)
     _local: threading.local = field(default_factory=threading.local)
-    _p2p_works: dict[int, CollectiveCall] = field(default_factory=dict)
-    """``isend``/``irecv`` calls by their work's id, until the work is waited on."""
+    _awaited: dict[int, CollectiveCall] = field(default_factory=dict)
+    """Calls by what the thread will wait on (an ``isend``/``irecv``'s work, a functional
+    collective's tensor: :func:`_wait_key`), until it does."""
 
     def enter(
-        self, group: str, op: str, nbytes: int, blocking: bool = True, peer: int = -1
+        self, group: str, op: str, nbytes: int, blocking: bool = True, peer: int = -1, awaited: bool = False
     ) -> CollectiveCall:
-        """A call issued; an asynchronous point-to-point one (``peer`` >= 0) is waited on in
-        :meth:`wait_p2p`, not tracked in flight meanwhile: the thread computes while it runs."""
+        """A call issued; an asynchronous point-to-point one (``peer`` >= 0) or a functional
+        collective (``awaited``) is timed where the thread waits on it (:meth:`waited`), not
+        tracked in flight meanwhile: the thread computes while it runs."""
         now = time.perf_counter_ns()
         with self._lock:
             seq = self.last_seq.get(group, 0) + 1
@@ -249,7 +281,7 @@ class CollectiveTracker:
         )
         if blocking:
             self.current = call
-        elif op not in ("send", "recv"):
+        elif op not in ("send", "recv") and not awaited:
             self.inflight[(group, seq)] = call
             self.step_last_async = call
         if self.step_first_enter_ns < 0:
@@ -284,6 +316,8 @@ class CollectiveTracker:
         """Count the collectives launched on each process group since the last call that no other
         path counted (see the module's docstring), number them as c10d does, and return how many.
         Once per step block: c10d's number costs ~17 µs a read inside a training step."""
+        if self.active:
+            self._patch_functional()
         extra, unnumbered = 0, set[str]()
         seqs = c10d_seqs(unnumbered)
         if unnumbered - self.unnumbered:
@@ -337,11 +371,19 @@ class CollectiveTracker:
         if recording is not None:
             recording.append(call)
 
-    def wait_p2p(self, work: Any, wait: Callable[[], Any]) -> Any:
-        """``work.wait()`` (``wait`` calls it) of an ``isend``/``irecv``: the thread waits for its
-        peer inside it, timed as a blocking call from there."""
-        call = self._p2p_works.pop(id(work), None)
-        if call is None or not self.active:
+    def expect_wait(self, on: Any, call: CollectiveCall) -> None:
+        """The thread will wait for ``call`` on ``on`` (a work, a tensor): see :meth:`waited`."""
+        awaited = self._awaited
+        awaited[_wait_key(on)] = call
+        while len(awaited) > MAX_AWAITED:  # never waited on
+            del awaited[next(iter(awaited))]
+
+    def waited(self, on: Any, wait: Callable[[], Any], call: CollectiveCall | None = None) -> Any:
+        """``wait()`` on ``on``: an ``isend``/``irecv``'s work or a functional collective's tensor
+        (``call``: one whose wait comes before its launch returned). The thread waits for its peers
+        inside it, timed as a blocking call from there."""
+        call = self._awaited.pop(_wait_key(on), call)
+        if call is None or call.dur_ns >= 0 or not self.active:
             return wait()
         call.enter_ns, call.blocking, call.enter_wait_ns = time.perf_counter_ns(), True, self._wait_mark()
         self.current = call
@@ -417,25 +459,82 @@ class CollectiveTracker:
             self._originals["Work.wait"] = wait = dist.Work.wait
 
             def waited(work: Any, *args: Any, **kwargs: Any) -> Any:
-                return self.wait_p2p(work, lambda: wait(work, *args, **kwargs))
+                return self.waited(work, lambda: wait(work, *args, **kwargs))
 
             setattr(dist.Work, "wait", waited)  # noqa: B010 (a method of a C++ class: mypy refuses the plain form)
         self.active = True
         self.catch_up()  # what was launched until now (or while paused) belongs to no step
+
+    def _patch_functional(self) -> None:
+        """Wrap the functional collectives, once the job has imported them (DTensor, FSDP2 and
+        tensor parallelism do; importing them here would cost a job without them its start-up):
+        at :meth:`patch` and at each :meth:`catch_up` after it. Idempotent."""
+        funcol = sys.modules.get(_FUNCOL)
+        if funcol is None or _FUNCOL in self._originals or not hasattr(funcol, "wait_tensor"):
+            return
+        import torch.distributed.distributed_c10d as c10d
+
+        self._originals[_FUNCOL] = funcol
+        for op in FUNCTIONAL:
+            if (original := getattr(funcol, op, None)) is not None:
+                self._originals[f"{_FUNCOL}.{op}"] = original
+                setattr(funcol, op, self._wrap_functional(op, original, funcol, c10d))
+        self._originals[f"{_FUNCOL}.wait_tensor"] = wait = funcol.wait_tensor
+        local = self._local
+
+        @functools.wraps(wait)
+        def wait_tensor(tensor: Any) -> Any:
+            return self.waited(tensor, lambda: wait(tensor), getattr(local, "launching", None))
+
+        setattr(funcol, "wait_tensor", wait_tensor)  # noqa: B010 (a module mypy knows only as ModuleType)
 
     def unpatch(self) -> None:
         import torch.distributed as dist
         import torch.distributed.distributed_c10d as c10d
 
         self.active = False
+        funcol = self._originals.pop(_FUNCOL, None)
         for op, original in self._originals.items():
             if op == "Work.wait":
                 setattr(dist.Work, "wait", original)  # noqa: B010
+            elif op.startswith(_FUNCOL):
+                setattr(funcol, op.removeprefix(_FUNCOL + "."), original)
             else:
                 setattr(c10d, op, original)
                 setattr(dist, op, original)
         self._originals.clear()
-        self._p2p_works.clear()
+        self._awaited.clear()
+
+    def _wrap_functional(self, op: str, original: Any, funcol: Any, c10d: Any) -> Any:
+        """A functional collective: counted and numbered at launch on its group, timed where the
+        thread waits on its result (:meth:`waited`; inside the launch for those that wait at
+        once)."""
+        tracker, local = self, self._local
+        group_pos = _position(original, "group")
+
+        @functools.wraps(original)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            # One user call is one collective: all_gather_tensor calls all_gather_single.
+            if getattr(local, "inside", False) or not tracker.active:
+                return original(*args, **kwargs)
+            try:
+                name = funcol._resolve_group_name(_arg(args, kwargs, "group", group_pos))
+                group = group_name(c10d._resolve_process_group(name))
+                tensor = args[0] if args else kwargs.get("self")
+                call = tracker.enter(group, op, _nbytes(tensor), blocking=False, awaited=True)
+            except Exception:  # tracking must never break the collective
+                return original(*args, **kwargs)
+            local.inside, local.launching = True, call
+            try:
+                out = original(*args, **kwargs)
+            finally:
+                local.inside, local.launching = False, None
+            if call.dur_ns < 0:  # not waited on yet: an AsyncCollectiveTensor waits at first use
+                tracker.expect_wait(getattr(out, "elem", out), call)
+            return out
+
+        wrapper.__rankscope_original__ = original  # type: ignore[attr-defined]
+        return wrapper
 
     def _wrap(self, op: str, original: Any) -> Any:
         tracker, local = self, self._local
@@ -498,10 +597,7 @@ class CollectiveTracker:
                     tracker.exit(call)
             work = original(*args, **kwargs)
             if work is not None:  # None: inside a coalescing manager (NCCL's batch_isend_irecv)
-                works = tracker._p2p_works
-                works[id(work)] = call
-                while len(works) > MAX_P2P_WORKS:  # works never waited on
-                    del works[next(iter(works))]
+                tracker.expect_wait(work, call)
             return work
 
         wrapper.__rankscope_original__ = original  # type: ignore[attr-defined]

@@ -426,7 +426,7 @@ class Hook:
         """Wrap the collectives and find every DDP model; what the wrapping covers (or why not)."""
         try:
             self.tracker.patch()
-            calls = "torch.distributed calls (plain, FSDP, FSDP2): timed"
+            calls = "torch.distributed calls (plain, FSDP, FSDP2, pipelining, DTensor): timed"
         except Exception as exc:  # a torch built without distributed, say: training goes on
             calls = f"torch.distributed calls: not tracked ({type(exc).__name__}: {exc})"
         if not self.ddp.start():

@@ -26,7 +26,15 @@ from . import events
 from .collectives import CollectiveCall
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
-_COLLECTIVE_PREFIXES = ("gloo:", "nccl:", "c10d::", "record_param_comms", "ncclDevKernel", "ncclKernel")
+_COLLECTIVE_PREFIXES = (
+    "gloo:",
+    "nccl:",
+    "c10d::",
+    "_c10d_functional",  # DTensor's: "_c10d_functional::all_reduce", "_c10d_functional::wait_tensor"
+    "record_param_comms",
+    "ncclDevKernel",
+    "ncclKernel",
+)
 _STACK_DEPTH = 3
 
 

@@ -913,7 +913,7 @@ def test_recorded_runs(recorded: dict[str, JobData], job: str) -> None:
 def test_what_some_ranks_hooks_do_not_see_is_said_in_one_line_with_the_ranks() -> None:
     from renderers.text import format_diagnosis
 
-    full = "torch.distributed calls (plain, FSDP, FSDP2): timed; DDP Net on world: timed per backward pass"
+    full = "torch.distributed calls (plain, FSDP, FSDP2, pipelining, DTensor): timed; DDP Net on world: timed per backward pass"
     untested = "backend mpi: untested (counts and waits as the CPU sees them)"
     untimed = "DDP Head on 3: not tracked (RuntimeError: no engine)"
     ranks = pd.DataFrame(

@@ -831,7 +831,7 @@ def test_the_rank_record_says_what_collective_tracking_covers() -> None:
         Hook(Config(window_s=0, heartbeat_s=60, patch_collectives=patch), ident, sink).close(timeout=30)
         got[patch] = [r.coverage for r in map(decode, sink.got) if isinstance(r, RankInfo)]
     assert got == {
-        True: ["torch.distributed calls (plain, FSDP, FSDP2): timed; DDP: no model yet"],
+        True: ["torch.distributed calls (plain, FSDP, FSDP2, pipelining, DTensor): timed; DDP: no model yet"],
         False: ["off (patch_collectives=False)"],
     }
 
@@ -864,7 +864,7 @@ def test_a_ddp_model_built_before_attach_is_timed_and_the_rank_record_says_so_pe
     finally:
         dist.destroy_process_group()
     infos = [r for r in map(decode, sink.got) if isinstance(r, RankInfo)]
-    calls = "torch.distributed calls (plain, FSDP, FSDP2): timed"
+    calls = "torch.distributed calls (plain, FSDP, FSDP2, pipelining, DTensor): timed"
     groups = "groups world (gloo): collectives from C++ counted, not timed"
     assert [r.coverage for r in infos] == [
         f"{calls}; DDP Sequential on world: timed per backward pass; {groups}",
@@ -902,7 +902,7 @@ print([r.coverage for r in map(decode, sink.got) if isinstance(r, RankInfo)], ho
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
     )
     said = (
-        "torch.distributed calls (plain, FSDP, FSDP2): timed; DDP: no model yet; "
+        "torch.distributed calls (plain, FSDP, FSDP2, pipelining, DTensor): timed; DDP: no model yet; "
         "group world (fake): not tracked (no sequence numbers: collectives from C++ uncounted); "
         "backend fake: untested (counts and waits as the CPU sees them)"
     )

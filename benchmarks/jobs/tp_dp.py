@@ -1,0 +1,266 @@
+"""A 2-D parallel training script written the way PyTorch's tensor-parallel tutorial and
+pytorch/torchtitan write one: a ``DeviceMesh`` of data-parallel × tensor-parallel ranks, each
+transformer block's attention and feed-forward projections sharded over ``tp`` by
+``parallelize_module`` (``ColwiseParallel`` in, ``RowwiseParallel`` out, the norms sequence
+parallel), then each block and the model sharded with FSDP2 over ``dp``. rankscope's hook is
+attached just before the loop, as its README shows.
+
+    RANKSCOPE_SPOOL=/tmp/spool torchrun --nproc-per-node 4 benchmarks/jobs/tp_dp.py --steps 300
+
+4 ranks on CPU (gloo) as a (dp=2, tp=2) mesh: ranks 0 and 1 are one tensor-parallel group, 2 and 3
+the other; ranks 0 and 2, and 1 and 3, shard their parameters between them. The two ranks of a
+tensor-parallel group do the same work on the same batch, and every block's forward and backward
+waits for both (DTensor's all-reduces and all-gathers, launched from C++ by functional
+collectives). The data is synthetic tokens, one batch per tensor-parallel group.
+
+It trains ``--steps`` steps, or for ``--seconds`` (rank 0's clock) when that comes first, and rank
+0 prints ``train: <steps> steps in <s> s (<ms> ms/step)`` for the training loop alone.
+
+Faults, for rankscope's fault suite (only on ``--fault-rank``, from ``--onset-s`` seconds into
+training, as ``pipeline_dp.py`` has them): ``slow_backward`` (a slower device: the attention over the rank's heads does
+``--fault-factor`` times the work, forward and backward),
+``metrics_block`` (``upload_metrics()`` blocks ``--fault-ms`` every step) and ``hang_checkpoint``
+(``save_checkpoint()`` never returns).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from pipeline_dp import loss_fn, save_checkpoint, upload_metrics, write_marker
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+import profiler_hook
+
+FAULTS = ("none", "slow_backward", "metrics_block", "hang_checkpoint")
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=0, help="train this many steps (0: until --seconds)")
+    ap.add_argument("--seconds", type=float, default=0.0, help="or stop after this long (0: no limit)")
+    ap.add_argument("--job", default="", help="job id (default: $RANKSCOPE_JOB or torchrun's run id)")
+    ap.add_argument("--batch-size", type=int, default=8, help="sequences per step on each dp rank")
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--vocab", type=int, default=512)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--n-heads", type=int, default=4)
+    ap.add_argument("--n-layers", type=int, default=2)
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--fault", choices=FAULTS, default="none")
+    ap.add_argument("--fault-rank", type=int, default=1)
+    ap.add_argument("--onset-s", type=float, default=10.0)
+    ap.add_argument("--fault-ms", type=float, default=15.0, help="metrics_block: ms each upload blocks")
+    ap.add_argument("--fault-factor", type=float, default=1.7, help="slow_backward: work factor")
+    ap.add_argument("--marker-dir", default="", help="write the onset marker here")
+    ap.add_argument("--ckpt-dir", default="", help="hang_checkpoint writes here (default: a temporary one)")
+    ap.add_argument("--attach", choices=("loop",), default="loop", help="where the hook is attached")
+    return ap.parse_args()
+
+
+# --- model (torchtitan's Llama layout) -------------------------------------------------------
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, n_heads: int) -> None:
+        super().__init__()
+        self.head_dim = dim // n_heads
+        self.wq = nn.Linear(dim, dim, bias=False)
+        self.wk = nn.Linear(dim, dim, bias=False)
+        self.wv = nn.Linear(dim, dim, bias=False)
+        self.wo = nn.Linear(dim, dim, bias=False)
+
+    work_factor = 1.0
+    """Fault injection (``slow_backward``): above 1, the attention over this rank's heads runs on
+    the batch plus copies of its rows, forward and backward, so that it does this many times the
+    work, and is sliced back: the same operators, each slower, as on a slower device. (The
+    projections' shapes are the tensor-parallel group's: their collectives need them alike.)"""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds n_heads / tp of them.
+        q, k, v = (w(x).view(b, t, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        if self.work_factor > 1:
+            rows = torch.arange(max(b + 1, round(b * self.work_factor))) % b
+            q, k, v = q[rows], k[rows], v[rows]
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)[:b]
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, 4 * dim, bias=False)
+        self.w2 = nn.Linear(4 * dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, 4 * dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, dim: int, n_heads: int) -> None:
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(dim)
+        self.attention = Attention(dim, n_heads)
+        self.ffn_norm = nn.RMSNorm(dim)
+        self.feed_forward = FeedForward(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, vocab: int, seq_len: int, dim: int, n_heads: int, n_layers: int) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.pos_embeddings = nn.Embedding(seq_len, dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(dim, n_heads) for i in range(n_layers)})
+        self.norm = nn.RMSNorm(dim)
+        self.output = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(tokens.shape[1], device=tokens.device)
+        h = self.tok_embeddings(tokens) + self.pos_embeddings(pos)
+        for layer in self.layers.values():
+            h = layer(h)
+        return self.output(self.norm(h))
+
+
+def apply_tp(model: Transformer, tp_mesh: object) -> None:
+    """torchtitan's plan for each block: the projections into attention and the feed-forward
+    column-wise, the ones out of them row-wise, the norms sequence parallel in between."""
+    for block in model.layers.values():
+        plan = {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+            ),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.w3": ColwiseParallel(),
+        }
+        parallelize_module(block, tp_mesh, plan)  # type: ignore[arg-type]
+    # The blocks take and give the sequence sharded over tp; the embeddings and the head stay whole.
+    parallelize_module(
+        model,
+        tp_mesh,  # type: ignore[arg-type]
+        {
+            "layers.0": PrepareModuleInput(
+                input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True
+            ),
+            "norm": PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+            ),
+        },
+    )
+
+
+# --- training --------------------------------------------------------------------------------
+
+
+def main() -> None:
+    args = parse_args()
+    if args.steps <= 0 and args.seconds <= 0:
+        raise SystemExit("say how long to train: --steps or --seconds")
+    torch.set_num_threads(1)
+    world_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_mesh, tp_mesh = world_mesh["dp"], world_mesh["tp"]
+    rank, dp_rank = dist.get_rank(), dp_mesh.get_local_rank()
+
+    torch.manual_seed(0)  # one initialization on every rank
+    model = Transformer(args.vocab, args.seq_len, args.dim, args.n_heads, args.n_layers)
+    apply_tp(model, tp_mesh)
+    for block in model.layers.values():
+        fully_shard(block, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    if rank == 0:
+        print(
+            f"rank 0: mesh {world_mesh.mesh.tolist()} {world_mesh.mesh_dim_names}, "
+            f"tp group {tp_mesh.mesh.tolist()}, dp group {dp_mesh.mesh.tolist()}",
+            flush=True,
+        )
+
+    # Synthetic tokens; both ranks of a tensor-parallel group draw the same batches (same dp rank).
+    data = torch.randint(0, args.vocab, (200_000,), generator=torch.Generator().manual_seed(0))
+    sampler = torch.Generator().manual_seed(1000 + dp_rank)
+
+    def get_batch() -> tuple[torch.Tensor, torch.Tensor]:
+        ix = torch.randint(len(data) - args.seq_len - 1, (args.batch_size,), generator=sampler)
+        x = torch.stack([data[i : i + args.seq_len] for i in ix])
+        y = torch.stack([data[i + 1 : i + 1 + args.seq_len] for i in ix])
+        return x, y
+
+    fault = args.fault if rank == args.fault_rank else "none"
+    stuck_storage = threading.Event()  # never set: the faulty rank's checkpoint write never completes
+    ckpt = os.path.join(args.ckpt_dir or tempfile.gettempdir(), f"tp-dp{dp_rank}-r{rank}.pt")
+    hook = profiler_hook.attach(job=args.job)
+    step, onset_step = 0, -1
+    start = time.perf_counter()
+    while step < args.steps or args.steps <= 0:
+        with hook.step(step):
+            faulty = fault != "none" and 0 <= onset_step <= step
+            if faulty and step == onset_step:
+                if fault == "slow_backward":
+                    for attention in (m for m in model.modules() if isinstance(m, Attention)):
+                        attention.work_factor = args.fault_factor
+                if args.marker_dir:
+                    write_marker(args.marker_dir, rank, step, fault)
+            inputs, targets = get_batch()
+            optimizer.zero_grad()
+            loss = loss_fn(model(inputs), targets)
+            loss.backward()
+            optimizer.step()
+            if faulty and fault == "metrics_block":
+                upload_metrics({"step": step, "loss": loss.item()}, args.fault_ms / 1e3)
+            if faulty and fault == "hang_checkpoint":
+                save_checkpoint(model, ckpt, stuck_storage)
+        step += 1
+        if rank == 0 and step % 50 == 0:
+            print(f"step {step:5d}  loss {loss.item():.3f}", flush=True)
+        if args.seconds > 0 or args.fault != "none":
+            # Rank 0's clock decides when to stop and when the fault begins, on every rank at one step.
+            elapsed = time.perf_counter() - start
+            flags = torch.tensor([float(rank == 0 and 0 < args.seconds <= elapsed)])
+            flags = torch.cat([flags, torch.tensor([float(rank == 0 and args.onset_s <= elapsed)])])
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            if flags[1] and onset_step < 0:
+                onset_step = step
+            if flags[0]:
+                break
+    took = time.perf_counter() - start
+    if rank == 0:
+        print(f"train: {step} steps in {took:.2f} s ({1e3 * took / max(step, 1):.2f} ms/step)", flush=True)
+    hook.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    if "RANK" not in os.environ:
+        raise SystemExit("run it under torchrun: torchrun --nproc-per-node 4 benchmarks/jobs/tp_dp.py")
+    main()
