@@ -171,10 +171,23 @@ def _backend_of(pg: Any, said: str) -> str:
         return said
 
 
+MEGATRON_GROUPS = {
+    "DATA_PARALLEL_GROUP": "dp",
+    "TENSOR_MODEL_PARALLEL_GROUP": "tp",
+    "PIPELINE_MODEL_PARALLEL_GROUP": "pp",
+    "CONTEXT_PARALLEL_GROUP": "cp",
+    "EXPERT_MODEL_PARALLEL_GROUP": "ep",
+}
+"""Megatron-LM's process groups (``megatron.core.parallel_state`` describes each group it makes,
+``group_desc``), by the dimension of the job's parallelism they span."""
+
+
 def mesh_coordinates() -> dict[str, int]:
-    """This rank's coordinate on each named dimension of the job's device meshes: ``DeviceMesh``
+    """This rank's coordinate on each named dimension of the job's parallelism: ``DeviceMesh``
     gives the process group of each dimension the description ``mesh_<name>`` and orders its ranks
-    along it (a dimension that spans the whole job uses the default group, and is not named)."""
+    along it (a dimension that spans the whole job uses the default group, and is not named);
+    Megatron-LM, without a mesh, describes its groups by name (``MEGATRON_GROUPS``), each ordered
+    along its dimension too."""
     try:
         import torch.distributed as dist
         from torch.distributed import distributed_c10d
@@ -183,9 +196,12 @@ def mesh_coordinates() -> dict[str, int]:
         for pg in list(distributed_c10d._world.pg_names):
             desc = str(getattr(pg, "group_desc", "") or "")
             if desc.startswith("mesh_") and desc != "mesh_default":
-                ranks = dist.get_process_group_ranks(pg)
-                if me in ranks:
-                    coords[desc.removeprefix("mesh_")] = ranks.index(me)
+                dim = desc.removeprefix("mesh_")
+            elif (dim := MEGATRON_GROUPS.get(desc, "")) == "":
+                continue
+            ranks = dist.get_process_group_ranks(pg)
+            if me in ranks:
+                coords[dim] = ranks.index(me)
         return coords
     except Exception:  # no torch.distributed, or a group made meanwhile on another thread
         return {}

@@ -239,6 +239,41 @@ def test_collectives_launched_from_cxx_are_counted_numbered_and_name_the_rank_a_
     assert hang is not None and (hang.ranks, hang.seq) == ([1], seqs[0][STUCK_AT] + 1), hang
 
 
+def _megatron_groups_job(rank: int, port: int, spool: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=4)
+    hook = profiler_hook.attach(job="megatron", spool_dir=spool, rank=rank, world_size=4, window_s=0)
+    # As megatron.core.parallel_state.initialize_model_parallel(tensor_model_parallel_size=2,
+    # pipeline_model_parallel_size=2) makes them on 4 ranks, after the hook: every rank makes
+    # every group, in one order; tensor-parallel groups of consecutive ranks, pipelines strided.
+    for desc, groups in (
+        ("DATA_PARALLEL_GROUP", [[0], [1], [2], [3]]),
+        ("TENSOR_MODEL_PARALLEL_GROUP", [[0, 1], [2, 3]]),
+        ("PIPELINE_MODEL_PARALLEL_GROUP", [[0, 2], [1, 3]]),
+        ("EMBEDDING_GROUP", [[0, 2], [1, 3]]),
+    ):
+        for ranks in groups:
+            dist.new_group(ranks, group_desc=desc)
+    for _ in range(3):
+        with hook.step():
+            dist.all_reduce(torch.ones(1))
+    hook.close()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_megatron_jobs_ranks_carry_their_place_in_its_parallelism_from_its_named_groups(
+    tmp_path: Path,
+) -> None:
+    """Without a ``DeviceMesh``: Megatron-LM describes each process group it makes by name."""
+    mp.start_processes(
+        _megatron_groups_job, args=(free_port(), str(tmp_path)), nprocs=4, start_method="spawn"
+    )
+    recs = spool_records(tmp_path, "megatron")
+    mesh = {r: [x for x in rs if isinstance(x, RankInfo)][-1].mesh for r, rs in recs.items()}
+    assert mesh == {r: {"dp": 0, "tp": r % 2, "pp": r // 2} for r in range(4)}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("script, model_dim", [("pipeline_dp", "pp"), ("tp_dp", "tp")])
 def test_a_rank_that_waits_for_its_pipeline_or_tensor_parallel_peer_waits_in_communication_not_in_its_own_time(
