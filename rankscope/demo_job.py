@@ -29,6 +29,9 @@ already makes, so that every rank agrees on the step):
                      (``RuntimeError: CUDA error: an illegal memory access was encountered``).
 ``oom``              the rank raises what PyTorch raises when its device runs out of memory
                      (``torch.OutOfMemoryError: CUDA out of memory. Tried to allocate ...``).
+``bad_sample``       the rank's next samples come from a truncated shard: its ``Dataset.__getitem__``
+                     raises what ``zlib`` raises then (``zlib.error: Error -5 while decompressing
+                     data: incomplete or truncated stream``), a failure of the job's own data.
 
 Checkpoints are timed with ``hook.checkpoint()``, and steps numbered from the checkpoint a restart
 resumes at (``hook.step(step)``), so that ``rankscope reliability`` sees the restarts, the
@@ -70,6 +73,7 @@ FAULTS = (
     "crash",
     "cuda_error",
     "oom",
+    "bad_sample",
 )
 
 
@@ -130,12 +134,16 @@ class TokenDataset(Dataset):
         self.records = [zlib.compress(row.tobytes()) for row in tokens]
         self.read_delay_s = 0.0
         """Extra time each read takes (the slow_data fault sets it on its rank)."""
+        self.truncated = False
+        """The records read are cut short (the bad_sample fault sets it on its rank)."""
 
     def __len__(self) -> int:
         return len(self.records)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         raw = self.records[i]
+        if self.truncated:
+            raw = raw[: len(raw) // 2]  # fault: a shard cut short (a copy that did not finish)
         if self.read_delay_s:
             time.sleep(self.read_delay_s)  # fault: a slow disk / network filesystem read
         row = torch.from_numpy(np.frombuffer(zlib.decompress(raw), dtype=np.int16).astype(np.int64))
@@ -320,6 +328,7 @@ def main() -> None:
                     onset_step = step + 1
                     if fault == "slow_data":
                         train_set.read_delay_s = args.fault_ms / 1e3 / args.batch_size
+                    train_set.truncated = fault == "bad_sample"
 
                 opt.step()
 

@@ -205,12 +205,14 @@ def test_a_script_scenario_runs_one_torchrun_per_simulated_host(tmp_path: Path) 
     [
         ("cuda_error", 1, "RuntimeError", "gpu_hardware", "illegal memory access"),
         ("oom", 2, "torch.OutOfMemoryError", "out_of_memory", "CUDA out of memory"),
+        ("bad_sample", 3, "zlib.error", "code", "truncated stream"),
     ],
 )
 def test_a_rank_whose_device_fails_is_named_first_with_its_error_not_the_ranks_stopped_after_it(
     tmp_path: Path, fault: str, rank: int, error: str, klass: str, said: str
 ) -> None:
-    """A rank raises what PyTorch raises when its GPU fails under it, or runs out of memory, 3 s in:
+    """A rank raises what PyTorch raises when its GPU fails under it, or runs out of memory, or
+    what zlib raises on a truncated shard (a plain exception of the job's own data), 3 s in:
     its peers' collectives raise as it goes, torchrun stops the rest, the attempt ends. The
     diagnosis names that rank alone, by time, with its error, its class and the line it raised
     at; the reliability report puts the attempt down to it."""
