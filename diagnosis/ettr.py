@@ -427,6 +427,36 @@ def failing_hosts(runs: list[Reliability]) -> list[FailingHost]:
     return sorted(out, key=lambda f: (not f.lemon, -sum(f.failures.values()), f.host))
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FailureClass:
+    failure: str
+    failures: int
+    """Failed attempts of this class over the fleet's jobs..."""
+    node_days: float
+    """...over their node-days (each job's nodes times its wall clock)..."""
+    mttf_node_days: float
+    """...so that one node runs this long, on average, before an attempt fails of it (the MTTF of
+    a job of N nodes is this over N)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def failures_by_class(runs: list[Reliability]) -> list[FailureClass]:
+    """The failed attempts over ``runs`` (a fleet's jobs) per failure class, most first, with the
+    mean time to a failure of each class (Meta's reliability study reports MTTF per class)."""
+    counts: dict[str, int] = {}
+    for r in runs:
+        for k, n in r.failures.items():
+            counts[k] = counts.get(k, 0) + n
+    node_days = sum(r.nodes * r.wall_s for r in runs) / reliability.DAY_S
+    out = [
+        FailureClass(failure=k, failures=n, node_days=round(node_days, 9), mttf_node_days=node_days / n)
+        for k, n in counts.items()
+    ]
+    return sorted(out, key=lambda c: (-c.failures, c.failure))
+
+
 def observed_failure_rate(runs: list[Reliability]) -> tuple[float | None, int, float]:
     """Failures per node-day over ``runs`` (each job's restarts on its nodes over its wall clock):
     (rate, failures, node-days); the rate is None without a failure to go by."""

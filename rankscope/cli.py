@@ -173,15 +173,20 @@ def _measured_runs(store: Any) -> list[Any]:
 
 
 def _failing_hosts(a: argparse.Namespace) -> int:
-    from diagnosis.ettr import failing_hosts
+    from diagnosis.ettr import failing_hosts, failures_by_class
     from renderers.text import format_failing_hosts
 
     with _reading(a) as store:
-        hosts = failing_hosts(_measured_runs(store))
-    print(
-        json.dumps([h.to_dict() for h in hosts], indent=2) if a.json else format_failing_hosts(hosts),
-        flush=True,
-    )
+        runs = _measured_runs(store)
+    hosts, classes = failing_hosts(runs), failures_by_class(runs)
+    if a.json:
+        print(
+            json.dumps(
+                {"hosts": [h.to_dict() for h in hosts], "classes": [c.to_dict() for c in classes]}, indent=2
+            )
+        )
+    else:
+        print(format_failing_hosts(hosts, classes), flush=True)
     return 0
 
 

@@ -6,7 +6,7 @@ from typing import TextIO
 
 from diagnosis import Diagnosis
 from diagnosis.efficiency import Efficiency
-from diagnosis.ettr import Attempt, FailingHost, Reliability
+from diagnosis.ettr import Attempt, FailingHost, FailureClass, Reliability
 from preflight.verdict import Report
 
 _KEYS = (
@@ -192,16 +192,23 @@ def format_fleet(fleet: list[Efficiency]) -> str:
     return "\n".join(printable(line) for line in lines)
 
 
-def format_failing_hosts(hosts: list[FailingHost]) -> str:
-    """The hosts whose ranks failed attempts first, as ``rankscope reliability --fleet`` orders them."""
+def format_failing_hosts(hosts: list[FailingHost], classes: list[FailureClass]) -> str:
+    """The hosts whose ranks failed attempts first, as ``rankscope reliability --fleet`` orders them,
+    then the failures by class with their mean time to failure."""
     if not hosts:
-        return "rankscope reliability --fleet: no attempt in this store failed on a known host"
-    lines = [f"{'host':<24} {'failures (first to fail), by class':<44} jobs"]
+        lines = ["rankscope reliability --fleet: no attempt in this store failed on a known host"]
+    else:
+        lines = [f"{'host':<24} {'failures (first to fail), by class':<44} jobs"]
     for h in hosts:
-        classes = ", ".join(f"{k} {n}x" for k, n in sorted(h.failures.items(), key=lambda kv: -kv[1]))
+        by_class = ", ".join(f"{k} {n}x" for k, n in sorted(h.failures.items(), key=lambda kv: -kv[1]))
         lines.append(
-            f"{h.host[:24]:<24} {classes[:44]:<44} {len(h.jobs)}"
+            f"{h.host[:24]:<24} {by_class[:44]:<44} {len(h.jobs)}"
             + ("  LEMON: cordon it and check its GPUs" if h.lemon else "")
+        )
+    if classes:
+        lines.append(
+            f"failures by class over {classes[0].node_days:.3g} node-days (MTTF of one node): "
+            + ", ".join(f"{c.failure} {c.failures}x ({c.mttf_node_days:.3g} node-days)" for c in classes)
         )
     return "\n".join(printable(line) for line in lines)
 

@@ -7,7 +7,14 @@ from dataclasses import replace
 import pandas as pd
 import pytest
 
-from diagnosis.ettr import CAUSES, RunRecords, failing_hosts, measure, observed_failure_rate
+from diagnosis.ettr import (
+    CAUSES,
+    RunRecords,
+    failing_hosts,
+    failures_by_class,
+    measure,
+    observed_failure_rate,
+)
 from wire.errors import NotFoundError
 
 S = 1_000_000  # µs
@@ -148,6 +155,10 @@ def test_a_host_whose_gpu_failed_two_jobs_is_a_lemon_node() -> None:
         True,
     )
     assert not failing_hosts(runs[:1])[0].lemon, "one failure is no pattern"
+    # Per class over the fleet's node-days: one node fails of a GPU fault every half of them.
+    node_days = sum(r.nodes * r.wall_s for r in runs) / 86_400
+    assert [(c.failure, c.failures) for c in failures_by_class(runs)] == [("gpu_hardware", 2), ("code", 1)]
+    assert [c.mttf_node_days for c in failures_by_class(runs)] == pytest.approx([node_days / 2, node_days])
 
 
 def test_ranks_alive_without_progress_before_the_restart_count_as_a_hang() -> None:

@@ -143,6 +143,7 @@ def test_a_rank_killed_under_torchrun_restarts_the_job_and_reliability_measures_
     assert "failed: rank 1 [killed]" in text.stdout and "failures by class: killed 1x" in text.stdout
     fleet = rankscope("reliability", "--store", str(store), "--fleet").stdout
     assert fleet.splitlines()[1].split()[:3] == ["nodeA", "killed", "1x"] and "LEMON" not in fleet, fleet
+    assert "failures by class over" in fleet and "killed 1x (" in fleet.splitlines()[-1], fleet
     own = json.loads(
         rankscope(
             "reliability", "--store", str(store), "--json", "--failures-per-1000-node-days", "store"
