@@ -55,6 +55,7 @@ _TOP_FIELDS = {
     "loop",
     "attach",
     "script",
+    "script_args",
     "rank0_duties",
 }
 
@@ -94,6 +95,8 @@ class Scenario:
     """A user-style script run under torchrun instead of the suite's workload
     (``benchmarks.torchrun_job``); it injects ``script_fault`` itself, ``fault`` is the same family's."""
     script_fault: ScriptFault | None = None
+    script_args: tuple[str, ...] = ()
+    """More of the script's own flags (``--schedule gpipe``): the variant of the job it runs."""
     validation: bool = False
     """Of the validation split (``scenarios/validation/``): no threshold was set on it."""
 
@@ -183,6 +186,7 @@ def load(path: str | Path) -> Scenario:
             truth=truth,
             script=script,
             script_fault=script_fault,
+            script_args=tuple(str(x) for x in raw.get("script_args") or ()),
             validation=path.parent.name == "validation",
         )
     except (TypeError, ValueError) as exc:
@@ -233,6 +237,8 @@ def _check(path: Path, sc: Scenario) -> None:
         raise ScenarioError(f"{path}: a hang needs fault.observe_s > 0 (when to stop the hung job)")
     if sc.script and (sc.hook or sc.network or sc.loop != "ddp"):
         raise ScenarioError(f"{path}: a script runs at the hook's defaults: no hook, network or loop")
+    if sc.script_args and not sc.script:
+        raise ScenarioError(f"{path}: script_args are a script's flags: give script too")
     if sc.script and sc.world_size % max(1, sc.hosts):
         raise ScenarioError(f"{path}: world_size must be a multiple of hosts (a torchrun per host)")
     if sc.truth.healthy != (sc.fault.kind == "none"):

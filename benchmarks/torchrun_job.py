@@ -181,6 +181,7 @@ def commands(sc: Scenario, spec: JobSpec) -> list[tuple[list[str], dict[str, str
         "--seconds",
         str(sc.seconds),
         *sc.script_fault.flags(),
+        *sc.script_args,
         "--attach",
         sc.attach,
         *(["--marker-dir", spec.marker_dir] if spec.marker_dir else []),

@@ -1,8 +1,9 @@
 """A 2-D parallel training script written the way pytorch/torchtitan writes one: a ``DeviceMesh`` of
 data-parallel × pipeline-parallel ranks, the model split into two pipeline stages by module name,
 each stage's blocks and the stage itself sharded with FSDP2 over the ``dp`` dimension, and a 1F1B
-schedule over microbatches on the ``pp`` dimension. rankscope's hook is attached just before the
-loop, as its README shows.
+schedule over microbatches on the ``pp`` dimension (``--schedule gpipe``: GPipe's, all forwards
+then all backwards; ``--dp ddp``: the replicas kept whole, under DDP, as torchtitan's
+``dp_replicate`` does). rankscope's hook is attached just before the loop, as its README shows.
 
     RANKSCOPE_SPOOL=/tmp/spool torchrun --nproc-per-node 4 benchmarks/jobs/pipeline_dp.py --steps 300
 
@@ -39,9 +40,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed._composable.replicate import replicate
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 import profiler_hook
 
@@ -53,6 +55,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--job", default="", help="job id (default: $RANKSCOPE_JOB or torchrun's run id)")
     ap.add_argument("--batch-size", type=int, default=8, help="sequences per step on each dp rank")
     ap.add_argument("--microbatches", type=int, default=4)
+    ap.add_argument("--schedule", choices=tuple(SCHEDULES), default="1f1b", help="the pipeline's schedule")
+    ap.add_argument("--dp", choices=("fsdp", "ddp"), default="fsdp", help="over the replicas: FSDP2 or DDP")
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--vocab", type=int, default=512)
     ap.add_argument("--dim", type=int, default=64)
@@ -71,6 +75,7 @@ def parse_args() -> argparse.Namespace:
 
 
 FAULTS = ("none", "slow_backward", "metrics_block", "hang_checkpoint")
+SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
 
 
 # --- model -----------------------------------------------------------------------------------
@@ -209,13 +214,16 @@ def main() -> None:
     stage_idx = pp_rank
     model = split_module(whole, stage_modules(args.n_layers)[stage_idx])
     del whole
-    # FSDP2 over the dp dimension: each block, then the stage's root. Under PP, torchtitan keeps
-    # parameters gathered after forward, or every microbatch would all-gather them again.
-    for block in model.layers.values():
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=False)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False)
+    if args.dp == "fsdp":
+        # FSDP2 over the dp dimension: each block, then the stage's root. Under PP, torchtitan keeps
+        # parameters gathered after forward, or every microbatch would all-gather them again.
+        for block in model.layers.values():
+            fully_shard(block, mesh=dp_mesh, reshard_after_forward=False)
+        fully_shard(model, mesh=dp_mesh, reshard_after_forward=False)
+    else:  # the replicas kept whole under DDP, as torchtitan's apply_ddp does
+        replicate(model, device_mesh=dp_mesh, bucket_cap_mb=100)
     stage = PipelineStage(model, stage_idx, pp_size, torch.device("cpu"), group=pp_mesh.get_group())
-    schedule = Schedule1F1B(stage, n_microbatches=args.microbatches, loss_fn=loss_fn)
+    schedule = SCHEDULES[args.schedule](stage, n_microbatches=args.microbatches, loss_fn=loss_fn)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     if rank == 0:
         print(
