@@ -30,11 +30,10 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from wire.records import TRANSFER_PREFIX
+
 from .findings import LEVELS
 from .robust import needed, spread
-
-TRANSFER_PREFIX = "net_send@"
-"""Collective patterns that time the network transfer alone."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from wire.records import WAIT_KIND, WAIT_PATTERN
+
 from .robust import needed, spread
 from .stragglers import width
-
-WAIT_KIND, WAIT_PATTERN = "sched", "cpu_wait@sched"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -14,9 +14,7 @@ import numpy as np
 import pandas as pd
 
 from wire import records
-
-from .communication import TRANSFER_PREFIX
-from .contention import WAIT_KIND, WAIT_PATTERN
+from wire.records import TRANSFER_PREFIX, WAIT_KIND, WAIT_PATTERN
 
 STEP_FIELDS = [
     "rank",

@@ -17,8 +17,8 @@ import numpy as np
 import pandas as pd
 
 from wire import records
+from wire.records import WAIT_KIND
 
-from .contention import WAIT_KIND
 from .robust import evenly
 
 CUT_KIND = "cut"

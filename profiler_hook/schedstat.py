@@ -22,11 +22,7 @@ from __future__ import annotations
 import os
 import threading
 
-from wire.records import FunctionPattern
-
-WAIT_PATTERN = "cpu_wait@sched"
-"""The name of the pattern in a window summary."""
-WAIT_KIND = "sched"
+from wire.records import WAIT_KIND, WAIT_PATTERN, FunctionPattern
 
 Waits = dict[int, int]
 """Thread id -> ns it has spent runnable but waiting for a CPU."""

@@ -1289,7 +1289,7 @@ print(json.dumps({"wait_s": p.total_us / 1e6, "wall_s": wall, "cpu_s": cpu, "pat
 
 
 def test_cpu_wait_is_the_time_a_thread_queued_behind_hogs_on_its_core() -> None:
-    from profiler_hook.schedstat import WAIT_PATTERN
+    from wire.records import WAIT_PATTERN
 
     core = max(os.sched_getaffinity(0))
     probe = subprocess.Popen(

@@ -107,6 +107,13 @@ class FunctionPattern(NamedTuple):
 
 FUNCTION_COLUMNS = FunctionPattern._fields
 KINDS = ("op", "kernel", "collective", "memcpy", "dataloader", "python", "pylib", "sched", "cut")
+WAIT_KIND = "sched"
+WAIT_PATTERN = "cpu_wait@sched"
+"""The window pattern of the time the rank's threads were runnable but waited for a CPU
+(``profiler_hook.schedstat``; read by ``diagnosis.contention``)."""
+TRANSFER_PREFIX = "net_send@"
+"""The collective patterns that time a network transfer alone (``net_send@<group>``: what an NCCL
+net plugin reports per proxy step; ``benchmarks.cluster`` records them so)."""
 CUT_KIND = "cut"
 """The kind of a window's pattern that stands for the functions it left out (see ``kind``)."""
 

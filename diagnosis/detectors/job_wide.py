@@ -8,7 +8,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import contention, stragglers
+from wire.records import WAIT_KIND, WAIT_PATTERN
+
+from .. import stragglers
 from ..data import JobData
 from ..findings import Finding, effect, ms
 
@@ -127,7 +129,7 @@ def _cpu_wait_growth(data: JobData) -> tuple[float, float] | None:
     f = data.functions
     if f.empty:
         return None
-    f = f[(f["kind"] == contention.WAIT_KIND) & (f["name"] == contention.WAIT_PATTERN)]
+    f = f[(f["kind"] == WAIT_KIND) & (f["name"] == WAIT_PATTERN)]
     if f["window"].nunique() < 2:
         return None
     per_step = f["total_us"].astype(float) / (f["step_hi"] - f["step_lo"]).clip(lower=1) / 1e3
