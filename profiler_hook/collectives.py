@@ -26,6 +26,7 @@ its 2,000-entry ring holds the GIL for ~30 ms.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -398,7 +399,10 @@ class CollectiveTracker:
         """``wait()`` on ``on``: an ``isend``/``irecv``'s work or a functional collective's tensor
         (``call``: one whose wait comes before its launch returned). The thread waits for its peers
         inside it, timed as a blocking call from there."""
-        call = self._awaited.pop(_wait_key(on), call)
+        try:
+            call = self._awaited.pop(_wait_key(on), call)
+        except Exception:  # an object without a storage to read: tracking must never break the wait
+            return wait()
         if call is None or call.dur_ns >= 0 or not self.active:
             return wait()
         call.enter_ns, call.blocking, call.enter_wait_ns = time.perf_counter_ns(), True, self._wait_mark()
@@ -488,18 +492,23 @@ class CollectiveTracker:
         funcol = sys.modules.get(_FUNCOL)
         if funcol is None or _FUNCOL in self._originals or not hasattr(funcol, "wait_tensor"):
             return
+        import torch
         import torch.distributed.distributed_c10d as c10d
 
         self._originals[_FUNCOL] = funcol
         for op in FUNCTIONAL:
             if (original := getattr(funcol, op, None)) is not None:
                 self._originals[f"{_FUNCOL}.{op}"] = original
-                setattr(funcol, op, self._wrap_functional(op, original, funcol, c10d))
+                setattr(
+                    funcol, op, self._wrap_functional(op, original, funcol, c10d, torch.compiler.is_compiling)
+                )
         self._originals[f"{_FUNCOL}.wait_tensor"] = wait = funcol.wait_tensor
         local = self._local
 
         @functools.wraps(wait)
         def wait_tensor(tensor: Any) -> Any:
+            if torch.compiler.is_compiling():
+                return wait(tensor)
             return self.waited(tensor, lambda: wait(tensor), getattr(local, "launching", None))
 
         setattr(funcol, "wait_tensor", wait_tensor)  # noqa: B010 (a module mypy knows only as ModuleType)
@@ -521,7 +530,9 @@ class CollectiveTracker:
         self._originals.clear()
         self._awaited.clear()
 
-    def _wrap_functional(self, op: str, original: Any, funcol: Any, c10d: Any) -> Any:
+    def _wrap_functional(
+        self, op: str, original: Any, funcol: Any, c10d: Any, compiling: Callable[[], bool]
+    ) -> Any:
         """A functional collective: counted and numbered at launch on its group, timed where the
         thread waits on its result (:meth:`waited`; inside the launch for those that wait at
         once)."""
@@ -530,8 +541,9 @@ class CollectiveTracker:
 
         @functools.wraps(original)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            # One user call is one collective: all_gather_tensor calls all_gather_single.
-            if getattr(local, "inside", False) or not tracker.active:
+            # One user call is one collective: all_gather_tensor calls all_gather_single. Under
+            # torch.compile the collective is traced into a graph, not run: nothing to time.
+            if getattr(local, "inside", False) or not tracker.active or compiling():
                 return original(*args, **kwargs)
             try:
                 name = funcol._resolve_group_name(_arg(args, kwargs, "group", group_pos))
@@ -546,7 +558,8 @@ class CollectiveTracker:
             finally:
                 local.inside, local.launching = False, None
             if call.dur_ns < 0:  # not waited on yet: an AsyncCollectiveTensor waits at first use
-                tracker.expect_wait(getattr(out, "elem", out), call)
+                with contextlib.suppress(Exception):  # tracking must never break the collective
+                    tracker.expect_wait(getattr(out, "elem", out), call)
             return out
 
         wrapper.__rankscope_original__ = original  # type: ignore[attr-defined]
