@@ -449,7 +449,7 @@ def failures_by_class(runs: list[Reliability]) -> list[FailureClass]:
     for r in runs:
         for k, n in r.failures.items():
             counts[k] = counts.get(k, 0) + n
-    node_days = sum(r.nodes * r.wall_s for r in runs) / reliability.DAY_S
+    node_days = _node_days(runs)
     out = [
         FailureClass(failure=k, failures=n, node_days=round(node_days, 9), mttf_node_days=node_days / n)
         for k, n in counts.items()
@@ -461,5 +461,10 @@ def observed_failure_rate(runs: list[Reliability]) -> tuple[float | None, int, f
     """Failures per node-day over ``runs`` (each job's restarts on its nodes over its wall clock):
     (rate, failures, node-days); the rate is None without a failure to go by."""
     failures = sum(len(r.attempts) - 1 for r in runs)
-    node_days = sum(r.nodes * r.wall_s for r in runs) / reliability.DAY_S
+    node_days = _node_days(runs)
     return (failures / node_days if failures and node_days > 0 else None), failures, node_days
+
+
+def _node_days(runs: list[Reliability]) -> float:
+    """The node-days of ``runs``: each job's nodes times its wall clock."""
+    return sum(r.nodes * r.wall_s for r in runs) / reliability.DAY_S
