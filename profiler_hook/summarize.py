@@ -100,6 +100,29 @@ def library_frame(name: str) -> bool:
     return _library_module(path.split("/", 1)[0].removesuffix(".py"))
 
 
+_MICROBATCH = re.compile(r"^(Forward|Backward) \d+$|(\d+[A-Z_]+?)\d+(?=[;)]|$)")
+"""A microbatch's index in ``torch.distributed.pipelining``'s annotations of a schedule's work:
+``Forward 3`` and ``Backward 3`` (GPipe), ``PP:0F3``, ``PP:(0F3;1B2)OVERLAP_F_B`` (the runtime
+schedules: stage, action, microbatch). Every microbatch runs the stage's same function."""
+
+
+def _function(match: re.Match[str]) -> str:
+    return match[1] or match[2]
+
+
+@functools.lru_cache(maxsize=16384)
+def _identity(name: str, activity: str, is_python: bool) -> tuple[str, str] | None:
+    """A raw event's function (its kind and name), or None for no function of the workload: the
+    name without an object's address, and a pipeline schedule's annotation without its microbatch."""
+    kind = _kind(name, activity, is_python)
+    if kind is None:
+        return None
+    name = _ADDRESS.sub("", name)
+    if activity == "user_annotation" and name.startswith(("Forward ", "Backward ", "PP:")):
+        name = _MICROBATCH.sub(_function, name)
+    return kind, name
+
+
 def _kind(name: str, activity: str, is_python: bool) -> str | None:
     if is_python:
         return "pylib" if library_frame(name) else "python"
@@ -209,10 +232,10 @@ def summarize(
     for name, activity, start, dur, tid, pid, parent, corr, linked, nbytes in events.read(results):
         n += 1
         is_python = pid >= 0
-        kind = _kind(name, activity, is_python)
-        if kind is None:
+        known = _identity(name, activity, is_python)
+        if known is None:
             continue
-        name = _ADDRESS.sub("", name)
+        kind, name = known
         if is_python:
             python[pid] = (name, parent)
             kind_of_python[pid] = kind

@@ -323,6 +323,33 @@ def test_summary_of_real_profiler_output() -> None:
     assert 0 < busy["compute"] <= 1 and 0 <= busy["idle"] < 1
 
 
+@pytest.mark.releases
+def test_a_pipeline_schedules_microbatches_are_one_function_of_its_stage() -> None:
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+        stage = PipelineStage(model, 0, 1, torch.device("cpu"))
+        schedule = ScheduleGPipe(stage, n_microbatches=4, loss_fn=torch.nn.functional.mse_loss)
+        x, y = torch.randn(8, 16), torch.randn(8, 4)
+        schedule.step(x, target=y)
+        t0 = time.time_ns()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(2):
+                schedule.step(x, target=y)
+        functions, _, _ = summarize(prof.profiler.kineto_results, [], time.time_ns() - t0, max_functions=300)
+    finally:
+        torch.distributed.destroy_process_group()
+    # The schedule annotates each microbatch's work ("Forward 0" ... "Backward 3"): one function of
+    # the stage, run 4 times a step, so that a slower stage's excess is not split over its microbatches.
+    by = {f.name: f.count for f in functions if f.kind == "op"}
+    assert (by.get("Forward"), by.get("Backward")) == (8, 8)
+    assert not [name for name in by if name.startswith(("Forward ", "Backward "))]
+
+
 def pause_for_garbage_collection() -> None:
     time.sleep(0.15)
 

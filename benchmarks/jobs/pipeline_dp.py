@@ -30,15 +30,14 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import tempfile
 import threading
-import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from job_parts import Clock, arguments, loss_fn, save_checkpoint, token_batches, upload_metrics, write_marker
 from torch import nn
 from torch.distributed._composable.replicate import replicate
 from torch.distributed.device_mesh import init_device_mesh
@@ -49,32 +48,13 @@ import profiler_hook
 
 
 def parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=0, help="train this many steps (0: until --seconds)")
-    ap.add_argument("--seconds", type=float, default=0.0, help="or stop after this long (0: no limit)")
-    ap.add_argument("--job", default="", help="job id (default: $RANKSCOPE_JOB or torchrun's run id)")
-    ap.add_argument("--batch-size", type=int, default=8, help="sequences per step on each dp rank")
+    ap = arguments(__doc__.split("\n\n")[0])
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--schedule", choices=tuple(SCHEDULES), default="1f1b", help="the pipeline's schedule")
     ap.add_argument("--dp", choices=("fsdp", "ddp"), default="fsdp", help="over the replicas: FSDP2 or DDP")
-    ap.add_argument("--seq-len", type=int, default=64)
-    ap.add_argument("--vocab", type=int, default=512)
-    ap.add_argument("--dim", type=int, default=64)
-    ap.add_argument("--n-heads", type=int, default=4)
-    ap.add_argument("--n-layers", type=int, default=4)
-    ap.add_argument("--lr", type=float, default=3e-4)
-    ap.add_argument("--fault", choices=FAULTS, default="none")
-    ap.add_argument("--fault-rank", type=int, default=1)
-    ap.add_argument("--onset-s", type=float, default=10.0)
-    ap.add_argument("--fault-ms", type=float, default=15.0, help="metrics_block: ms each upload blocks")
-    ap.add_argument("--fault-factor", type=float, default=1.7, help="slow_backward: work factor")
-    ap.add_argument("--marker-dir", default="", help="write the onset marker here")
-    ap.add_argument("--ckpt-dir", default="", help="hang_checkpoint writes here (default: a temporary one)")
-    ap.add_argument("--attach", choices=("loop",), default="loop", help="where the hook is attached")
     return ap.parse_args()
 
 
-FAULTS = ("none", "slow_backward", "metrics_block", "hang_checkpoint")
 SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
 
 
@@ -172,29 +152,6 @@ def split_module(whole: Transformer, keep: list[str]) -> Transformer:
     return model
 
 
-def upload_metrics(metrics: dict, block_s: float) -> None:
-    """A synchronous metrics call (fault: the endpoint answers only after ``block_s``)."""
-    body = json.dumps(metrics).encode()
-    time.sleep(block_s)  # waiting for the HTTP response
-    del body
-
-
-def save_checkpoint(model: nn.Module, path: str, storage: threading.Event) -> None:
-    storage.wait()  # fault: the storage never acknowledges the write (a dead NFS server)
-    torch.save(model.state_dict(), path)
-
-
-def write_marker(marker_dir: str, rank: int, step: int, kind: str) -> None:
-    path = os.path.join(marker_dir, f"onset-r{rank}")
-    with open(path + ".tmp", "w") as fh:
-        json.dump({"time": time.time(), "step": step, "rank": rank, "kind": kind}, fh)
-    os.replace(path + ".tmp", path)
-
-
-def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
-
-
 # --- training --------------------------------------------------------------------------------
 
 
@@ -232,26 +189,17 @@ def main() -> None:
             flush=True,
         )
 
-    # Synthetic tokens; both ranks of a pipeline draw the same batches (same dp rank, same seed).
-    data = torch.randint(0, args.vocab, (200_000,), generator=torch.Generator().manual_seed(0))
-    sampler = torch.Generator().manual_seed(1000 + dp_rank)
-
-    def get_batch() -> tuple[torch.Tensor, torch.Tensor]:
-        ix = torch.randint(len(data) - args.seq_len - 1, (args.batch_size,), generator=sampler)
-        x = torch.stack([data[i : i + args.seq_len] for i in ix])
-        y = torch.stack([data[i + 1 : i + 1 + args.seq_len] for i in ix])
-        return x, y
+    get_batch = token_batches(args, dp_rank)  # both ranks of a pipeline draw the same batches
 
     fault = args.fault if rank == args.fault_rank else "none"
     stuck_storage = threading.Event()  # never set: the faulty rank's checkpoint write never completes
     ckpt = os.path.join(args.ckpt_dir or tempfile.gettempdir(), f"pipeline-stage{stage_idx}-dp{dp_rank}.pt")
     hook = profiler_hook.attach(job=args.job)
-    step, onset_step = 0, -1
-    start = time.perf_counter()
+    step, clock = 0, Clock(args)
     while step < args.steps or args.steps <= 0:
         with hook.step(step):
-            faulty = fault != "none" and 0 <= onset_step <= step
-            if faulty and step == onset_step:
+            faulty = fault != "none" and 0 <= clock.onset_step <= step
+            if faulty and step == clock.onset_step:
                 model.work_factor = args.fault_factor if fault == "slow_backward" else 1.0
                 if args.marker_dir:
                     write_marker(args.marker_dir, rank, step, fault)
@@ -270,19 +218,9 @@ def main() -> None:
         step += 1
         if rank == pp_size - 1 and losses and step % 50 == 0:
             print(f"step {step:5d}  loss {torch.stack(losses).mean().item():.3f}", flush=True)
-        if args.seconds > 0 or args.fault != "none":
-            # Rank 0's clock decides when to stop and when the fault begins, on every rank at one step.
-            elapsed = time.perf_counter() - start
-            flags = torch.tensor([float(rank == 0 and 0 < args.seconds <= elapsed)])
-            flags = torch.cat([flags, torch.tensor([float(rank == 0 and args.onset_s <= elapsed)])])
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-            if flags[1] and onset_step < 0:
-                onset_step = step
-            if flags[0]:
-                break
-    took = time.perf_counter() - start
-    if rank == 0:
-        print(f"train: {step} steps in {took:.2f} s ({1e3 * took / max(step, 1):.2f} ms/step)", flush=True)
+        if clock.stop_after(step):
+            break
+    clock.report(step)
     hook.close()
     dist.destroy_process_group()
 

@@ -17,7 +17,7 @@ It trains ``--steps`` steps, or for ``--seconds`` (rank 0's clock) when that com
 0 prints ``train: <steps> steps in <s> s (<ms> ms/step)`` for the training loop alone.
 
 Faults, for rankscope's fault suite (only on ``--fault-rank``, from ``--onset-s`` seconds into
-training, as ``pipeline_dp.py`` has them): ``slow_backward`` (a slower device: the attention over the rank's heads does
+training, as ``job_parts.py`` has them): ``slow_backward`` (a slower device: the attention over the rank's heads does
 ``--fault-factor`` times the work, forward and backward),
 ``metrics_block`` (``upload_metrics()`` blocks ``--fault-ms`` every step) and ``hang_checkpoint``
 (``save_checkpoint()`` never returns).
@@ -29,12 +29,11 @@ import argparse
 import os
 import tempfile
 import threading
-import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from pipeline_dp import loss_fn, save_checkpoint, upload_metrics, write_marker
+from job_parts import Clock, arguments, loss_fn, save_checkpoint, token_batches, upload_metrics, write_marker
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -49,30 +48,9 @@ from torch.distributed.tensor.parallel import (
 
 import profiler_hook
 
-FAULTS = ("none", "slow_backward", "metrics_block", "hang_checkpoint")
-
 
 def parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=0, help="train this many steps (0: until --seconds)")
-    ap.add_argument("--seconds", type=float, default=0.0, help="or stop after this long (0: no limit)")
-    ap.add_argument("--job", default="", help="job id (default: $RANKSCOPE_JOB or torchrun's run id)")
-    ap.add_argument("--batch-size", type=int, default=8, help="sequences per step on each dp rank")
-    ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--vocab", type=int, default=512)
-    ap.add_argument("--dim", type=int, default=128)
-    ap.add_argument("--n-heads", type=int, default=4)
-    ap.add_argument("--n-layers", type=int, default=2)
-    ap.add_argument("--lr", type=float, default=3e-4)
-    ap.add_argument("--fault", choices=FAULTS, default="none")
-    ap.add_argument("--fault-rank", type=int, default=1)
-    ap.add_argument("--onset-s", type=float, default=10.0)
-    ap.add_argument("--fault-ms", type=float, default=15.0, help="metrics_block: ms each upload blocks")
-    ap.add_argument("--fault-factor", type=float, default=1.7, help="slow_backward: work factor")
-    ap.add_argument("--marker-dir", default="", help="write the onset marker here")
-    ap.add_argument("--ckpt-dir", default="", help="hang_checkpoint writes here (default: a temporary one)")
-    ap.add_argument("--attach", choices=("loop",), default="loop", help="where the hook is attached")
-    return ap.parse_args()
+    return arguments(__doc__.split("\n\n")[0], seq_len=128, dim=128, n_layers=2).parse_args()
 
 
 # --- model (torchtitan's Llama layout) -------------------------------------------------------
@@ -206,26 +184,17 @@ def main() -> None:
             flush=True,
         )
 
-    # Synthetic tokens; both ranks of a tensor-parallel group draw the same batches (same dp rank).
-    data = torch.randint(0, args.vocab, (200_000,), generator=torch.Generator().manual_seed(0))
-    sampler = torch.Generator().manual_seed(1000 + dp_rank)
-
-    def get_batch() -> tuple[torch.Tensor, torch.Tensor]:
-        ix = torch.randint(len(data) - args.seq_len - 1, (args.batch_size,), generator=sampler)
-        x = torch.stack([data[i : i + args.seq_len] for i in ix])
-        y = torch.stack([data[i + 1 : i + 1 + args.seq_len] for i in ix])
-        return x, y
+    get_batch = token_batches(args, dp_rank)  # both ranks of a tensor-parallel group draw the same batches
 
     fault = args.fault if rank == args.fault_rank else "none"
     stuck_storage = threading.Event()  # never set: the faulty rank's checkpoint write never completes
     ckpt = os.path.join(args.ckpt_dir or tempfile.gettempdir(), f"tp-dp{dp_rank}-r{rank}.pt")
     hook = profiler_hook.attach(job=args.job)
-    step, onset_step = 0, -1
-    start = time.perf_counter()
+    step, clock = 0, Clock(args)
     while step < args.steps or args.steps <= 0:
         with hook.step(step):
-            faulty = fault != "none" and 0 <= onset_step <= step
-            if faulty and step == onset_step:
+            faulty = fault != "none" and 0 <= clock.onset_step <= step
+            if faulty and step == clock.onset_step:
                 if fault == "slow_backward":
                     for attention in (m for m in model.modules() if isinstance(m, Attention)):
                         attention.work_factor = args.fault_factor
@@ -243,19 +212,9 @@ def main() -> None:
         step += 1
         if rank == 0 and step % 50 == 0:
             print(f"step {step:5d}  loss {loss.item():.3f}", flush=True)
-        if args.seconds > 0 or args.fault != "none":
-            # Rank 0's clock decides when to stop and when the fault begins, on every rank at one step.
-            elapsed = time.perf_counter() - start
-            flags = torch.tensor([float(rank == 0 and 0 < args.seconds <= elapsed)])
-            flags = torch.cat([flags, torch.tensor([float(rank == 0 and args.onset_s <= elapsed)])])
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-            if flags[1] and onset_step < 0:
-                onset_step = step
-            if flags[0]:
-                break
-    took = time.perf_counter() - start
-    if rank == 0:
-        print(f"train: {step} steps in {took:.2f} s ({1e3 * took / max(step, 1):.2f} ms/step)", flush=True)
+        if clock.stop_after(step):
+            break
+    clock.report(step)
     hook.close()
     dist.destroy_process_group()
 
