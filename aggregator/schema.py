@@ -24,7 +24,7 @@ from .errors import UnavailableError
 
 log = logging.getLogger(__name__)
 
-STORE_VERSION = 11
+STORE_VERSION = 12
 DEFAULT_DATABASE = "rankscope"
 _COMMENT = f"rankscope schema {STORE_VERSION}"
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -257,6 +257,7 @@ EXITS = Table(
         ("message", "String"),
         ("frame", "String"),
         ("signal", "Int32"),
+        ("gpu", "Map(String, Int64)"),  # schema 12
         _TIME,
     ),
     order_by=("job", "rank", "pid"),
@@ -674,6 +675,8 @@ _TO_11 = {
 }
 """Schema 11: a point-to-point call's peer in heartbeats, each rank's place in the job's device mesh
 (and the table ``exits``, made as any missing table is)."""
+_TO_12 = {"exits": ["ADD COLUMN IF NOT EXISTS `gpu` Map(String, Int64) AFTER `signal`"]}
+"""Schema 12: a rank's GPU faults since attach in its exit record."""
 
 
 def _then(*steps: dict[str, list[str]]) -> dict[str, list[str]]:
@@ -695,16 +698,20 @@ MIGRATIONS: dict[str, dict[str, list[str]]] = {
         _TO_7,
         _TO_10,
         _TO_11,
+        _TO_12,
     ),
-    "rankscope schema 2": _then(_TO_3, _TO_4, _TO_5, _TO_6, _TO_7, _TO_10, _TO_11),
-    "rankscope schema 3": _then(_TO_4, _TO_5, _TO_6, _TO_7, _TO_10, _TO_11),
-    "rankscope schema 4": _then(_TO_5, _TO_6, _TO_7, _TO_10, _TO_11),
-    "rankscope schema 5": _then(_TO_6, _TO_7, _TO_10, _TO_11),
-    "rankscope schema 6": _then(_TO_7, _TO_10, _TO_11),
-    "rankscope schema 7": _then(_TO_10, _TO_11),  # schema 8 added a table, ``arrivals``
-    "rankscope schema 8": _then(_TO_10, _TO_11),  # schema 9 changed the sort key of ``functions`` (REKEYED)
-    "rankscope schema 9": _then(_TO_10, _TO_11),
-    "rankscope schema 10": _TO_11,
+    "rankscope schema 2": _then(_TO_3, _TO_4, _TO_5, _TO_6, _TO_7, _TO_10, _TO_11, _TO_12),
+    "rankscope schema 3": _then(_TO_4, _TO_5, _TO_6, _TO_7, _TO_10, _TO_11, _TO_12),
+    "rankscope schema 4": _then(_TO_5, _TO_6, _TO_7, _TO_10, _TO_11, _TO_12),
+    "rankscope schema 5": _then(_TO_6, _TO_7, _TO_10, _TO_11, _TO_12),
+    "rankscope schema 6": _then(_TO_7, _TO_10, _TO_11, _TO_12),
+    "rankscope schema 7": _then(_TO_10, _TO_11, _TO_12),  # schema 8 added a table, ``arrivals``
+    "rankscope schema 8": _then(
+        _TO_10, _TO_11, _TO_12
+    ),  # schema 9 changed the sort key of ``functions`` (REKEYED)
+    "rankscope schema 9": _then(_TO_10, _TO_11, _TO_12),
+    "rankscope schema 10": _then(_TO_11, _TO_12),
+    "rankscope schema 11": _TO_12,
 }
 """For each older schema's comment, the ALTERs that bring its tables (by name) to this version."""
 

@@ -67,6 +67,7 @@ EXIT_FIELDS = [
     "message",
     "frame",
     "signal",
+    "gpu",
     "time_us",
 ]
 

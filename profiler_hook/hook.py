@@ -407,6 +407,7 @@ class Hook:
             **self._origin(),
             step=self.step_num if exc is not None else self._finished,
             attempt=self._rank_info.attempt,
+            gpu=self._gpu.faults() if self._gpu is not None else {},
             **fields,
         )
 

@@ -152,8 +152,14 @@ def checkpoint(rank: int, step: int = 5) -> Checkpoint:
 
 
 def exit_record(rank: int) -> Exit:
-    """Rank 1 raised; rank 0 was stopped."""
-    how = {"how": "exception", "error": "RuntimeError", "message": "boom", "frame": "train.py(40): step @41"}
+    """Rank 1 raised, its GPU fallen off the bus; rank 0 was stopped."""
+    how = {
+        "how": "exception",
+        "error": "RuntimeError",
+        "message": "boom",
+        "frame": "train.py(40): step @41",
+        "gpu": {"xid_79": 1, "ecc_uncorrected": 2},
+    }
     return Exit(
         job=JOB, rank=rank, host=f"node{rank // 2}", time_us=T0 + 3_000_000 - rank, pid=1000 + rank, step=7,
         **(how if rank else {"how": "signal", "signal": 15}),
@@ -280,9 +286,13 @@ def test_a_store_of_schema_1_is_migrated_and_its_rows_read_as_before(store: Stor
     store.client.command(f"ALTER TABLE {store.database}.ranks DROP COLUMN coverage")
     for column in ("gpu_util", "gpu_mem_mb", "samples", "sends", "windows", "window_cost_us"):
         store.client.command(f"ALTER TABLE {store.database}.heartbeats DROP COLUMN {column}")
+    exits = store.exits(JOB)
+    store.client.command(f"ALTER TABLE {store.database}.exits DROP COLUMN gpu")
     for name in TABLES:
         store.client.command(f"ALTER TABLE {store.database}.{name} MODIFY COMMENT 'rankscope schema 1'")
     ensure_schema(store.client, store.database)
+    # Exits stored before schema 12 say no GPU fault.
+    assert store.exits(JOB).to_dict("records") == exits.assign(gpu=[{}] * len(exits)).to_dict("records")
     pd.testing.assert_frame_equal(store.steps(JOB), before.assign(wait_us=0.0))  # none was known
     assert store.ranks(JOB).assign(spine="spine0", coverage=ranks["coverage"]).to_dict(
         "records"

@@ -293,6 +293,9 @@ class Exit(_Base):
     """...and the innermost frame of the job's own code it came through (:func:`sample_key`)."""
     signal: int = 0
     """The signal that ended it (``signal``)."""
+    gpu: dict[str, int] = field(default_factory=dict)
+    """Its GPU's faults since attach, where NVML could say (``profiler_hook.gpu``): ``xid_<code>``
+    (events of each XID), ``ecc_uncorrected``, ``retired_pages``, ``remapped_rows`` (how far each moved)."""
 
 
 MAX_MESSAGE = 2000

@@ -9,6 +9,10 @@ a node lost) sends no exit record and its heartbeats stop: where the others ende
 the one. The error's class follows the failure taxonomy of Meta's reliability study (arXiv
 2410.21680): GPU or memory hardware, out of memory, the network or collectives, infrastructure
 (killed, preempted, a node lost) and the job's own code; the hardware classes say to cordon the host.
+Where the rank's hook could ask NVML, its exit record also holds its GPU's faults since attach
+(XID events, ECC errors, retired pages, remapped rows): a hardware XID or a moved counter makes
+the failure ``gpu_hardware`` whatever the exception said (a GPU that fell off the bus surfaces in
+the job as an NCCL error or a "peer died"), and the XIDs go with the evidence.
 
 Only an attempt that ended is diagnosed, and only the job's latest: where ranks started again
 after the failure (a restart), the job runs, and what it does now is the other detectors'.
@@ -20,6 +24,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from ..data import JobData
@@ -61,6 +66,27 @@ CLASSES: tuple[tuple[str, re.Pattern[str], str], ...] = (
     ),
 )
 """Error classes by what the exception says (class, then message), first match; else ``code``."""
+HARDWARE_XIDS = {
+    48: "double-bit ECC error",
+    63: "ECC page retirement or row remapping",
+    64: "ECC page retirement or row remapping failure",
+    74: "NVLink error",
+    79: "GPU has fallen off the bus",
+    92: "high single-bit ECC error rate",
+    94: "contained ECC error",
+    95: "uncontained ECC error",
+    119: "GSP RPC timeout",
+    120: "GSP error",
+    140: "unrecovered ECC error",
+}
+"""The XIDs that NVIDIA's XID catalog resolves by resetting or replacing the GPU, not the
+application (13, 31, 43 and 45, the application's own faults, are not here)."""
+GPU_COUNTERS = {
+    "ecc_uncorrected": "uncorrected ECC errors",
+    "retired_pages": "retired pages",
+    "remapped_rows": "remapped rows",
+}
+"""The exit record's GPU counters (how far each moved since attach), in words."""
 HARDWARE = ("gpu_hardware",)
 """The classes whose host must be checked before it runs again (their advice: cordon it)."""
 CODE_ADVICE = "fix the job's code where it raised"
@@ -72,11 +98,45 @@ KILLED_ADVICE = (
 
 def explain(row: Any) -> tuple[str, str, str]:
     """Of the rank that failed first (its exit row, or None where it ended without a word): its
-    error's class, what to do about it, and what it said."""
+    error's class, what to do about it, and what it said (and its GPU, where it had faults)."""
     if row is None:
         return "killed", KILLED_ADVICE, "its process ended without a word"
     klass, advice = classify(str(row.error), str(row.message))
-    return klass, advice, f"{row.error}: {row.message}".strip(": ")
+    what = f"{row.error}: {row.message}".strip(": ")
+    faults = gpu_faults(row)
+    if faults:
+        what = f"{what}; its GPU since attach: {faults}"
+    if gpu_failed(row):
+        klass, advice = next((name, advice) for name, _, advice in CLASSES if name == "gpu_hardware")
+    return klass, advice, what
+
+
+def _gpu(row: Any) -> dict[str, int]:
+    return dict(getattr(row, "gpu", None) or {})
+
+
+def gpu_failed(row: Any) -> bool:
+    """Whether an exit row's GPU had a hardware fault since attach: a hardware XID, or an ECC error
+    count, retired pages or remapped rows that moved."""
+    gpu = _gpu(row)
+    return any(k in GPU_COUNTERS for k in gpu) or any(
+        k.startswith("xid_") and int(k[4:]) in HARDWARE_XIDS for k in gpu
+    )
+
+
+def gpu_faults(row: Any) -> str:
+    """An exit row's GPU faults in words (``XID 79 (GPU has fallen off the bus), 2 uncorrected
+    ECC errors``); "" where none."""
+    gpu = _gpu(row)
+    xids = sorted((int(k[4:]), n) for k, n in gpu.items() if k.startswith("xid_"))
+    parts = [
+        f"XID {code}"
+        + (f" ({HARDWARE_XIDS[code]})" if code in HARDWARE_XIDS else "")
+        + (f" x{n}" if n > 1 else "")
+        for code, n in xids
+    ]
+    parts += [f"{gpu[k]} {words}" for k, words in GPU_COUNTERS.items() if gpu.get(k)]
+    return ", ".join(parts)
 
 
 def classify(error: str, message: str) -> tuple[str, str]:
@@ -113,6 +173,7 @@ def find(data: JobData, s: Settings) -> list[Finding]:
             "error": str(row.error),
             "message": str(row.message),
             "frame": str(row.frame),
+            **({"gpu": _gpu(row)} if _gpu(row) else {}),
         }
     else:
         function, confidence = "(killed: no exit record)", 0.8
@@ -151,10 +212,13 @@ def first_failed(ended: pd.DataFrame, silent: dict[int, int]) -> tuple[int, int,
     """Of one attempt's exit records (``ended``) and the ranks that went silent before its first
     exit (rank -> last heartbeat), the one that failed first: ``(time_us, rank, its exit row or
     None if silent)``, or None where no rank failed (all closed or were stopped). The earliest
-    exception of its own (not a peer's death) or silence; where every exception is a peer's death
-    and none went silent, the earliest."""
+    exception of its own (not a peer's death, unless its own GPU failed) or silence; where every
+    exception is a peer's death and none went silent, the earliest."""
     raised = ended[ended["how"] == "exception"]
-    own = raised[~raised["message"].astype(str).str.contains(PEER_DIED)]
+    own = raised[
+        ~raised["message"].astype(str).str.contains(PEER_DIED)
+        | np.array([gpu_failed(r) for r in raised.itertuples(index=False)], dtype=bool)  # its GPU failed
+    ]
     candidates = [
         *((int(r.time_us), int(r.rank), r) for r in own.itertuples(index=False)),
         *((t, rank, None) for rank, t in silent.items()),

@@ -13,7 +13,14 @@ FRAME = "train.py(80): train_step @95"
 
 
 def _exit(
-    rank: int, dt_s: float, how: str, error: str = "", message: str = "", signal: int = 0, attempt: int = 0
+    rank: int,
+    dt_s: float,
+    how: str,
+    error: str = "",
+    message: str = "",
+    signal: int = 0,
+    attempt: int = 0,
+    gpu: dict[str, int] | None = None,
 ) -> dict:
     return {
         "rank": rank,
@@ -26,6 +33,7 @@ def _exit(
         "message": message,
         "frame": FRAME if how == "exception" else "",
         "signal": signal,
+        "gpu": gpu or {},
         "time_us": T + int(dt_s * 1e6),
     }
 
@@ -66,6 +74,40 @@ def test_the_rank_that_raised_first_is_named_not_those_whose_peer_died_or_that_t
         "2": "raised RuntimeError (a peer died)",
         "3": "stopped by signal 15",
     }
+
+
+def test_a_gpu_that_fell_off_the_bus_is_its_hardware_whatever_its_rank_raised() -> None:
+    """Rank 2's GPU fell off the bus (XID 79) and its ECC errors rose: the job saw only an NCCL
+    error there, later than its peers saw theirs. Its hook's NVML answers name the hardware."""
+    nccl = "NCCL error in: ProcessGroupNCCL.cpp:1935, unhandled system error, NCCL version 2.21.5"
+    exits = pd.DataFrame(
+        [
+            _exit(0, 0.1, "exception", "torch.distributed.DistBackendError", PEER),
+            _exit(1, 0.1, "exception", "torch.distributed.DistBackendError", PEER),
+            _exit(2, 0.3, "exception", "torch.distributed.DistBackendError", nccl, gpu={"xid_79": 1, "ecc_uncorrected": 2}),
+            _exit(3, 5.0, "signal", signal=15),
+        ]
+    )  # fmt: skip
+    data = JobData(job="j", ranks=RANKS, exits=exits, heartbeats=_beats({r: -1.0 for r in range(4)}))
+    f = only(failure.find(data, failure.Settings()))
+    assert (f.ranks, f.hosts, f.evidence["class"]) == ([2], ["node1"], "gpu_hardware")
+    assert f.evidence["gpu"] == {"xid_79": 1, "ecc_uncorrected": 2}
+    assert "XID 79 (GPU has fallen off the bus), 2 uncorrected ECC errors" in f.summary
+    assert "cordon the host" in f.evidence["advice"]
+    # Without its GPU's answers the same exits read as the network's failure, on the same rank.
+    plain = exits.assign(gpu=[{}] * 4)
+    f = only(
+        failure.find(
+            JobData(job="j", ranks=RANKS, exits=plain, heartbeats=data.heartbeats), failure.Settings()
+        )
+    )
+    assert (f.ranks, f.evidence["class"]) == ([2], "network")
+    # An application's XID (13: a graphics engine exception, the kernel's own fault) is told, not blamed on the GPU.
+    app = exits.assign(gpu=[{}, {}, {"xid_13": 2}, {}])
+    f = only(
+        failure.find(JobData(job="j", ranks=RANKS, exits=app, heartbeats=data.heartbeats), failure.Settings())
+    )
+    assert f.evidence["class"] == "network" and "XID 13 x2" in f.summary
 
 
 def test_a_rank_killed_without_a_word_is_the_one_its_peers_died_of() -> None:
