@@ -171,6 +171,7 @@ HEARTBEATS = Table(
         ("sends", "Map(String, Tuple(Int64, Int64))"),  # schema 7
         ("windows", "Int64"),  # schema 10
         ("window_cost_us", "Int64"),
+        ("gpu_xids", "Map(String, Int64)"),  # schema 12
     ),
     order_by=("job", "rank", "time_us"),
 )
@@ -611,7 +612,7 @@ def ensure_schema(client: Any, database: str = DEFAULT_DATABASE, cluster: str = 
         if name == HEARTBEATS.name and LATEST_HEARTBEATS.name in dict(found):
             # The latest heartbeats' table takes the new columns, and its view, which names the
             # columns it copies, is made anew below.
-            for alter in (*_TO_10[name], *_TO_11[name]):
+            for alter in (*_TO_10[name], *_TO_11[name], *_TO_12[name]):
                 client.command(f"ALTER TABLE `{database}`.`{LATEST_HEARTBEATS.name}` {alter}")
             client.command(f"DROP VIEW IF EXISTS `{database}`.`{LATEST_HEARTBEATS_OBJECTS[1]}`")
         _migrate(client, database, name, dict(found)[name])
@@ -675,8 +676,12 @@ _TO_11 = {
 }
 """Schema 11: a point-to-point call's peer in heartbeats, each rank's place in the job's device mesh
 (and the table ``exits``, made as any missing table is)."""
-_TO_12 = {"exits": ["ADD COLUMN IF NOT EXISTS `gpu` Map(String, Int64) AFTER `signal`"]}
-"""Schema 12: a rank's GPU faults since attach in its exit record."""
+_TO_12 = {
+    "exits": ["ADD COLUMN IF NOT EXISTS `gpu` Map(String, Int64) AFTER `signal`"],
+    "heartbeats": ["ADD COLUMN IF NOT EXISTS `gpu_xids` Map(String, Int64)"],
+}
+"""Schema 12: a rank's GPU faults since attach in its exit record, its XIDs in its heartbeats
+(``latest_heartbeats`` too)."""
 
 
 def _then(*steps: dict[str, list[str]]) -> dict[str, list[str]]:

@@ -52,6 +52,7 @@ HEARTBEAT_FIELDS = [
     "last_seq",
     "stack",
     "window_cost_us",
+    "gpu_xids",
 ]
 
 

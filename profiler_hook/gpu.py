@@ -53,16 +53,18 @@ class GpuSampler:
         self._since = self._counters()
 
     def sample(self) -> dict[str, Any]:
-        """``gpu_util`` (% of the last sample period a kernel ran) and ``gpu_mem_mb``; {} if unknown."""
+        """``gpu_util`` (% of the last sample period a kernel ran) and ``gpu_mem_mb``, and where
+        the device had any, ``gpu_xids`` (its XID events since attach); {} if unknown."""
         if self._handle is None:
             return {}
         self._drain()
+        xids = {"gpu_xids": self._xid_counts()} if self._xids else {}
         try:
             util = self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu
             used = self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used
-            return {"gpu_util": float(util), "gpu_mem_mb": round(used / (1 << 20), 1)}
+            return {"gpu_util": float(util), "gpu_mem_mb": round(used / (1 << 20), 1), **xids}
         except Exception:
-            return {}
+            return xids
 
     def faults(self) -> dict[str, int]:
         """The device's faults since attach: ``xid_<code>`` (events of each XID), and where they
@@ -72,7 +74,10 @@ class GpuSampler:
         self._drain()
         now = self._counters()
         moved = {k: n - self._since[k] for k, n in now.items() if k in self._since and n > self._since[k]}
-        return {**{f"xid_{code}": n for code, n in sorted(self._xids.items())}, **moved}
+        return {**self._xid_counts(), **moved}
+
+    def _xid_counts(self) -> dict[str, int]:
+        return {f"xid_{code}": n for code, n in sorted(self._xids.items())}
 
     def _drain(self) -> None:
         """Count the XID events NVML holds for the device, without waiting."""

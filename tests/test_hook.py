@@ -1677,8 +1677,10 @@ def test_nvml_tells_the_gpus_faults_since_attach_for_the_exit_record(monkeypatch
     gpu = GpuSampler(0)
     assert registered == [8 | 4]
     assert gpu.faults() == {}, "counts from attach: a GPU's old errors are not this job's"
+    assert gpu.sample() == {"gpu_util": 50.0, "gpu_mem_mb": 1024.0}, "no XID yet: none in the heartbeat"
     queued += [SimpleNamespace(eventType=8, eventData=79), SimpleNamespace(eventType=8, eventData=13)]
-    assert gpu.sample() == {"gpu_util": 50.0, "gpu_mem_mb": 1024.0}  # a heartbeat drains the queue...
+    # A heartbeat drains the queue and carries the XIDs so far (a rank killed without a word leaves them)...
+    assert gpu.sample() == {"gpu_util": 50.0, "gpu_mem_mb": 1024.0, "gpu_xids": {"xid_13": 1, "xid_79": 1}}
     assert not queued
     queued += [SimpleNamespace(eventType=4, eventData=0), SimpleNamespace(eventType=8, eventData=79)]
     counters.update(ecc=7, pages=[[0x1000, 1], [0x2000, 1]], rows=(1, 1, False, False))

@@ -114,8 +114,9 @@ def steps(rank: int, lo: int, hi: int) -> StepBatch:
     return StepBatch(job=JOB, rank=rank, host=f"node{rank // 2}", time_us=T0 + hi * 100_000, rows=rows)
 
 
-def heartbeat(rank: int, time_us: int, step: int) -> Heartbeat:
+def heartbeat(rank: int, time_us: int, step: int, gpu_xids: dict[str, int] | None = None) -> Heartbeat:
     return Heartbeat(
+        gpu_xids=gpu_xids or {},
         job=JOB, rank=rank, host=f"node{rank // 2}", time_us=time_us, step=step, progress_age_s=0.25,
         coll_group="0", coll_op="allreduce", coll_seq=step * 3, coll_age_s=0.01,
         last_seq={"0": step * 3, "1": step}, stack="train.py:42 step", dropped=rank,
@@ -170,7 +171,10 @@ def all_records() -> list[Record]:
     out: list[Record] = []
     for rank in (0, 1):
         out += [rank_info(rank), steps(rank, 0, 5), checkpoint(rank), steps(rank, 5, 8)]
-        out += [heartbeat(rank, T0 + 1_000_000, 4), heartbeat(rank, T0 + 2_000_000, 7)]
+        out += [
+            heartbeat(rank, T0 + 1_000_000, 4),
+            heartbeat(rank, T0 + 2_000_000, 7, {"xid_79": 1} if rank else None),
+        ]
         out += [window(rank, 1), window(rank, 2), exit_record(rank)]
     return out
 
@@ -284,7 +288,7 @@ def test_a_store_of_schema_1_is_migrated_and_its_rows_read_as_before(store: Stor
     store.client.command(f"ALTER TABLE {store.database}.steps DROP COLUMN wait_us")
     store.client.command(f"ALTER TABLE {store.database}.ranks DROP COLUMN spine")
     store.client.command(f"ALTER TABLE {store.database}.ranks DROP COLUMN coverage")
-    for column in ("gpu_util", "gpu_mem_mb", "samples", "sends", "windows", "window_cost_us"):
+    for column in ("gpu_util", "gpu_mem_mb", "samples", "sends", "windows", "window_cost_us", "gpu_xids"):
         store.client.command(f"ALTER TABLE {store.database}.heartbeats DROP COLUMN {column}")
     exits = store.exits(JOB)
     store.client.command(f"ALTER TABLE {store.database}.exits DROP COLUMN gpu")
@@ -299,7 +303,7 @@ def test_a_store_of_schema_1_is_migrated_and_its_rows_read_as_before(store: Stor
     ) == ranks.to_dict("records")
     assert (store.ranks(JOB)["coverage"] == "").all(), "ranks stored before the migration say no coverage"
     assert (store.ranks(JOB)["spine"] == "").all(), "ranks stored before the migration name no spine"
-    gpu = ["gpu_util", "gpu_mem_mb"]
+    gpu = ["gpu_util", "gpu_mem_mb", "gpu_xids"]
     assert store.heartbeats_latest(JOB).drop(columns=gpu).equals(latest.drop(columns=gpu))
     comments = store.client.query(
         "SELECT DISTINCT comment FROM system.tables WHERE database = {db:String} AND name IN {t:Array(String)}",
@@ -629,6 +633,7 @@ def test_every_record_type_round_trips_through_the_spool(store: Store, tmp_path:
     assert latest["time_us"].tolist() == [T0 + 2_000_000] * 2
     assert latest["last_seq"][0] == {"0": 21, "1": 7}
     assert latest["stack"][1] == "train.py:42 step"
+    assert latest["gpu_xids"].tolist() == [{}, {"xid_79": 1}]
     assert "samples" not in latest and "sends" not in latest  # summed up by stack_samples and link_sends
     some = store.heartbeats_latest(JOB, columns=["stack", "rank", "nope"])
     assert list(some.columns) == ["rank", "stack"] and some["stack"][1] == "train.py:42 step"

@@ -240,6 +240,9 @@ class Heartbeat(_Base):
     """NVML: percent of the last sample period a kernel ran on the rank's GPU (-1: not read)."""
     gpu_mem_mb: float = -1.0
     """NVML: the GPU's memory in use, MiB (-1: not read)."""
+    gpu_xids: dict[str, int] = field(default_factory=dict)
+    """NVML: the GPU's XID events since attach, ``xid_<code>`` → events (as ``Exit.gpu``): what a
+    rank killed without a word (an NCCL watchdog's abort after its GPU fell off the bus) leaves."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

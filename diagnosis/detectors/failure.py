@@ -29,6 +29,7 @@ import pandas as pd
 
 from ..data import JobData
 from ..findings import Finding
+from ..gpu_faults import gpu_failed, gpu_faults
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -66,27 +67,6 @@ CLASSES: tuple[tuple[str, re.Pattern[str], str], ...] = (
     ),
 )
 """Error classes by what the exception says (class, then message), first match; else ``code``."""
-HARDWARE_XIDS = {
-    48: "double-bit ECC error",
-    63: "ECC page retirement or row remapping",
-    64: "ECC page retirement or row remapping failure",
-    74: "NVLink error",
-    79: "GPU has fallen off the bus",
-    92: "high single-bit ECC error rate",
-    94: "contained ECC error",
-    95: "uncontained ECC error",
-    119: "GSP RPC timeout",
-    120: "GSP error",
-    140: "unrecovered ECC error",
-}
-"""The XIDs that NVIDIA's XID catalog resolves by resetting or replacing the GPU, not the
-application (13, 31, 43 and 45, the application's own faults, are not here)."""
-GPU_COUNTERS = {
-    "ecc_uncorrected": "uncorrected ECC errors",
-    "retired_pages": "retired pages",
-    "remapped_rows": "remapped rows",
-}
-"""The exit record's GPU counters (how far each moved since attach), in words."""
 HARDWARE = ("gpu_hardware",)
 """The classes whose host must be checked before it runs again (their advice: cordon it)."""
 CODE_ADVICE = "fix the job's code where it raised"
@@ -96,47 +76,26 @@ KILLED_ADVICE = (
 )
 
 
-def explain(row: Any) -> tuple[str, str, str]:
-    """Of the rank that failed first (its exit row, or None where it ended without a word): its
-    error's class, what to do about it, and what it said (and its GPU, where it had faults)."""
+def explain(row: Any, gpu: dict[str, int] | None = None) -> tuple[str, str, str]:
+    """Of the rank that failed first (its exit row, or None where it ended without a word, then
+    ``gpu``: its GPU's XIDs from its last heartbeat): its error's class, what to do about it, and
+    what it said (and its GPU, where it had faults)."""
     if row is None:
-        return "killed", KILLED_ADVICE, "its process ended without a word"
-    klass, advice = classify(str(row.error), str(row.message))
-    what = f"{row.error}: {row.message}".strip(": ")
-    faults = gpu_faults(row)
-    if faults:
+        klass, advice, what = "killed", KILLED_ADVICE, "its process ended without a word"
+    else:
+        klass, advice = classify(str(row.error), str(row.message))
+        what = f"{row.error}: {row.message}".strip(": ")
+        gpu = gpu_of(row)
+    if faults := gpu_faults(gpu or {}):
         what = f"{what}; its GPU since attach: {faults}"
-    if gpu_failed(row):
+    if gpu_failed(gpu or {}):
         klass, advice = next((name, advice) for name, _, advice in CLASSES if name == "gpu_hardware")
     return klass, advice, what
 
 
-def _gpu(row: Any) -> dict[str, int]:
+def gpu_of(row: Any) -> dict[str, int]:
+    """An exit row's GPU faults (``wire.records.Exit.gpu``)."""
     return dict(getattr(row, "gpu", None) or {})
-
-
-def gpu_failed(row: Any) -> bool:
-    """Whether an exit row's GPU had a hardware fault since attach: a hardware XID, or an ECC error
-    count, retired pages or remapped rows that moved."""
-    gpu = _gpu(row)
-    return any(k in GPU_COUNTERS for k in gpu) or any(
-        k.startswith("xid_") and int(k[4:]) in HARDWARE_XIDS for k in gpu
-    )
-
-
-def gpu_faults(row: Any) -> str:
-    """An exit row's GPU faults in words (``XID 79 (GPU has fallen off the bus), 2 uncorrected
-    ECC errors``); "" where none."""
-    gpu = _gpu(row)
-    xids = sorted((int(k[4:]), n) for k, n in gpu.items() if k.startswith("xid_"))
-    parts = [
-        f"XID {code}"
-        + (f" ({HARDWARE_XIDS[code]})" if code in HARDWARE_XIDS else "")
-        + (f" x{n}" if n > 1 else "")
-        for code, n in xids
-    ]
-    parts += [f"{gpu[k]} {words}" for k, words in GPU_COUNTERS.items() if gpu.get(k)]
-    return ", ".join(parts)
 
 
 def classify(error: str, message: str) -> tuple[str, str]:
@@ -165,7 +124,13 @@ def find(data: JobData, s: Settings) -> list[Finding]:
         return []  # every rank closed, or was stopped: no failure
     t, rank, row = first
     host = data.hosts_of([rank]).get(rank, "")
-    klass, advice, what = explain(row)
+    beats = data.heartbeats[data.heartbeats["rank"] == rank]
+    xids = (
+        dict(beats["gpu_xids"].iloc[-1] or {})
+        if row is None and "gpu_xids" in beats and not beats.empty
+        else {}
+    )
+    klass, advice, what = explain(row, xids)
     if row is not None:
         function = str(row.frame) or str(row.error)
         step, confidence = int(row.step), 0.95
@@ -173,13 +138,12 @@ def find(data: JobData, s: Settings) -> list[Finding]:
             "error": str(row.error),
             "message": str(row.message),
             "frame": str(row.frame),
-            **({"gpu": _gpu(row)} if _gpu(row) else {}),
+            **({"gpu": gpu_of(row)} if gpu_of(row) else {}),
         }
     else:
         function, confidence = "(killed: no exit record)", 0.8
-        beats = data.heartbeats[data.heartbeats["rank"] == rank]
         step = int(beats["step"].max()) if not beats.empty else -1
-        evidence = {"last_heartbeat_us": t}
+        evidence = {"last_heartbeat_us": t, **({"gpu": xids} if xids else {})}
     others = {int(r.rank): _how(r) for r in ended.itertuples(index=False) if int(r.rank) != rank}
     after = ", ".join(f"rank {r} {h}" for r, h in sorted(others.items())[:8])
     return [
@@ -217,7 +181,9 @@ def first_failed(ended: pd.DataFrame, silent: dict[int, int]) -> tuple[int, int,
     raised = ended[ended["how"] == "exception"]
     own = raised[
         ~raised["message"].astype(str).str.contains(PEER_DIED)
-        | np.array([gpu_failed(r) for r in raised.itertuples(index=False)], dtype=bool)  # its GPU failed
+        | np.array(
+            [gpu_failed(gpu_of(r)) for r in raised.itertuples(index=False)], dtype=bool
+        )  # its GPU failed
     ]
     candidates = [
         *((int(r.time_us), int(r.rank), r) for r in own.itertuples(index=False)),

@@ -19,6 +19,7 @@ import pandas as pd
 
 from ..data import JobData
 from ..findings import Finding
+from ..gpu_faults import gpu_faults
 
 MAX_LISTED = 64
 """Up to this many ranks, the evidence lists every rank's last sequence number and step."""
@@ -126,8 +127,15 @@ def locate(heartbeats: pd.DataFrame, s: Settings | None = None) -> Hang | None:
         if waits:
             group, seq, *_ = max(waits.values(), key=lambda w: w[1])
         parts.append(f"all stalled ranks wait in collective #{seq} of group '{group}'")
-    why = "; ".join(parts)
     culprit_list = sorted(culprits)
+    gpus = (
+        {int(r): dict(x) for r, x in zip(hb["rank"], hb["gpu_xids"], strict=True) if x and int(r) in culprits}
+        if "gpu_xids" in hb
+        else {}
+    )
+    # A GPU that fell off the bus hangs its rank's collectives: its XIDs say why.
+    parts += [f"rank {r}'s GPU since attach: {gpu_faults(x)}" for r, x in sorted(gpus.items())]
+    why = "; ".join(parts)
     last = pd.Series([seqs[r].get(group, 0) for r in ranks], index=hb.index, dtype="int64")
     mine = hb["rank"].isin(culprit_list)
     stacks = {
@@ -149,6 +157,7 @@ def locate(heartbeats: pd.DataFrame, s: Settings | None = None) -> Hang | None:
             "last_seq": dict(zip(listed, last[shown].astype(int), strict=True)),
             "last_step": dict(zip(listed, hb.loc[shown, "step"].astype(int), strict=True)),
             "ranks_by_last_seq": {int(k): int(v) for k, v in last.value_counts().sort_index().items()},
+            **({"gpu_xids": {str(r): x for r, x in sorted(gpus.items())}} if gpus else {}),
             **(
                 {"waits_for": {str(r): sorted(w[3]) for r, w in waits.items()}}
                 if len(waits) <= MAX_LISTED

@@ -44,11 +44,12 @@ RANKS = pd.DataFrame(
 PEER = "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:29500"
 
 
-def _beats(last_s: dict[int, float]) -> pd.DataFrame:
+def _beats(last_s: dict[int, float], xids: dict[int, dict[str, int]] | None = None) -> pd.DataFrame:
     return pd.DataFrame(
         [
             {"rank": r, "time_us": T + int(t * 1e6), "step": 99, "progress_age_s": 0.1, "coll_group": "",
-             "coll_op": "", "coll_seq": -1, "coll_peer": -1, "last_seq": {"world": 500}, "stack": ""}
+             "coll_op": "", "coll_seq": -1, "coll_peer": -1, "last_seq": {"world": 500}, "stack": "",
+             "gpu_xids": (xids or {}).get(r, {})}
             for r, t in last_s.items()
         ]
     )  # fmt: skip
@@ -115,6 +116,12 @@ def test_a_rank_killed_without_a_word_is_the_one_its_peers_died_of() -> None:
     data = JobData(job="j", ranks=RANKS, exits=exits, heartbeats=_beats({0: 0.9, 1: 0.9, 2: -2.0, 3: 0.9}))
     f = only(failure.find(data, failure.Settings()))
     assert (f.ranks, f.evidence["class"], f.confidence) == ([2], "killed", 0.8)
+    # The same, where its heartbeats said its GPU fell off the bus first (an NCCL watchdog's abort
+    # then ends a process without a word): the GPU's hardware, to cordon.
+    beats = _beats({0: 0.9, 1: 0.9, 2: -2.0, 3: 0.9}, xids={2: {"xid_79": 1}})
+    f = only(failure.find(JobData(job="j", ranks=RANKS, exits=exits, heartbeats=beats), failure.Settings()))
+    assert (f.ranks, f.evidence["class"], f.evidence["gpu"]) == ([2], "gpu_hardware", {"xid_79": 1})
+    assert "ended without a word; its GPU since attach: XID 79" in f.summary
 
 
 def test_an_out_of_memory_error_and_the_jobs_own_code_are_told_apart() -> None:

@@ -65,6 +65,18 @@ def test_hang_names_the_rank_that_never_entered_the_collective() -> None:
     assert f.confidence >= 0.9
 
 
+def test_a_rank_whose_gpu_fell_off_the_bus_hangs_with_its_xid_as_why() -> None:
+    """Rank 2's GPU fell off the bus: its collective never completes; its heartbeats carried the
+    XID NVML delivered (``Heartbeat.gpu_xids``), and the others' GPUs had none."""
+    hb = _hung().assign(gpu_xids=[{}, {}, {}, {"xid_79": 1}])  # rank 2 is the last row
+    hb.loc[hb["rank"] == 0, "gpu_xids"] = [{"xid_13": 1}]  # an application XID on a waiting rank
+    data = JobData(job="hung", ranks=pd.DataFrame({"rank": range(4), "host": "a"}), heartbeats=hb)
+    f = only(hang.find(data, hang.Settings()))
+    assert f.ranks == [2]
+    assert "rank 2's GPU since attach: XID 79 (GPU has fallen off the bus)" in f.summary
+    assert f.evidence["gpu_xids"] == {"2": {"xid_79": 1}}, "only the culprits' GPUs"
+
+
 def test_running_job_is_not_a_hang() -> None:
     hb = pd.DataFrame(
         [
