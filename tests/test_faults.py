@@ -13,7 +13,7 @@ import pytest
 from benchmarks import scoring
 from benchmarks.injectors import Fabric, Unavailable
 from benchmarks.scenarios import ScenarioError, load, load_all
-from benchmarks.workload import JobSpec, _model, padding_rows
+from benchmarks.workload import Fault, JobSpec, _model, padding_rows
 from diagnosis.findings import Diagnosis, Finding
 
 
@@ -388,3 +388,8 @@ def test_the_fabric_limits_only_the_faulty_switch_uplink_and_leaves_nothing_behi
     assert not [n for n in fabric.netns.values() if n in left]
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
     assert not [n for n in fabric.netns.values() if n in namespaces]
+
+
+def test_fault_settings_are_validated() -> None:
+    with pytest.raises(ValueError, match="unknown fault"):
+        Fault(kind="cosmic-ray")

@@ -3,7 +3,6 @@ and real multi-rank gloo jobs."""
 
 from __future__ import annotations
 
-import dataclasses
 import gzip
 import json
 import logging
@@ -24,7 +23,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import profiler_hook
-from benchmarks.workload import Fault, JobSpec, free_port, launch
+from benchmarks.workload import JobSpec, free_port, launch
 from profiler_hook import events, threadstates
 from profiler_hook.blocks import StepBlocks
 from profiler_hook.collectives import CollectiveTracker
@@ -40,13 +39,10 @@ from wire.records import (
     STEP_COLUMNS,
     Heartbeat,
     RankInfo,
-    RecordError,
     StepBatch,
-    StepRow,
     WindowSummary,
     coverage_gaps,
     decode,
-    encode,
     sample_key,
 )
 
@@ -71,43 +67,6 @@ def test_importing_the_hook_loads_nothing_heavy() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
-
-
-def test_records_round_trip_and_bad_values_say_why() -> None:
-    batch = StepBatch(job="j", rank=3, host="h", time_us=1, rows=(StepRow(1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 11),))
-    key, value = encode(batch)
-    assert key == b"j/3"
-    assert decode(value) == batch
-    hb = Heartbeat(job="j", rank=0, host="h", time_us=5, step=7, progress_age_s=0.5, last_seq={"world": 4})
-    assert decode(encode(hb)[1]) == hb
-    sampled = dataclasses.replace(hb, samples={"train.py(40): load": 9, "": 1})
-    assert decode(encode(sampled)[1]) == sampled
-    sending = dataclasses.replace(hb, sends={"10.0.0.1>10.0.0.2": (4 << 20, 9_000)})
-    assert decode(encode(sending)[1]) == sending
-    for bad in ("[1]", "[1, -2]", '"x"', "[1, 2.5]"):
-        with pytest.raises(RecordError, match=r"'sends' must be dict\[str, tuple\[int, int\]\]"):
-            decode(encode(hb)[1][:-1] + b',"sends":{"a>b":' + bad.encode() + b"}}")
-    cases = {
-        b"{": "not JSON",
-        b'{"v": 99, "type": "steps"}': "unknown schema version",
-        b'{"v": 1, "type": "nope"}': "unknown record type",
-        b'{"v": 1, "type": "steps", "job": "j"}': "lacks field",
-        b'{"v": 1, "type": "steps", "job": 1, "rank": 0, "host": "h", "time_us": 0, "rows": []}': "must be str",
-        b'{"v": 1, "type": "steps", "job": "j", "rank": 0, "host": "h", "time_us": 0, "rows": [[1]]}': r"rows\[0\]",
-    }
-    for raw, reason in cases.items():
-        with pytest.raises(RecordError, match=reason):
-            decode(raw)
-    assert len(encode(hb)[1]) < 130  # fields at their defaults are left out, and read back as such
-    # Older values are still read: version 1 (one step per row, nine columns) as rows of one step,
-    # versions 1 and 2 (ten columns) with no run-queue wait known.
-    unknown_wait = dataclasses.replace(batch, rows=(batch.rows[0]._replace(wait_us=0),))
-    v1 = b'{"v":1,"type":"steps","job":"j","rank":3,"host":"h","time_us":1,"rows":[[1,2,3,4,5,6,7,8,9]]}'
-    assert decode(v1) == unknown_wait
-    v2 = b'{"v":2,"type":"steps","job":"j","rank":3,"host":"h","time_us":1,"rows":[[1,2,3,4,5,6,7,8,9,1]]}'
-    assert decode(v2) == unknown_wait
-    with pytest.raises(RecordError, match=r"rows\[0\] must be a list of 11 values"):
-        decode(v2.replace(b'"v":2', b'"v":3'))
 
 
 def test_step_rows_are_blocks_that_every_rank_cuts_alike() -> None:
@@ -1209,11 +1168,6 @@ def test_hook_in_spawned_gloo_ranks(tmp_path: Path) -> None:
     assert hosts == {0: "node0", 1: "node0", 2: "node1", 3: "node1"}
 
 
-def test_fault_settings_are_validated() -> None:
-    with pytest.raises(ValueError, match="unknown fault"):
-        Fault(kind="cosmic-ray")
-
-
 def _bulk_sender() -> tuple[socket.socket, socket.socket, Callable[[int], None], Callable[[], None]]:
     """An idle and a bulk loopback connection to a reading server, ``send(n)`` that waits until ``n``
     more bytes were read, and ``close()``."""
@@ -1471,21 +1425,6 @@ def test_a_job_id_falling_back_to_none_is_warned_about_once(
     assert Config().job == "3f2a" and not caplog.records
 
 
-def test_the_hook_never_emits_nan_or_infinity() -> None:
-    """A non-finite float is no JSON: encode() refuses it, and the shipper drops and counts it."""
-    bad = Heartbeat(job="j", rank=0, host="h", time_us=1, step=3, progress_age_s=math.inf)
-    with pytest.raises(ValueError, match="NaN or infinity"):
-        encode(bad)
-    sink = ListSink()
-    shipper = Shipper(sink, 10)
-    for record in (bad, dataclasses.replace(bad, coll_age_s=math.nan, progress_age_s=1.0)):
-        shipper.submit(record)
-    shipper.submit(Heartbeat(job="j", rank=0, host="h", time_us=2, step=4, progress_age_s=0.5))
-    shipper.close()
-    assert [decode(v).time_us for v in sink.got] == [2]
-    assert shipper.dropped == 2
-
-
 def test_the_shipper_numbers_what_it_ships_and_a_dropped_record_keeps_its_number() -> None:
     """Records leave numbered in order with the process's pid; one dropped by a full queue takes
     its number with it, so that the store sees the gap."""
@@ -1572,127 +1511,6 @@ def test_a_hook_never_closed_ships_its_last_steps_when_the_process_ends(tmp_path
         for row in r["rows"]
     ]
     assert sum(row[STEP_COLUMNS.index("n_steps")] for row in rows) == 30, rows
-
-
-def test_topology_comes_from_kubernetes_node_labels_through_a_configured_mapping(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    from profiler_hook.labels import topology
-
-    labels = tmp_path / "labels"  # as the downward API writes it
-    labels.write_text(
-        'kubernetes.io/hostname="node-7"\naiops.io/switch="leaf3"\nvolcano.sh/spine="s1"\n'
-        "not a label\nbroken=unquoted\n"
-    )
-    env = {
-        "RANKSCOPE_LABELS_FILE": str(labels),
-        "RANKSCOPE_TOPOLOGY": "switch=aiops.io/switch,spine=volcano.sh/spine",
-    }
-    with caplog.at_level(logging.WARNING, logger="profiler_hook.labels"):
-        assert topology(env) == {"host": "node-7", "nic": "", "switch": "leaf3", "spine": "s1"}
-    (warning,) = caplog.records  # every malformed entry in one warning, the rest used
-    assert "not a label" in warning.message and "broken" in warning.message
-    inline = {**env, "RANKSCOPE_LABELS": "aiops.io/switch=leaf9", "RANKSCOPE_SPINE": "s2"}
-    assert topology(inline) == {"host": "node-7", "nic": "", "switch": "leaf9", "spine": "s2"}, "env wins"
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="profiler_hook.labels"):
-        assert (
-            topology({"RANKSCOPE_LABELS_FILE": str(tmp_path / "none"), "RANKSCOPE_TOPOLOGY": "rack=x"})[
-                "switch"
-            ]
-            == ""
-        )
-    assert "unknown level 'rack'" in caplog.text
-    ident = Identity.from_env(rank=0, world_size=1)  # this machine: no labels file, its host name
-    assert ident.host == (os.environ.get("RANKSCOPE_HOST") or socket.gethostname())
-
-
-def test_nvml_samples_the_ranks_own_gpu_through_cuda_visible_devices(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No GPU here: a stand-in ``pynvml`` module answers as NVML would, to test the mapping and
-    the samples; on a GPU the real one does (nothing here needs it)."""
-    from types import SimpleNamespace
-
-    from profiler_hook.gpu import GpuSampler
-
-    asked: list[tuple[str, object]] = []  # the device handles NVML is asked about
-    fake = SimpleNamespace(
-        nvmlInit=lambda: None,
-        nvmlDeviceGetHandleByIndex=lambda i: ("index", i),
-        nvmlDeviceGetHandleByUUID=lambda u: ("uuid", u),
-        nvmlDeviceGetUtilizationRates=lambda h: asked.append(h) or SimpleNamespace(gpu=87),
-        nvmlDeviceGetMemoryInfo=lambda h: asked.append(h) or SimpleNamespace(used=3 << 30),
-    )
-    monkeypatch.setitem(sys.modules, "pynvml", fake)
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,GPU-5f2e")
-    first, second = GpuSampler(0), GpuSampler(1)
-    assert first.sample() == {"gpu_util": 87.0, "gpu_mem_mb": 3072.0}
-    assert second.sample() == {"gpu_util": 87.0, "gpu_mem_mb": 3072.0}
-    assert asked == [("index", 3), ("index", 3), ("uuid", "GPU-5f2e"), ("uuid", "GPU-5f2e")]
-    fake.nvmlDeviceGetUtilizationRates = lambda h: (_ for _ in ()).throw(RuntimeError("GPU is lost"))
-    assert first.sample() == {}, "a failing NVML call gives no sample, never an exception"
-    monkeypatch.setitem(sys.modules, "pynvml", None)  # not installed: import fails
-    assert GpuSampler(0).sample() == {}
-
-
-def test_nvml_tells_the_gpus_faults_since_attach_for_the_exit_record(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No GPU here: a stand-in ``pynvml`` answers as NVML's API documents (an event set that holds
-    the device's XID and double-bit ECC events until waited on, and its fault counters)."""
-    from types import SimpleNamespace
-
-    from profiler_hook.gpu import GpuSampler
-
-    class Timeout(Exception):  # pynvml.NVMLError_Timeout
-        pass
-
-    queued: list[SimpleNamespace] = []
-    counters = {"ecc": 5, "pages": [[0x1000, 1]], "rows": (1, 0, False, False)}  # before attach
-    registered: list[int] = []
-
-    def wait(event_set: object, timeout_ms: int) -> SimpleNamespace:
-        assert timeout_ms == 0, "never waits"
-        if not queued:
-            raise Timeout()
-        return queued.pop(0)
-
-    fake = SimpleNamespace(
-        nvmlInit=lambda: None,
-        nvmlDeviceGetHandleByIndex=lambda i: ("index", i),
-        nvmlDeviceGetUtilizationRates=lambda h: SimpleNamespace(gpu=50),
-        nvmlDeviceGetMemoryInfo=lambda h: SimpleNamespace(used=1 << 30),
-        nvmlEventTypeXidCriticalError=8,
-        nvmlEventTypeDoubleBitEccError=4,
-        nvmlEventSetCreate=lambda: "set",
-        nvmlDeviceRegisterEvents=lambda h, kinds, s: registered.append(kinds),
-        nvmlEventSetWait_v2=wait,
-        NVML_MEMORY_ERROR_TYPE_UNCORRECTED=1,
-        NVML_VOLATILE_ECC=0,
-        nvmlDeviceGetTotalEccErrors=lambda h, kind, where: counters["ecc"],
-        NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS=0,
-        NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR=1,
-        nvmlDeviceGetRetiredPages=lambda h, cause: counters["pages"] if cause == 1 else [],
-        nvmlDeviceGetRemappedRows=lambda h: counters["rows"],
-    )
-    monkeypatch.setitem(sys.modules, "pynvml", fake)
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    gpu = GpuSampler(0)
-    assert registered == [8 | 4]
-    assert gpu.faults() == {}, "counts from attach: a GPU's old errors are not this job's"
-    assert gpu.sample() == {"gpu_util": 50.0, "gpu_mem_mb": 1024.0}, "no XID yet: none in the heartbeat"
-    queued += [SimpleNamespace(eventType=8, eventData=79), SimpleNamespace(eventType=8, eventData=13)]
-    # A heartbeat drains the queue and carries the XIDs so far (a rank killed without a word leaves them)...
-    assert gpu.sample() == {"gpu_util": 50.0, "gpu_mem_mb": 1024.0, "gpu_xids": {"xid_13": 1, "xid_79": 1}}
-    assert not queued
-    queued += [SimpleNamespace(eventType=4, eventData=0), SimpleNamespace(eventType=8, eventData=79)]
-    counters.update(ecc=7, pages=[[0x1000, 1], [0x2000, 1]], rows=(1, 1, False, False))
-    # ...and the exit record has every event since attach, and how far each counter moved.
-    assert gpu.faults() == {
-        "xid_13": 1, "xid_48": 1, "xid_79": 2, "ecc_uncorrected": 2, "retired_pages": 1, "remapped_rows": 1,
-    }  # fmt: skip
-    # A device without row remapping (before Ampere) or ECC: those counters are left out, no error.
-    fake.nvmlDeviceGetRemappedRows = fake.nvmlDeviceGetTotalEccErrors = lambda *a: (_ for _ in ()).throw(
-        Timeout()
-    )
-    assert GpuSampler(0).faults() == {}
 
 
 def test_close_waits_for_the_watchdog_thread_inside_a_slow_call_of_the_jobs_store(tmp_path: Path) -> None:
