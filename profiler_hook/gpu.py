@@ -82,9 +82,12 @@ class GpuSampler:
     def _drain(self) -> None:
         """Count the XID events NVML holds for the device, without waiting."""
         nvml = self._nvml
-        for _ in range(1000 if self._events is not None else 0):  # a flood waits for the next heartbeat
+        wait = getattr(nvml, "nvmlEventSetWait_v2", None) or getattr(nvml, "nvmlEventSetWait", None)
+        for _ in range(
+            1000 if self._events is not None and wait else 0
+        ):  # a flood waits for the next heartbeat
             try:
-                event = nvml.nvmlEventSetWait_v2(self._events, 0)
+                event = wait(self._events, 0)
             except Exception:  # NVML_ERROR_TIMEOUT: none left (or the device is gone)
                 return
             if event.eventType & nvml.nvmlEventTypeDoubleBitEccError:
