@@ -87,7 +87,7 @@ class GpuSampler:
             1000 if self._events is not None and wait else 0
         ):  # a flood waits for the next heartbeat
             try:
-                event = wait(self._events, 0)
+                event = wait(self._events, 0)  # type: ignore[misc]
             except Exception:  # NVML_ERROR_TIMEOUT: none left (or the device is gone)
                 return
             if event.eventType & nvml.nvmlEventTypeDoubleBitEccError:
