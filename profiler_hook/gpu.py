@@ -83,11 +83,11 @@ class GpuSampler:
         """Count the XID events NVML holds for the device, without waiting."""
         nvml = self._nvml
         wait = getattr(nvml, "nvmlEventSetWait_v2", None) or getattr(nvml, "nvmlEventSetWait", None)
-        for _ in range(
-            1000 if self._events is not None and wait else 0
-        ):  # a flood waits for the next heartbeat
+        if self._events is None or wait is None:
+            return
+        for _ in range(1000):  # a flood waits for the next heartbeat
             try:
-                event = wait(self._events, 0)  # type: ignore[misc]
+                event = wait(self._events, 0)
             except Exception:  # NVML_ERROR_TIMEOUT: none left (or the device is gone)
                 return
             if event.eventType & nvml.nvmlEventTypeDoubleBitEccError:
