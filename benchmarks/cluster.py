@@ -379,6 +379,7 @@ def _heartbeats(
             "last_seq": [{"world": int(x)} for x in last],
             "stack": stack,
             "window_cost_us": np.zeros(n, dtype=np.int64),
+            "gpu_xids": [{} for _ in range(n)],
         }
     )[HEARTBEAT_FIELDS]
 
