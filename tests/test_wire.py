@@ -10,14 +10,7 @@ import pytest
 
 from profiler_hook.shipper import Shipper
 from tests.records import ListSink
-from wire.records import (
-    Heartbeat,
-    RecordError,
-    StepBatch,
-    StepRow,
-    decode,
-    encode,
-)
+from wire.records import Heartbeat, RecordError, StepBatch, StepRow, decode, encode
 
 
 def test_records_round_trip_and_bad_values_say_why() -> None:

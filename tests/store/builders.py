@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from aggregator import (
-    Store,
-)
+from aggregator import Store
 from aggregator.spool import file_id
 from wire.records import (
     Checkpoint,

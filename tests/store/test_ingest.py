@@ -16,21 +16,9 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from aggregator import (
-    Batch,
-    Store,
-    StoreError,
-    ingest,
-)
+from aggregator import Batch, Store, StoreError, ingest
 from aggregator.batch import RAW_PREFIX_BYTES, _implied
-from aggregator.schema import (
-    FUNCTIONS,
-    HEARTBEATS,
-    JOB_TABLES,
-    STEPS,
-    WINDOWS,
-    Table,
-)
+from aggregator.schema import FUNCTIONS, HEARTBEATS, JOB_TABLES, STEPS, WINDOWS, Table
 from aggregator.spool import MAX_LINE_BYTES
 from diagnosis import diagnose, read_job
 from tests.store.builders import (

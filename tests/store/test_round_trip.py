@@ -6,19 +6,9 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from aggregator import (
-    IngestStats,
-    Store,
-    ensure_schema,
-    ingest,
-)
+from aggregator import IngestStats, Store, ensure_schema, ingest
 from aggregator.reads import STEP_COLUMNS, SpoolOffset
-from aggregator.schema import (
-    ARRIVALS_BY_PROCESS_OBJECTS,
-    JOB_TABLES,
-    LATEST_HEARTBEATS_OBJECTS,
-    TABLES,
-)
+from aggregator.schema import ARRIVALS_BY_PROCESS_OBJECTS, JOB_TABLES, LATEST_HEARTBEATS_OBJECTS, TABLES
 from aggregator.spool import file_id
 from diagnosis import diagnose, read_job
 from diagnosis.data import RecentJob
@@ -36,9 +26,7 @@ from tests.store.builders import (
     steps,
     write_spool,
 )
-from wire.records import (
-    FunctionPattern,
-)
+from wire.records import FunctionPattern
 
 
 def test_every_record_type_round_trips_through_the_spool(store: Store, tmp_path: Path) -> None:

@@ -11,13 +11,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from aggregator import (
-    STORE_VERSION,
-    SchemaError,
-    Store,
-    StoreError,
-    ensure_schema,
-)
+from aggregator import STORE_VERSION, SchemaError, Store, StoreError, ensure_schema
 from aggregator.reads import STEP_COLUMNS
 from aggregator.schema import (
     ARRIVALS_BY_PROCESS_OBJECTS,
@@ -44,10 +38,7 @@ from tests.store.builders import (
     steps,
     window,
 )
-from wire.records import (
-    StepBatch,
-    StepRow,
-)
+from wire.records import StepBatch, StepRow
 
 
 def test_schema_creation_twice_is_harmless(store: Store) -> None:
