@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 STEP_COLUMNS = [c for c in STEPS.column_names if c not in ("job", "host", "n_steps")]
 """The columns of :meth:`Reads.steps`."""
-_TOTALS = ("dur_us", "data_us", "comm_us", "n_coll", "cpu_us", "nivcsw", "wait_us")
+_TOTALS = ("dur_us", "data_us", "comm_us", "n_coll", "cpu_us", "nivcsw", "wait_us", "gc_us")
 """A stored row's sums over its ``n_steps`` steps (``first_coll_us`` is its mean already)."""
 _ALWAYS = ("rank", "step", "start_us")
 """The columns :meth:`Reads.steps` reads whatever it is asked: where and when a row is."""

@@ -24,7 +24,7 @@ from .errors import UnavailableError
 
 log = logging.getLogger(__name__)
 
-STORE_VERSION = 12
+STORE_VERSION = 13
 DEFAULT_DATABASE = "rankscope"
 _COMMENT = f"rankscope schema {STORE_VERSION}"
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -142,6 +142,7 @@ STEPS = Table(
         # back one row per step); schema 1 had one row per step.
         ("n_steps", "Int64"),
         ("wait_us", "Int64"),  # schema 5
+        ("gc_us", "Int64"),  # schema 13
     ),
     order_by=("job", "rank", "step"),
     # A rank restarted from a checkpoint runs some steps again; the later run is the one that counts.
@@ -683,6 +684,9 @@ _TO_12 = {
 """Schema 12: a rank's GPU faults since attach in its exit record, its XIDs in its heartbeats
 (``latest_heartbeats`` too)."""
 
+_TO_13 = {"steps": ["ADD COLUMN IF NOT EXISTS `gc_us` Int64 DEFAULT 0"]}
+"""Schema 13: the garbage collector's pauses in the steps."""
+
 
 def _then(*steps: dict[str, list[str]]) -> dict[str, list[str]]:
     """Migration steps applied one after another, per table."""
@@ -693,30 +697,24 @@ def _then(*steps: dict[str, list[str]]) -> dict[str, list[str]]:
     return out
 
 
+_STEPS_TO = {
+    2: {"steps": ["ADD COLUMN IF NOT EXISTS `n_steps` Int64 DEFAULT 1"]},
+    3: _TO_3,
+    4: _TO_4,
+    5: _TO_5,
+    6: _TO_6,
+    7: _TO_7,
+    # schema 8 added a table, ``arrivals``; schema 9 changed the sort key of ``functions`` (REKEYED)
+    10: _TO_10,
+    11: _TO_11,
+    12: _TO_12,
+    13: _TO_13,
+}
+"""The ALTERs that bring a table of the schema before to each schema, by table."""
+
 MIGRATIONS: dict[str, dict[str, list[str]]] = {
-    "rankscope schema 1": _then(
-        {"steps": ["ADD COLUMN IF NOT EXISTS `n_steps` Int64 DEFAULT 1"]},
-        _TO_3,
-        _TO_4,
-        _TO_5,
-        _TO_6,
-        _TO_7,
-        _TO_10,
-        _TO_11,
-        _TO_12,
-    ),
-    "rankscope schema 2": _then(_TO_3, _TO_4, _TO_5, _TO_6, _TO_7, _TO_10, _TO_11, _TO_12),
-    "rankscope schema 3": _then(_TO_4, _TO_5, _TO_6, _TO_7, _TO_10, _TO_11, _TO_12),
-    "rankscope schema 4": _then(_TO_5, _TO_6, _TO_7, _TO_10, _TO_11, _TO_12),
-    "rankscope schema 5": _then(_TO_6, _TO_7, _TO_10, _TO_11, _TO_12),
-    "rankscope schema 6": _then(_TO_7, _TO_10, _TO_11, _TO_12),
-    "rankscope schema 7": _then(_TO_10, _TO_11, _TO_12),  # schema 8 added a table, ``arrivals``
-    "rankscope schema 8": _then(
-        _TO_10, _TO_11, _TO_12
-    ),  # schema 9 changed the sort key of ``functions`` (REKEYED)
-    "rankscope schema 9": _then(_TO_10, _TO_11, _TO_12),
-    "rankscope schema 10": _then(_TO_11, _TO_12),
-    "rankscope schema 11": _TO_12,
+    f"rankscope schema {v}": _then(*(alters for to, alters in _STEPS_TO.items() if to > v))
+    for v in range(1, STORE_VERSION)
 }
 """For each older schema's comment, the ALTERs that bring its tables (by name) to this version."""
 

@@ -236,6 +236,7 @@ def _steps(
         "cpu_us": compute * 0.97 * rng.lognormal(0.0, 0.01, (n, s)),
         "nivcsw": rng.poisson(3.0, (n, s)),
         "wait_us": np.zeros((n, s)),  # a training thread on its own cores never queues
+        "gc_us": np.zeros((n, s)),  # nor collects more than its peers
         "compute": compute,
         "cpu_wait": cpu_wait,
     }

@@ -29,6 +29,9 @@ WORKING = 0.25
 CPU time grew less, and whose kernels did not hold it, sleeps or blocks (a code path)."""
 UNATTRIBUTED = "(unattributed: no profiled operator or function, and no stack sample, holds it)"
 ACROSS_OPERATORS = "(across its operators: none holds half)"
+GARBAGE_COLLECTION = "(Python garbage collection)"
+"""Collections that stop the rank longer than its peers', in no function the windows or stack
+samples caught."""
 """A slower device's excess, spread over the operators it runs as often as its peers."""
 
 
@@ -100,6 +103,22 @@ def classify(
             ev = {**ev, **sampled_evidence(sampled), "loader": loader}
             return Attribution("dataloader", sampled.name, share, sampled_us / total, ev)
         return Attribution("dataloader", loader, share, share, ev)
+    collected = st.gc_us - st.peer_gc_us
+    if collected >= ATTRIBUTED * total and not (extra and extra.excess_us > collected):
+        # The garbage collector stops it longer than its peers (the hook times every collection):
+        # a clean-up the job's code calls, or more objects to traverse. Where the windows or the
+        # stack samples caught the function its collections run in, that function.
+        ev = {"gc_ms_per_step": ms(st.gc_us), "peer_gc_ms_per_step": ms(st.peer_gc_us)}
+        share = collected / total
+        code = functions.innermost_code(excess, 0.3 * collected)  # a window sees some collections
+        if code is not None:
+            return Attribution(
+                "code_path", code.name, share, code.excess_us / total, {**ev, **code_evidence(code)}
+            )
+        if sampled is not None and sampled_us >= ATTRIBUTED * collected:
+            ev = {**ev, **sampled_evidence(sampled)}
+            return Attribution("code_path", sampled.name, share, sampled_us / total, ev)
+        return Attribution("code_path", GARBAGE_COLLECTION, share, share, ev)
     if extra is not None:
         code = functions.innermost_code(excess, 0.5 * extra.excess_us)
         counts = {

@@ -25,6 +25,7 @@ STEP_FIELDS = [
     "cpu_us",
     "nivcsw",
     "wait_us",
+    "gc_us",
 ]
 """The columns of :attr:`JobData.steps` (a store's read adds ``start_us``): what the detectors use of
 a step, not the collectives' count and first entry the hook ships too."""

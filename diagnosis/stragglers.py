@@ -145,6 +145,9 @@ class Straggler:
     peer_cpu_us: float
     nivcsw: float
     peer_nivcsw: float
+    gc_us: float = 0.0
+    """Garbage collection's pauses per step (part of its own time)."""
+    peer_gc_us: float = 0.0
     since_step: int = -1
     """The first step of the first chunk in which the rank was slow."""
     held_steps: int = 0
@@ -384,7 +387,7 @@ def find(
     it is measured against, are then the other ranks of its role.
     """
     s = s or StragglerSettings()
-    cols = ["own_us", "data_us", "comm_us", "cpu_us", "nivcsw"]
+    cols = ["own_us", "data_us", "comm_us", "cpu_us", "nivcsw", *(["gc_us"] if "gc_us" in steps else [])]
     g = grid(steps, s, cols)
     if g is None or len(g.ranks) < 3:
         return []  # two ranks cannot outvote each other
@@ -506,6 +509,8 @@ def _straggler(rank: int, own: dict[str, float], peer: dict[str, float], **how: 
         peer_cpu_us=peer["cpu_us"],
         nivcsw=own["nivcsw"],
         peer_nivcsw=peer["nivcsw"],
+        gc_us=own.get("gc_us", 0.0),
+        peer_gc_us=peer.get("gc_us", 0.0),
         **how,
     )
 

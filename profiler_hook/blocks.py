@@ -10,7 +10,7 @@ when the step numbers jump, when it has lasted twice ``block_s`` (the steps slow
 must not wait), and when the hook pauses or closes. Steps longer than ``block_s`` get a row each.
 The store reads each row back as its steps, each with the block's mean values.
 
-A block's CPU time, context switches and run-queue wait are the differences of the thread's and
+A block's CPU time, context switches, run-queue wait and garbage collection are the differences of the thread's and
 process's counters from one block's end to the next — the sum of its steps' — read once per block,
 not per step (~10 µs saved a step). Where the step numbers jump, the step after the jump is counted in
 the block before it.
@@ -33,17 +33,17 @@ class StepBlocks:
     def __init__(
         self,
         block_s: float,
-        usage: Callable[[], tuple[int, int, int] | None] = lambda: (0, 0, 0),
+        usage: Callable[[], tuple[int, int, int, int] | None] = lambda: (0, 0, 0, 0),
         uncounted: Callable[[], int] = lambda: 0,
     ) -> None:
         self.block_s = block_s
         self._usage = usage
-        """Cumulative CPU µs, involuntary context switches and run-queue wait µs, read when a block
-        ends (None: not readable now; the block gets none)."""
+        """Cumulative CPU µs, involuntary context switches, run-queue wait µs and garbage-collection
+        µs, read when a block ends (None: not readable now; the block gets none)."""
         self._uncounted = uncounted
         """The collectives launched since it was last called that the steps did not count (those
         launched from C++ outside the tracked paths), read when a block ends."""
-        self._base = usage() or (0, 0, 0)
+        self._base = usage() or (0, 0, 0, 0)
         self.length = 1
         """Steps per block now: a power of two."""
         self.rows: list[StepRow] = []
@@ -102,7 +102,7 @@ class StepBlocks:
         if waited < comm:  # the collectives whose wait was not read waited at the same share
             comm_wait = round(comm * self._wait_share)
         base = self._base
-        cpu, nivcsw, wait = self._base = self._usage() or base
+        cpu, nivcsw, wait, collected = self._base = self._usage() or base
         self.rows.append(
             StepRow(
                 step,
@@ -116,6 +116,7 @@ class StepBlocks:
                 nivcsw - base[1],
                 n,
                 max(0, wait - base[2] - comm_wait),  # outside collectives
+                collected - base[3],
             )
         )
         step_s = dur / n / 1e6

@@ -43,6 +43,7 @@ from .blocks import StepBlocks
 from .budget import WindowBudget
 from .collectives import CollectiveTracker, mesh_coordinates, process_groups
 from .config import Config, Identity
+from .gcpause import GcClock
 from .gpu import GpuSampler
 from .nccl import NcclTiming
 from .schedstat import ThreadWait, Waits, run_queue_wait, wait_pattern
@@ -88,17 +89,17 @@ def _now_us() -> int:
     return time.time_ns() // 1000
 
 
-def _usage(wait: ThreadWait, clock: int | None) -> tuple[int, int, int]:
+def _usage(wait: ThreadWait, clock: int | None, collected: GcClock) -> tuple[int, int, int, int]:
     """CPU µs of the training thread (from its CPU-time ``clock``, readable from any thread; the
     calling thread's without one), involuntary context switches of the whole process (CPU
-    contention shows in any of its threads: the collectives' and data workers' too), and the
-    training thread's run-queue wait in µs (0 without schedstat)."""
+    contention shows in any of its threads: the collectives' and data workers' too), the
+    training thread's run-queue wait in µs (0 without schedstat), and the µs of garbage collection."""
     if clock is not None:
         cpu = time.clock_gettime_ns(clock) // 1000
     else:
         ru = resource.getrusage(resource.RUSAGE_THREAD)
         cpu = int((ru.ru_utime + ru.ru_stime) * 1e6)
-    return cpu, resource.getrusage(resource.RUSAGE_SELF).ru_nivcsw, wait() // 1000
+    return cpu, resource.getrusage(resource.RUSAGE_SELF).ru_nivcsw, wait() // 1000, collected.us()
 
 
 def _cpu_clock(thread: int) -> int | None:
@@ -129,6 +130,8 @@ class Hook:
         self._wait = ThreadWait()
         """The training thread's run-queue wait (see ``StepRow.wait_us``)."""
         self._cpu_clock = _cpu_clock(self._training_thread)
+        self._gc = GcClock()
+        """Garbage collection's pauses (see ``StepRow.gc_us``)."""
         self._blocks = StepBlocks(cfg.step_block_s, self._step_usage, self._uncounted)
         self._last_flush = time.perf_counter()
         self._mark_ns = time.perf_counter_ns()
@@ -161,6 +164,7 @@ class Hook:
             self._wait.close()
             return
         self.shipper = Shipper(sink or make_sink(cfg, ident), cfg.queue_size, ident.pid)
+        self._gc.install()
         _check_release()
         if cfg.window_s:
             self._warm_up()
@@ -380,6 +384,7 @@ class Hook:
                 self.ddp.stop()
                 self.nccl.close()
                 threadstates.uninstall()
+                self._gc.uninstall()
             except Exception as exc:
                 self._fail("close", exc)
             self.shipper.close(max(0.0, deadline - time.monotonic()))
@@ -492,7 +497,7 @@ class Hook:
         can still drop a context of the backward pass), waiting up to ``SETTLE_S``."""
         return threadstates.settle(SETTLE_S, lambda: self.tracker.oldest_inflight() is None)
 
-    def _step_usage(self) -> tuple[int, int, int] | None:
+    def _step_usage(self) -> tuple[int, int, int, int] | None:
         """The training thread's counters, from any thread (a close at SIGTERM, or from the harness of
         a hung job, runs on another: its last block once got no CPU time nor run-queue wait, and
         its own time read 1.4x its peers' for want of the wait); None on another thread where the
@@ -500,7 +505,7 @@ class Hook:
         if self._cpu_clock is None and threading.get_ident() != self._training_thread:
             return None
         try:
-            return _usage(self._wait, self._cpu_clock)
+            return _usage(self._wait, self._cpu_clock, self._gc)
         except OSError:  # the training thread has ended
             return None
 

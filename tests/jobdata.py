@@ -59,6 +59,7 @@ def synthetic(
                     "cpu_us": compute * extra.get("cpu", 0.98),
                     "nivcsw": 2 + extra.get("nivcsw", 0),
                     "wait_us": extra.get("wait", 0),
+                    "gc_us": extra.get("gc_us", 0),
                 }
             )
     per_host = max(1, ranks // hosts_of)

@@ -3,6 +3,7 @@ and real multi-rank gloo jobs."""
 
 from __future__ import annotations
 
+import gc
 import gzip
 import json
 import logging
@@ -196,7 +197,7 @@ def test_a_steps_run_queue_wait_inside_collectives_is_not_counted_as_its_own() -
     tracker.exit(launched)  # read 4: the step's last asynchronous call counts too
     comm_ns, n, _, comm_wait_ns, waited_ns = tracker.take_step(time.perf_counter_ns())
     assert n == 2 and comm_wait_ns == 2_000_000 and waited_ns == comm_ns
-    usage = iter([(0, 0, 0), (0, 0, 10_000)])  # CPU µs, switches, wait µs: at the start, at the end
+    usage = iter([(0, 0, 0, 0), (0, 0, 10_000, 0)])  # CPU µs, switches, wait µs, GC µs: start, end
     blocks = StepBlocks(0.0, lambda: next(usage))
     blocks.add(0, 0, 20_000, 0, comm_ns // 1000, n, 0, comm_wait_ns // 1000)
     (row,) = blocks.take()
@@ -219,7 +220,7 @@ def test_the_wait_inside_collectives_is_read_once_in_100_ms_and_counted_at_that_
     tracker.exit(tracker.enter("world", "all_reduce", 8))  # the next step, within 100 ms: not read
     *_, comm_wait_ns, waited_ns = tracker.take_step(time.perf_counter_ns())
     assert len(reads) == 2 and comm_wait_ns == waited_ns == 0
-    usage = iter([(0, 0, 0), (0, 0, 10_000), (0, 0, 20_000)])
+    usage = iter([(0, 0, 0, 0), (0, 0, 10_000, 0), (0, 0, 20_000, 0)])
     blocks = StepBlocks(0.0, lambda: next(usage))  # a row per step
     blocks.add(0, 0, 20_000, 0, 4_000, 1, 0, 1_000, 4_000)  # read: a quarter of the time waited
     blocks.add(1, 20_000, 20_000, 0, 2_000, 1, 0, 0, 0)  # not read: counted at a quarter
@@ -374,6 +375,33 @@ class _SlowSink:
 
     def close(self) -> None:
         pass
+
+
+def test_a_steps_garbage_collection_is_timed_in_the_block_of_the_steps_it_stopped() -> None:
+    """A full collection every other step (a clean-up the job calls), on a heap of a few hundred
+    thousand objects: each lands in its step's row, the steps between collect (next to) nothing."""
+    heap = [[i] for i in range(300_000)]  # objects a full collection traverses
+    sink = ListSink()
+    hook = Hook(
+        Config(window_s=0, heartbeat_s=60, step_block_s=0),
+        Identity(rank=0, local_rank=0, world_size=1, host="h"),
+        sink,
+    )
+    timed = []
+    for step in range(6):
+        with hook.step():
+            if step % 2:
+                t = time.perf_counter_ns()
+                gc.collect()
+                timed.append((time.perf_counter_ns() - t) // 1000)
+    hook.close(timeout=30)
+    del heap
+    rows = sorted(row for r in map(decode, sink.got) if isinstance(r, StepBatch) for row in r.rows)
+    collected = [row.gc_us for row in rows]
+    assert len(collected) == 6, collected
+    assert all(0 < c <= t for c, t in zip(collected[1::2], timed, strict=True)), (collected, timed)
+    assert sum(collected[1::2]) >= 0.8 * sum(timed), (collected, timed)
+    assert max(collected[0::2]) < 0.1 * min(timed), collected
 
 
 def _steps(hook: Hook, n: int) -> float:

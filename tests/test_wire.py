@@ -14,7 +14,9 @@ from wire.records import Heartbeat, RecordError, StepBatch, StepRow, decode, enc
 
 
 def test_records_round_trip_and_bad_values_say_why() -> None:
-    batch = StepBatch(job="j", rank=3, host="h", time_us=1, rows=(StepRow(1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 11),))
+    batch = StepBatch(
+        job="j", rank=3, host="h", time_us=1, rows=(StepRow(1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 11, 12),)
+    )
     key, value = encode(batch)
     assert key == b"j/3"
     assert decode(value) == batch
@@ -40,14 +42,17 @@ def test_records_round_trip_and_bad_values_say_why() -> None:
             decode(raw)
     assert len(encode(hb)[1]) < 130  # fields at their defaults are left out, and read back as such
     # Older values are still read: version 1 (one step per row, nine columns) as rows of one step,
-    # versions 1 and 2 (ten columns) with no run-queue wait known.
-    unknown_wait = dataclasses.replace(batch, rows=(batch.rows[0]._replace(wait_us=0),))
+    # versions 1 and 2 (ten columns) with no run-queue wait known, versions 1 to 3 with no
+    # garbage collection known.
+    unknown_wait = dataclasses.replace(batch, rows=(batch.rows[0]._replace(wait_us=0, gc_us=0),))
     v1 = b'{"v":1,"type":"steps","job":"j","rank":3,"host":"h","time_us":1,"rows":[[1,2,3,4,5,6,7,8,9]]}'
     assert decode(v1) == unknown_wait
     v2 = b'{"v":2,"type":"steps","job":"j","rank":3,"host":"h","time_us":1,"rows":[[1,2,3,4,5,6,7,8,9,1]]}'
     assert decode(v2) == unknown_wait
-    with pytest.raises(RecordError, match=r"rows\[0\] must be a list of 11 values"):
-        decode(v2.replace(b'"v":2', b'"v":3'))
+    v3 = v2.replace(b'"v":2', b'"v":3').replace(b"9,1]", b"9,1,0]")
+    assert decode(v3) == unknown_wait
+    with pytest.raises(RecordError, match=r"rows\[0\] must be a list of 12 values"):
+        decode(v3.replace(b'"v":3', b'"v":4'))
 
 
 def test_the_hook_never_emits_nan_or_infinity() -> None:

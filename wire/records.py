@@ -37,10 +37,11 @@ from typing import Any, ClassVar, NamedTuple
 
 from .errors import RecordError
 
-WIRE_VERSION = 3
-"""Version 2 added ``StepRow.n_steps``, version 3 ``StepRow.wait_us``; older values are still read
-(their step rows as ``n_steps=1`` and ``wait_us=0``: no wait known)."""
-READ_VERSIONS = (1, 2, WIRE_VERSION)
+WIRE_VERSION = 4
+"""Version 2 added ``StepRow.n_steps``, version 3 ``StepRow.wait_us``, version 4 ``StepRow.gc_us``;
+older values are still read (their step rows as ``n_steps=1``, ``wait_us=0`` and ``gc_us=0``: none
+known)."""
+READ_VERSIONS = (1, 2, 3, WIRE_VERSION)
 MAX_VALUE_BYTES = 1 << 20
 """A value larger than this is refused by decode() (and dead-lettered by the aggregator)."""
 
@@ -70,6 +71,9 @@ class StepRow(NamedTuple):
     """Time the rank's main thread was runnable but had no CPU during the steps, outside collectives
     (Linux schedstat's run-queue wait; 0 where unknown): part of the step time less ``comm_us``
     that is not the rank's work but its host's contention."""
+    gc_us: int = 0
+    """Time Python's garbage collector stopped the process during the steps (it holds the GIL: no
+    Python runs on any thread meanwhile); 0 where unknown. Part of the rank's own time."""
 
 
 STEP_COLUMNS = StepRow._fields
@@ -346,7 +350,9 @@ INT_RANGES: dict[str, tuple[int, int]] = {
     "local_rank": (0, 1 << 31),
     "world_size": (1, 1 << 31),
     # A step's durations and counts, and a window's length, cannot be negative.
-    **dict.fromkeys(("dur_us", "data_us", "comm_us", "n_coll", "cpu_us", "nivcsw", "wait_us"), (0, INT64[1])),
+    **dict.fromkeys(
+        ("dur_us", "data_us", "comm_us", "n_coll", "cpu_us", "nivcsw", "wait_us", "gc_us"), (0, INT64[1])
+    ),
     "n_steps": (1, 1 << 31),
     "attempt": (0, 1 << 31),
     "pid": (0, 1 << 31),
@@ -591,9 +597,9 @@ def decode(value: bytes) -> Record:
     if type(version) is not int or version not in READ_VERSIONS:
         raise RecordError(f"unknown schema version {version!r:.80} (this reader knows {READ_VERSIONS})")
     rtype = d.get("type")
-    if version < 3 and rtype == "steps" and type(d.get("rows")) is list:
-        # v1 rows lack n_steps (one step each), v1 and v2 rows wait_us (unknown: 0)
-        tail = [1, 0] if version == 1 else [0]
+    if version < WIRE_VERSION and rtype == "steps" and type(d.get("rows")) is list:
+        # v1 rows lack n_steps (one step each), v1 and v2 rows wait_us, v1 to v3 rows gc_us (unknown: 0)
+        tail = [1, 0, 0] if version == 1 else [0, 0] if version == 2 else [0]
         d["rows"] = [
             [*r, *tail] if type(r) is list and len(r) + len(tail) == len(STEP_COLUMNS) else r
             for r in d["rows"]

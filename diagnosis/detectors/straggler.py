@@ -212,7 +212,13 @@ def _where(fn: str, held: float, evidence: dict[str, Any]) -> str:
     if fn == ACROSS_OPERATORS:
         top = ", ".join(f"{name} {share:.0%}" for name, share in evidence["largest"].items())
         return f"its operators are slower across the board, none holding half the extra time ({top})"
-    return f"{held:.0%} of the extra time in {fn}"
+    where = f"{held:.0%} of the extra time in {fn}"
+    if "gc_ms_per_step" in evidence:
+        where += (
+            f", the garbage collector stopping it {evidence['gc_ms_per_step']} ms per step "
+            f"({evidence['peer_gc_ms_per_step']} ms its peers)"
+        )
+    return where
 
 
 def _collective_waits(

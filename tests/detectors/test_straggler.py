@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from diagnosis import JobData, Settings, diagnose, stragglers
+from diagnosis import JobData, Settings, classify, diagnose, stragglers
 from diagnosis.detectors import straggler
 from diagnosis.findings import effect
 from tests.jobdata import functions_frame, only, sched_windows, synthetic
@@ -281,6 +281,30 @@ def test_a_straggler_in_short_rare_bursts_is_found_in_fine_chunks_where_half_the
         assert diagnose(_queue_waves(synthetic(ranks=8, steps=1000, seed=seed), seed, 0.1)).findings == []
     assert found >= 5 and coarse_found <= 2, (found, coarse_found)
     assert "in bursts: slow in" in fs[0].summary
+
+
+def test_a_rank_the_garbage_collector_stops_longer_is_a_code_path_not_a_slower_device() -> None:
+    """Rank 6 collects 1.4 ms a step longer than its peers (a clean-up its code calls, every few
+    steps): CPU work in no operator, which without the hook's collection clock reads as a slower
+    device. A window that caught the function its collections run in names that function; ranks
+    that all collect alike are judged as before."""
+    data = synthetic(slow={6: {"compute_us": 1500, "gc_us": 1400}})
+    f = only(straggler.find(data, SETTINGS))
+    assert (f.cause, f.ranks, f.function) == ("code_path", [6], classify.GARBAGE_COLLECTION)
+    assert f.evidence["gc_ms_per_step"] == pytest.approx(1.4, abs=0.01)
+    assert f.evidence["peer_gc_ms_per_step"] == 0
+    assert "the garbage collector stopping it 1.4 ms per step" in f.summary
+    common = [("op", "aten::addmm", 15, 10_000.0), ("python", "train.py(10): forward", 5, 20_000.0)]
+    clean_up = [
+        *common,
+        ("python", "train.py(70): free_memory", 1, 7_000.0),
+        ("pylib", "gc.collect", 1, 6_950.0),
+    ]
+    windows = functions_frame({r: clean_up if r == 6 else common for r in range(8)})
+    f = only(straggler.find(replace(data, functions=windows), SETTINGS))
+    assert (f.cause, f.function) == ("code_path", "train.py(70): free_memory")
+    alike = synthetic(slow={r: {"gc_us": 1400} for r in range(8)} | {6: {"compute_us": 1500, "gc_us": 1400}})
+    assert only(straggler.find(alike, SETTINGS)).cause == "compute"
 
 
 def test_dataloader_straggler() -> None:

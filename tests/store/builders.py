@@ -33,8 +33,9 @@ def rank_info(rank: int, time_us: int = T0) -> RankInfo:
 def step_row(step: int, rank: int) -> StepRow:
     start = T0 + step * 100_000
     return StepRow(
-        step, start, 90_000 + rank * 5_000, 1_000, 20_000, 3, 40_000 + rank, 85_000, rank, 1, 300 + rank
-    )
+        step, start, 90_000 + rank * 5_000, 1_000, 20_000, 3, 40_000 + rank, 85_000, rank, 1, 300 + rank,
+        step % 5 * 1_000,
+    )  # fmt: skip
 
 
 def steps(rank: int, lo: int, hi: int) -> StepBatch:

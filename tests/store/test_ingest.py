@@ -147,7 +147,7 @@ def test_bad_lines_become_dead_letters_and_good_lines_around_them_are_stored(
     bad_kind = json.loads(encode(checkpoint(0))[1]) | {"kind": "snapshot"}
     cases = [
         (b"{not json", "not JSON"),
-        (_value(v=4), "unknown schema version 4"),
+        (_value(v=99), "unknown schema version 99"),
         (_value(type=["rank"]), "unknown record type"),
         (_value(rank="0"), "field 'rank' must be int"),
         (json.dumps(bad_step).encode(), "rows[0].step must be int, got 'zero'"),

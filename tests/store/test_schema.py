@@ -98,13 +98,14 @@ def test_a_store_of_schema_1_is_migrated_and_its_rows_read_as_before(store: Stor
     store.write(all_records())
     before = store.steps(JOB)
     ranks = store.ranks(JOB)
-    # What schema 1 had: steps without n_steps or wait_us, ranks without spine, no latest
+    # What schema 1 had: steps without n_steps, wait_us or gc_us, ranks without spine, no latest
     # heartbeats, every table's comment saying so.
     latest = store.heartbeats_latest(JOB)
     store.client.command(f"DROP VIEW {store.database}.{LATEST_HEARTBEATS_OBJECTS[1]}")
     store.client.command(f"DROP TABLE {store.database}.{LATEST_HEARTBEATS_OBJECTS[0]}")
     store.client.command(f"ALTER TABLE {store.database}.steps DROP COLUMN n_steps")
     store.client.command(f"ALTER TABLE {store.database}.steps DROP COLUMN wait_us")
+    store.client.command(f"ALTER TABLE {store.database}.steps DROP COLUMN gc_us")
     store.client.command(f"ALTER TABLE {store.database}.ranks DROP COLUMN spine")
     store.client.command(f"ALTER TABLE {store.database}.ranks DROP COLUMN coverage")
     for column in ("gpu_util", "gpu_mem_mb", "samples", "sends", "windows", "window_cost_us", "gpu_xids"):
@@ -116,7 +117,7 @@ def test_a_store_of_schema_1_is_migrated_and_its_rows_read_as_before(store: Stor
     ensure_schema(store.client, store.database)
     # Exits stored before schema 12 say no GPU fault.
     assert store.exits(JOB).to_dict("records") == exits.assign(gpu=[{}] * len(exits)).to_dict("records")
-    pd.testing.assert_frame_equal(store.steps(JOB), before.assign(wait_us=0.0))  # none was known
+    pd.testing.assert_frame_equal(store.steps(JOB), before.assign(wait_us=0.0, gc_us=0.0))  # none was known
     assert store.ranks(JOB).assign(spine="spine0", coverage=ranks["coverage"]).to_dict(
         "records"
     ) == ranks.to_dict("records")
@@ -247,14 +248,14 @@ def test_a_recent_job_reads_only_what_the_store_gained_and_holds_what_a_fresh_re
 
 
 def test_a_row_of_a_block_of_steps_reads_back_as_its_steps(store: Store) -> None:
-    row = StepRow(100, T0, 40_000, 4_000, 8_000, 12, 1_500, 30_000, 3, 4, 2_000)  # steps 100..103, totals
+    row = StepRow(100, T0, 40_000, 4_000, 8_000, 12, 1_500, 30_000, 3, 4, 2_000, 6_000)  # steps 100..103
     store.write([StepBatch(job=JOB, rank=0, host="h", time_us=T0, rows=(row,))])
     df = store.steps(JOB)
     assert df["step"].tolist() == [100, 101, 102, 103]
     assert df["start_us"].tolist() == [T0, T0 + 10_000, T0 + 20_000, T0 + 30_000]
     assert df[
-        ["dur_us", "data_us", "comm_us", "n_coll", "cpu_us", "nivcsw", "wait_us"]
-    ].drop_duplicates().values.tolist() == [[10_000, 1_000, 2_000, 3, 7_500, 0.75, 500]]
+        ["dur_us", "data_us", "comm_us", "n_coll", "cpu_us", "nivcsw", "wait_us", "gc_us"]
+    ].drop_duplicates().values.tolist() == [[10_000, 1_000, 2_000, 3, 7_500, 0.75, 500, 1_500]]
     assert (df["first_coll_us"] == 1_500).all()
     assert store.steps(JOB, since_step=102)["step"].tolist() == [102, 103]
     assert read_job(store, JOB, since_us=T0 + 35_000).steps["step"].tolist() == [100, 101, 102, 103]
