@@ -130,7 +130,7 @@ class Hook:
         self._wait = ThreadWait()
         """The training thread's run-queue wait (see ``StepRow.wait_us``)."""
         self._cpu_clock = _cpu_clock(self._training_thread)
-        self._gc = GcClock()
+        self._gc = GcClock(self._training_thread)
         """Garbage collection's pauses (see ``StepRow.gc_us``)."""
         self._blocks = StepBlocks(cfg.step_block_s, self._step_usage, self._uncounted)
         self._last_flush = time.perf_counter()
@@ -201,6 +201,7 @@ class Hook:
             stall_s=cfg.stall_s,
             main_thread_id=self._training_thread,
             tick=lambda: self.schedule.poll(self.step_num),
+            collections=self._gc,
         )
         exits.closing_at_exit(self)
         self._blocks.restart()  # the first step's CPU time is not attach's own (imports, patching)

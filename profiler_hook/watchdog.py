@@ -20,11 +20,12 @@ import time
 import traceback
 from collections import Counter
 from collections.abc import Callable
-from types import CodeType, TracebackType
+from types import CodeType, FrameType, TracebackType
 
 from wire.records import Heartbeat, sample_key
 
 from .collectives import CollectiveTracker
+from .gcpause import GcClock
 from .netstat import LinkMeter
 from .schedule import POLL_S
 from .summarize import library_frame
@@ -72,11 +73,14 @@ class StackSampler:
     about 1 µs (measured): a look-up per frame, from innermost out to the first of the job's code.
     """
 
-    def __init__(self, thread_id: int) -> None:
+    def __init__(self, thread_id: int, collections: GcClock | None = None) -> None:
         self._thread = thread_id
         self._names: dict[CodeType, str] = {}
         self._prefixes: tuple[str, ...] = ()
         self.counts: Counter[str] = Counter()
+        self._collections = collections
+        if collections is not None:
+            collections.site = self.site
 
     def _name(self, code: CodeType) -> str:
         name = self._names.get(code)
@@ -91,11 +95,19 @@ class StackSampler:
             name = self._names[code] = "" if library_frame(name) else name
         return name
 
-    def sample(self) -> None:
-        frame = sys._current_frames().get(self._thread)
+    def site(self, frame: FrameType | None) -> str:
+        """The sample key of the innermost frame of the job's code from ``frame`` out ("" if none)."""
         while frame is not None and not (name := self._name(frame.f_code)):
             frame = frame.f_back
-        self.counts[sample_key(name, frame.f_lineno or 0) if frame is not None else ""] += 1
+        return sample_key(name, frame.f_lineno or 0) if frame is not None else ""
+
+    def sample(self, due_ns: int = 0) -> None:
+        """One sample of the thread, due at ``due_ns`` (``perf_counter_ns``; 0: now). One due while
+        a garbage collection held the GIL, which this thread waited for, counts where it ran."""
+        site = self._collections.site_at(due_ns) if self._collections is not None and due_ns else None
+        if site is None:
+            site = self.site(sys._current_frames().get(self._thread))
+        self.counts[site] += 1
 
     def take(self) -> dict[str, int]:
         """The counts since the last ``take``."""
@@ -115,13 +127,14 @@ class Watchdog:
         stall_s: float,
         main_thread_id: int,
         tick: Callable[[], None] = lambda: None,
+        collections: GcClock | None = None,
     ) -> None:
         self._make, self._submit, self._progress = make, submit, progress
         self._tracker = tracker
         self._interval_s, self._stall_s = interval_s, stall_s
         self._main = main_thread_id
         self._tick = tick
-        self.sampler = StackSampler(main_thread_id)
+        self.sampler = StackSampler(main_thread_id, collections)
         self.links = LinkMeter()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rankscope-watchdog", daemon=True)
@@ -164,11 +177,15 @@ class Watchdog:
         # The thread also polls the window schedule (``tick``), more often than it beats.
         last_beat = time.monotonic()
         # Jittered, so that samples do not fall at one phase of a loop whose period divides POLL_S.
-        while not self._stop.wait(min(POLL_S, self._interval_s) * random.uniform(0.5, 1.5)):
+        while True:
+            wait_s = min(POLL_S, self._interval_s) * random.uniform(0.5, 1.5)
+            due_ns = time.perf_counter_ns() + int(wait_s * 1e9)
+            if self._stop.wait(wait_s):
+                break
+            with contextlib.suppress(Exception):
+                self.sampler.sample(due_ns)  # first: the tick may wait for a store
             with contextlib.suppress(Exception):  # a heartbeat is never worth a crash
                 self._tick()
-            with contextlib.suppress(Exception):
-                self.sampler.sample()
             with contextlib.suppress(Exception):
                 if time.monotonic() - last_beat >= self._interval_s:
                     last_beat = time.monotonic()

@@ -793,6 +793,40 @@ def test_heartbeats_carry_the_function_of_the_jobs_code_each_stack_sample_found_
     assert not [f for f in beat.samples if f.startswith(("torch/", "threading.py", "profiler_hook"))]
 
 
+def free_memory() -> None:
+    gc.collect()
+
+
+def test_a_sample_due_while_the_garbage_collector_held_the_gil_counts_where_it_collected() -> None:
+    """The sampler's thread waits for the GIL while a collection holds it, and samples after it,
+    where the training thread may have left the function that collected (the samples of a rank
+    that collected for 60% of its time once never found the function): a sample due meanwhile
+    counts where the collection ran. Here the training thread samples itself, after the
+    collection, from another function."""
+    heap = [[i] for i in range(300_000)]  # a full collection of several ms
+    hook = Hook(
+        Config(window_s=0, heartbeat_s=60),
+        Identity(rank=0, local_rank=0, world_size=1, host="h"),
+        _SlowSink(),
+    )
+    hook.watchdog.beat()  # takes the samples so far
+    free_memory()
+    start, end, _ = hook._gc.last
+
+    def sample_elsewhere() -> None:
+        hook.watchdog.sampler.sample((start + end) // 2)  # due during the collection
+        hook.watchdog.sampler.sample(end + 1)  # due after it
+
+    sample_elsewhere()
+    samples = hook.watchdog.beat().samples
+    hook.close(timeout=30)
+    del heap
+    line = sample_elsewhere.__code__.co_firstlineno
+    [(collected, during), (elsewhere, after)] = sorted(samples.items(), key=lambda kv: "elsewhere" in kv[0])
+    assert collected.endswith(f"free_memory @{free_memory.__code__.co_firstlineno + 1}"), samples
+    assert elsewhere.endswith(f"sample_elsewhere @{line + 2}") and during == after == 1, samples
+
+
 def test_a_paused_hook_is_not_a_stalled_rank() -> None:
     """hook.pause() (an evaluation loop, a benchmark's A/B) stops the step clock: no stall, no stack."""
     hook = Hook(
