@@ -254,6 +254,15 @@ contention finding's, from all its threads' wait. Rows without a wait (older hoo
 count none."""
 
 
+COLUMNS = ("own_us", "data_us", "comm_us", "cpu_us", "nivcsw", "gc_us")
+"""What a straggler is described by, per step (``gc_us`` where the hook timed collections)."""
+
+
+def columns(steps: pd.DataFrame) -> list[str]:
+    """``COLUMNS`` that ``steps`` has (``own_us`` is derived)."""
+    return [c for c in COLUMNS if c == "own_us" or c in steps]
+
+
 def grid(steps: pd.DataFrame, s: StragglerSettings, columns: list[str]) -> Grid | None:
     """The analyzed steps of ``columns`` (``own_us`` derived, see ``OWN_PARTS``): the most recent
     ``last_steps`` after ``warmup_steps``, split into ``chunks`` consecutive chunks."""
@@ -387,7 +396,7 @@ def find(
     it is measured against, are then the other ranks of its role.
     """
     s = s or StragglerSettings()
-    cols = ["own_us", "data_us", "comm_us", "cpu_us", "nivcsw", *(["gc_us"] if "gc_us" in steps else [])]
+    cols = columns(steps)
     g = grid(steps, s, cols)
     if g is None or len(g.ranks) < 3:
         return []  # two ranks cannot outvote each other
@@ -540,10 +549,7 @@ def slow_windows(steps: pd.DataFrame, windows: pd.DataFrame, st: Straggler, peer
 
 def shift_grid(steps: pd.DataFrame, s: StragglerSettings) -> Grid | None:
     """The steps :func:`shifted` analyzes, for several calls on the same steps."""
-    return grid(steps, replace(s, last_steps=s.shift_steps, chunks=s.shift_chunks), SHIFT_COLUMNS)
-
-
-SHIFT_COLUMNS = ["own_us", "data_us", "comm_us", "cpu_us", "nivcsw"]
+    return grid(steps, replace(s, last_steps=s.shift_steps, chunks=s.shift_chunks), columns(steps))
 
 
 def shifted(
@@ -567,7 +573,6 @@ def shifted(
     (the others are its peers still).
     """
     s = s or StragglerSettings()
-    cols = SHIFT_COLUMNS
     c = s.shift_chunks
     g = shift_grid(steps, s) if cut is None else cut
     if g is None or len(g.ranks) < 2 or g.steps < c * s.min_chunk_steps * 4:
@@ -644,6 +649,7 @@ def shifted(
         ):
             continue
         cols_after = g.chunk >= k
+        cols = [col for col in COLUMNS if col in g.values]
         mean = {col: nanmean_rows(g.values[col][:, cols_after]) for col in cols}
         pm = {col: float(np.nanmedian(mean[col][peers])) for col in cols}
         out.append(

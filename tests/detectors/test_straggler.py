@@ -303,6 +303,12 @@ def test_a_rank_the_garbage_collector_stops_longer_is_a_code_path_not_a_slower_d
     windows = functions_frame({r: clean_up if r == 6 else common for r in range(8)})
     f = only(straggler.find(replace(data, functions=windows), SETTINGS))
     assert (f.cause, f.function) == ("code_path", "train.py(70): free_memory")
+    # A clean-up since mid-run, too mild for the peer rule: the change-point rule's account of it.
+    since = synthetic(steps=800, slow={6: {"compute_us": 600, "gc_us": 500, "from": 500}})
+    f = only(straggler.find(since, SETTINGS))
+    assert (f.cause, f.function) == ("code_path", classify.GARBAGE_COLLECTION)
+    assert f.evidence["ratio_before"] == pytest.approx(1.0, abs=0.01)
+    assert 480 <= f.evidence["held_since_step"] <= 500  # from the chunk the change fell in
     alike = synthetic(slow={r: {"gc_us": 1400} for r in range(8)} | {6: {"compute_us": 1500, "gc_us": 1400}})
     assert only(straggler.find(alike, SETTINGS)).cause == "compute"
 
