@@ -118,7 +118,11 @@ def culprit(f: Finding) -> str:
 
 
 def fingerprint(job: str, f: Finding) -> str:
-    key = "\x1f".join((job, f.cause, f.scope, culprit(f)))
+    """The same fault of the same culprit in the same job (a failure: of the same attempt)."""
+    parts = [job, f.cause, f.scope, culprit(f)]
+    if f.cause == "failure":
+        parts.append(f"attempt {f.evidence.get('attempt', '')}")
+    key = "\x1f".join(parts)
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
@@ -188,6 +192,8 @@ def reconcile(
         fp = fingerprint(job, f)
         seen.add(fp)
         t = latest.get(fp)
+        if t is not None and not t.active and _started_again(f):
+            continue  # an attempt's failure, said and resolved: the finding stays, and so does that
         if t is not None and t.active:
             t.confidence, t.evidence, t.summary, t.function = f.confidence, f.evidence, f.summary, f.function
             t.ranks, t.hosts = list(f.ranks), list(f.hosts)
@@ -236,7 +242,12 @@ def reconcile(
         if not t.active:
             continue
         if t.cause == "failure":
-            if t.fingerprint not in seen and (c := _after_failure(t, ended, now_us)) is not None:
+            # Its finding gone (the job's ranks started again, or it ended), or saying the job
+            # started again: what came of the job after it.
+            went_on = t.fingerprint in seen and _started_again(t)
+            if ended and t.evidence.get("started_again"):
+                continue  # it said the job went on; the job's end is no news of this attempt
+            if (t.fingerprint not in seen or went_on) and (c := _after_failure(t, ended, now_us)):
                 changes.append(c)
             continue
         if ended:
@@ -249,6 +260,11 @@ def reconcile(
             continue
         changes.append(Change(t, "resolved"))
     return changes
+
+
+def _started_again(f: Finding | Ticket) -> bool:
+    """A failure finding (or its ticket) of an attempt the job started again after."""
+    return f.cause == "failure" and bool(f.evidence.get("started_again"))
 
 
 def _after_failure(t: Ticket, ended: bool, now_us: int) -> Change | None:

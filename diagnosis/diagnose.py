@@ -90,6 +90,8 @@ def diagnose(data: JobData, settings: Settings | None = None) -> Diagnosis:
         return found
 
     found = topology.group(run(alone=False), data.ranks) or run(alone=True)
+    # Why each attempt the job started again after died: beside what the job does now, not instead.
+    found += failure.earlier(data, s.failure)
     found = sorted((f for f in found if f.confidence >= s.min_confidence), key=lambda f: -f.confidence)
     steps = data.steps["step"]
     analyzed = {

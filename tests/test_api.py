@@ -680,7 +680,8 @@ def test_a_slowdown_opens_its_ticket_once_it_held_and_one_that_comes_and_goes_op
 
 def test_a_failure_opens_a_critical_ticket_at_once_and_says_what_came_after_it() -> None:
     """A crash pages at once. A restart that worked resolves its ticket saying so, but a hardware
-    class's stays open for someone to check the host; a job that ended after it keeps it open."""
+    class's stays open for someone to check the host; a job that ended after it keeps it open.
+    Each attempt's failure is its own ticket."""
     s = 1_000_000
 
     def crash(klass: str) -> Finding:
@@ -694,6 +695,25 @@ def test_a_failure_opens_a_critical_ticket_at_once_and_says_what_came_after_it()
         assert c.ticket.state == restarted
         assert c.ticket.events[-1].reason.startswith("attempt 0 ended and the job started again")
         assert reconcile(tickets, "j", [], 10 * s, 8, pending={}) == [], "said once"
+    # The diagnosis of a restarted job goes on saying why the attempt before died: the same.
+    for klass, restarted in (("code", "resolved"), ("gpu_hardware", "open")):
+        tickets = {}
+        reconcile(tickets, "j", [crash(klass)], 0, 8, pending={})
+        went_on = _finding(cause="failure", **{"class": klass, "attempt": 0, "started_again": True})
+        reconcile(tickets, "j", [went_on], 5 * s, 8, pending={})
+        (t,) = tickets.values()
+        assert t.state == restarted
+        assert t.events[-1].reason.startswith("attempt 0 ended and the job started again")
+        later = reconcile(tickets, "j", [went_on], 10 * s, 8, pending={})
+        assert len(tickets) == 1 and all(c.kind == "updated" for c in later), "said once, never reopened"
+        assert reconcile(tickets, "j", [], 70 * s, 8, ended=True) == [], "the job's end is no news of it"
+    # A service that first reads the job after its restart: the ticket opens and says so at once.
+    tickets = {}
+    went_on = _finding(cause="failure", **{"class": "code", "attempt": 0, "started_again": True})
+    assert [c.kind for c in reconcile(tickets, "j", [went_on], 0, 8, pending={})] == ["opened", "resolved"]
+    # Another attempt's failure of the same rank is another ticket.
+    again = _finding(cause="failure", **{"class": "code", "attempt": 1})
+    assert [c.kind for c in reconcile(tickets, "j", [went_on, again], 5 * s, 8, pending={})] == ["opened"]
     tickets = {}
     reconcile(tickets, "j", [crash("code")], 0, 8)
     (c,) = reconcile(tickets, "j", [], 70 * s, 8, ended=True)

@@ -9,7 +9,9 @@ and a line in :data:`DETECTORS`, which says in what order they run and which fin
 which:
 
 0. ``failure`` — a job whose latest attempt died: the rank that failed first, its error and its
-   class; when it finds one, the others do not run (a dead job's heartbeats stopped: no hang);
+   class; when it finds one, the others do not run (a dead job's heartbeats stopped: no hang).
+   Each earlier attempt's failure, of a job that restarted, is added to whatever the detectors
+   found (``failure.earlier``);
 1. ``hang`` — a job that stopped making progress, and the ranks it waits for; when it finds one,
    the others do not run (``exclusive``): a job that stopped has one thing to fix, and what the
    others would read in the steps before it stopped (a rank slower by chance in its first

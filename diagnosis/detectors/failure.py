@@ -14,8 +14,9 @@ Where the rank's hook could ask NVML, its exit record also holds its GPU's fault
 the failure ``gpu_hardware`` whatever the exception said (a GPU that fell off the bus surfaces in
 the job as an NCCL error or a "peer died"), and the XIDs go with the evidence.
 
-Only an attempt that ended is diagnosed, and only the job's latest: where ranks started again
-after the failure (a restart), the job runs, and what it does now is the other detectors'.
+:func:`find` diagnoses the job's latest attempt where the job died of it; :func:`earlier` each
+attempt the job started again after (a restart), whose finding says so, beside what the other
+detectors find in the running job.
 """
 
 from __future__ import annotations
@@ -107,24 +108,55 @@ def classify(error: str, message: str) -> tuple[str, str]:
 
 
 def find(data: JobData, s: Settings) -> list[Finding]:
-    """The latest attempt's failure, if it ended in one: one finding naming the rank that failed first."""
+    """The latest attempt's failure, where the job died of it: one finding naming the rank that
+    failed first (none where the job started again: see :func:`earlier`)."""
     ex = data.exits
     if ex.empty:
         return []
     attempt = int(ex["attempt"].max())
     ended = ex[ex["attempt"] == attempt]
+    if _started_again(data, ended):
+        return []  # the job restarted and runs: what it does now is the other detectors'
+    return _failure(data, attempt, ended, again=False)
+
+
+def earlier(data: JobData, s: Settings) -> list[Finding]:
+    """The failure of each attempt the job started again after (a restart): what ended it, as
+    :func:`find` says it, and that the job went on. A service that first reads the job after its
+    ranks restarted still learns why the attempt before died, and on which host."""
+    ex = data.exits
+    if ex.empty:
+        return []
+    latest = int(ex["attempt"].max())
+    out = []
+    for attempt, ended in ex.groupby("attempt", sort=True):
+        if int(attempt) < latest or _started_again(data, ended):
+            out += _failure(data, int(attempt), ended, again=True)
+    return out
+
+
+def _started_again(data: JobData, ended: pd.DataFrame) -> bool:
+    """Whether a rank of the job started after this attempt's last exit (its rank record is newer)."""
+    if "time_us" not in data.ranks or ended.empty:
+        return False
     last_exit = dict(zip(ended["rank"].astype(int), ended["time_us"].astype(int), strict=True))
-    if "time_us" in data.ranks and any(
+    return any(
         int(t) > last_exit.get(int(r), 1 << 62)
         for r, t in zip(data.ranks["rank"], data.ranks["time_us"], strict=True)
-    ):
-        return []  # a rank started again after it ended: the job restarted and runs
-    first = first_failed(ended, _silent(data, ended))
+    )
+
+
+def _failure(data: JobData, attempt: int, ended: pd.DataFrame, again: bool) -> list[Finding]:
+    """The finding of one ended attempt (``ended``: its exit records), if a rank failed it;
+    ``again``: the job started again after it."""
+    first = first_failed(ended, _silent(data, ended, again))
     if first is None:
         return []  # every rank closed, or was stopped: no failure
     t, rank, row = first
     host = data.hosts_of([rank]).get(rank, "")
     beats = data.heartbeats[data.heartbeats["rank"] == rank]
+    if again:
+        beats = beats[beats["time_us"] <= int(ended["time_us"].max())]
     xids = (
         dict(beats["gpu_xids"].iloc[-1] or {})
         if row is None and "gpu_xids" in beats and not beats.empty
@@ -157,6 +189,7 @@ def find(data: JobData, s: Settings) -> list[Finding]:
                 f"attempt {attempt} failed: rank {rank}{f' ({host})' if host else ''} failed first"
                 f"{f' at step {step}' if step >= 0 else ''}: {what} [{klass}]"
                 + (f"; after it: {after}" if after else "")
+                + ("; the job started again" if again else "")
                 + f". {advice[0].upper()}{advice[1:]}"
             ),
             evidence={
@@ -167,6 +200,7 @@ def find(data: JobData, s: Settings) -> list[Finding]:
                 **evidence,
                 "others": {str(r): h for r, h in sorted(others.items())},
                 "advice": advice,
+                "started_again": again,
             },
         )
     ]
@@ -192,17 +226,26 @@ def first_failed(ended: pd.DataFrame, silent: dict[int, int]) -> tuple[int, int,
     return min(candidates, key=lambda c: c[0]) if candidates else None
 
 
-def _silent(data: JobData, ended: pd.DataFrame) -> dict[int, int]:
-    """The job's ranks without an exit record whose last heartbeat came before the attempt's first
-    exit (a rank still running would have sent one since), each with that heartbeat's time."""
+def _silent(data: JobData, ended: pd.DataFrame, again: bool) -> dict[int, int]:
+    """The job's ranks without an exit record in the attempt that went silent before its first
+    exit, each with its last heartbeat's time then: those whose heartbeats stopped before it (a
+    rank still running would have sent one since); of an attempt the job started again after,
+    every rank without one (its heartbeats go on in the next attempt), at its last heartbeat
+    before that exit, else that exit's time."""
     beats = data.heartbeats
-    if beats.empty or ended.empty:
+    if ended.empty:
         return {}
     first_exit = int(ended["time_us"].min())
-    quiet = beats[~beats["rank"].astype(int).isin(set(ended["rank"].astype(int)))]
-    return {
-        int(r): int(t) for r, t in zip(quiet["rank"], quiet["time_us"], strict=True) if int(t) < first_exit
-    }
+    said = set(ended["rank"].astype(int))
+    last = {
+        int(r): int(t)
+        for r, t in zip(beats["rank"], beats["time_us"], strict=True)
+        if int(r) not in said and (not again or int(t) < first_exit)
+    }  # heartbeats are ordered by time: the last one of each rank wins
+    if not again:
+        return {r: t for r, t in last.items() if t < first_exit}
+    everyone = data.ranks["rank"] if not data.ranks.empty else beats["rank"]
+    return {int(r): last.get(int(r), first_exit) for r in everyone if int(r) not in said}
 
 
 def _how(row: Any) -> str:

@@ -136,9 +136,40 @@ def test_an_out_of_memory_error_and_the_jobs_own_code_are_told_apart() -> None:
     )
 
 
-def test_a_job_that_ended_well_or_restarted_has_no_failure() -> None:
+def test_a_job_that_ended_well_has_no_failure_and_one_that_restarted_says_why_it_did() -> None:
     closed = pd.DataFrame([_exit(r, 1.0, "close") for r in range(4)])
     assert failure.find(JobData(job="j", ranks=RANKS, exits=closed), failure.Settings()) == []
+    assert diagnose(JobData(job="j", ranks=RANKS, exits=closed)).findings == []
+    # Rank 1 raised; every rank started again after it (torchrun's restart): the job runs, and
+    # why the attempt before died is said beside what the job does now, on the same rank.
     crashed = pd.DataFrame([_exit(1, 0.0, "exception", "RuntimeError", "boom")])
-    restarted = RANKS.assign(time_us=T + 30_000_000)  # every rank started again after it
-    assert failure.find(JobData(job="j", ranks=restarted, exits=crashed), failure.Settings()) == []
+    restarted = RANKS.assign(time_us=T + 30_000_000)
+    data = JobData(job="j", ranks=restarted, exits=crashed)
+    assert failure.find(data, failure.Settings()) == []
+    f = only(diagnose(data).findings)
+    assert (f.cause, f.ranks, f.evidence["attempt"], f.evidence["started_again"]) == ("failure", [1], 0, True)
+    assert f.summary.startswith(
+        "attempt 0 failed: rank 1 (node0) failed first at step 100: RuntimeError: boom"
+    )
+    assert "; the job started again." in f.summary
+
+
+def test_each_attempt_a_restarted_job_lost_is_told_with_the_rank_that_went_silent_in_it() -> None:
+    """Attempt 0: rank 2 killed without a word, its peers' collectives raised as it went. Attempt 1:
+    rank 3 raised; the job started again and runs attempt 2, whose heartbeats are each rank's
+    latest: a rank silent in attempt 0 is found by its missing exit record."""
+    exits = pd.DataFrame(
+        [_exit(r, 1.0 + r / 10, "exception", "RuntimeError", PEER) for r in (0, 1, 3)]
+        + [_exit(3, 40.0, "exception", "ValueError", "bad batch", attempt=1)]
+        + [_exit(r, 40.5, "signal", signal=15, attempt=1) for r in (0, 1, 2)]
+    )
+    beats = _beats({0: 60.0, 1: 60.0, 2: 60.0, 3: 60.0})
+    data = JobData(job="j", ranks=RANKS.assign(time_us=T + 50_000_000), exits=exits, heartbeats=beats)
+    found = sorted(diagnose(data).findings, key=lambda f: f.evidence["attempt"])
+    assert [(f.ranks, f.evidence["attempt"], f.evidence["class"]) for f in found] == [
+        ([2], 0, "killed"),
+        ([3], 1, "code"),
+    ]
+    assert found[0].evidence["last_heartbeat_us"] == T + 1_000_000, (
+        "no heartbeat of it then: the attempt's first exit"
+    )
