@@ -167,6 +167,17 @@ class JobData:
         cols = [c for c in SPAN_COLUMNS if c in f]
         return f[cols].drop_duplicates(["rank", "window"]).reset_index(drop=True)
 
+    def attempt_steps(self) -> pd.DataFrame:
+        """The steps of the ranks' latest start: of a job that restarted, those its processes ran
+        now, not the attempt before (other processes, maybe on other hosts). Where the ranks'
+        starts are not known (steps without ``start_us``), every step."""
+        steps = self.steps
+        if steps.empty or "start_us" not in steps or "time_us" not in self.ranks or self.ranks.empty:
+            return steps
+        start = int(self.ranks["time_us"].min())
+        first = steps["start_us"] >= start
+        return steps if first.all() else steps[first]
+
     def roles(self) -> list[list[int]]:
         """The job's ranks grouped by role: the same coordinates on the pipeline dimensions of its
         device mesh (``wire.records.pipeline_role``); one group where it has none. A pipeline's stages do

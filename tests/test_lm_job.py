@@ -144,6 +144,19 @@ def test_a_rank_killed_under_torchrun_restarts_the_job_and_reliability_measures_
     fleet = rankscope("reliability", "--store", str(store), "--fleet").stdout
     assert fleet.splitlines()[1].split()[:3] == ["nodeA", "killed", "1x"] and "LEMON" not in fleet, fleet
     assert "failures by class over" in fleet and "killed 1x (" in fleet.splitlines()[-1], fleet
+    # The diagnosis of the job that went on says why its first attempt died, and nothing else:
+    # no straggler made of the crash.
+    out = rankscope("diagnose", "--store", str(store), "--job", "lm-restart", "--json")
+    assert out.returncode == 0, out.stderr
+    found = json.loads(out.stdout)["findings"]
+    assert len(found) == 1, [f["summary"] for f in found]
+    (f,) = found
+    assert (f["cause"], f["ranks"], f["hosts"]) == ("failure", [1], ["nodeA"]), f["summary"]
+    assert (f["evidence"]["attempt"], f["evidence"]["class"], f["evidence"]["started_again"]) == (
+        0,
+        "killed",
+        True,
+    )
     own = json.loads(
         rankscope(
             "reliability", "--store", str(store), "--json", "--failures-per-1000-node-days", "store"

@@ -1,6 +1,6 @@
-"""``job_wide``: every rank slower than the job's own start, over its last steps. It runs only when
-no other detector found anything (``detectors.DETECTORS``): a job-wide slowdown is what is left when
-no rank, link or host stands out."""
+"""``job_wide``: every rank slower than the job's own start (its latest attempt's), over its last
+steps. It runs only when no other detector found anything (``detectors.DETECTORS``): a job-wide
+slowdown is what is left when no rank, link or host stands out."""
 
 from __future__ import annotations
 
@@ -45,7 +45,9 @@ def find(data: JobData, s: Settings) -> list[Finding]:
 
 
 def _find(data: JobData, s: Settings) -> Finding | None:
-    recent = data.steps[data.steps["step"] > data.steps["step"].max() - s.steps]
+    # The job's own start is its latest attempt's: a restart's processes are new ones.
+    steps = data.attempt_steps()
+    recent = steps[steps["step"] > steps["step"].max() - s.steps]
     # The steps' time: a row of a large job's read stands for ``width`` steps (its means per step).
     if (
         recent.empty
@@ -53,7 +55,7 @@ def _find(data: JobData, s: Settings) -> Finding | None:
     ):
         return None
     cut = stragglers.StragglerSettings(warmup_steps=s.warmup_steps, last_steps=s.steps, chunks=s.chunks)
-    g = stragglers.grid(data.steps, cut, ["dur_us", "own_us", "cpu_us"])
+    g = stragglers.grid(steps, cut, ["dur_us", "own_us", "cpu_us"])
     if g is None or len(np.unique(g.chunk)) < 3:
         return None
     last = sorted(np.unique(g.chunk))

@@ -12,6 +12,7 @@ from diagnosis.detectors import job_wide
 from tests.jobdata import only, sched_windows, synthetic
 
 SETTINGS = job_wide.Settings()
+T = 1_800_000_000_000_000
 
 
 def test_job_wide_slowdown() -> None:
@@ -53,3 +54,15 @@ def test_it_runs_only_when_no_rank_stands_out() -> None:
     data = synthetic(steps=3000, growth=2.0, slow={5: {"compute_us": 3000}})
     assert job_wide.find(data, SETTINGS)  # alone, it would say job-wide
     assert [(f.cause, f.ranks) for f in diagnose(data).findings] == [("compute", [5])]
+
+
+def test_a_restarted_jobs_own_start_is_its_latest_attempts() -> None:
+    """Every rank's steps take 4x as long since step 7,500: a slowdown of the job's own, unless its
+    ranks started again there (a restart on other hosts, say), which makes the attempt's steps its
+    own start: steady since, no finding."""
+    data = synthetic(steps=9000, slow={r: {"compute_us": 15_000, "from": 7500} for r in range(8)})
+    steps = data.steps.assign(start_us=T + data.steps["step"] * 10_000)
+    ranks = data.ranks.assign(time_us=T)
+    assert only(job_wide.find(replace(data, steps=steps, ranks=ranks), SETTINGS)).ranks == list(range(8))
+    again = ranks.assign(time_us=T + 7500 * 10_000)
+    assert job_wide.find(replace(data, steps=steps, ranks=again), SETTINGS) == []
