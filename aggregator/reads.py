@@ -320,14 +320,14 @@ class Reads:
 
     def window_costs(self, job: str) -> pd.DataFrame:
         """Per rank of ``job``, what its profiling windows cost as its heartbeats last said: ``rank,
-        windows`` (taken and measured) ``, cost_us`` (their cost in all) ``, span_us`` (from its
-        first heartbeat to its last)."""
+        windows`` (taken and measured) ``, window_cost_us`` (their cost in all) ``, time_us`` (its
+        last heartbeat's)."""
         sql = (
-            "SELECT rank, max(windows) AS n, max(window_cost_us) AS cost, max(time_us) - min(time_us) AS span "
+            "SELECT rank, max(windows) AS n, max(window_cost_us) AS cost, max(time_us) AS last "
             f"FROM {self._t(HEARTBEATS)} WHERE job = {{job:String}} GROUP BY rank ORDER BY rank"
         )
-        df = self._frame(sql, {"job": job}, ("rank", "n", "cost", "span"))
-        return df.rename(columns={"n": "windows", "cost": "cost_us", "span": "span_us"})
+        df = self._frame(sql, {"job": job}, ("rank", "n", "cost", "last"))
+        return df.rename(columns={"n": "windows", "cost": "window_cost_us", "last": "time_us"})
 
     def dead_letters(self, limit: int = 1000) -> pd.DataFrame:
         """Up to ``limit`` dead letters, ordered by source and position (raw values can be 1 MB each)."""

@@ -57,21 +57,27 @@ def _ranks(ranks: list[int], most: int = 8) -> str:
     return f"rank{'s' if len(rs) > 1 else ''} {said}"
 
 
-def window_cost(data: JobData) -> float | None:
-    """The most any rank's profiling windows cost it, as a share of its time from its start (its
-    rank record) to its latest heartbeat; None where no heartbeat says."""
-    beats, ranks = data.heartbeats, data.ranks
-    if beats.empty or "window_cost_us" not in beats or "time_us" not in ranks:
-        return None
+def window_shares(ranks: pd.DataFrame, costs: pd.DataFrame) -> dict[int, float]:
+    """Per rank, what its profiling windows cost (``costs``: ``rank, time_us, window_cost_us``, as a
+    heartbeat says) as a share of its time from its start (its rank record: where the hook's budget
+    starts counting) to that heartbeat."""
+    if costs.empty or "window_cost_us" not in costs or "time_us" not in ranks:
+        return {}
     start = dict(zip(ranks["rank"].astype(int), ranks["time_us"].astype(int), strict=True))
-    shares = [
-        cost / (t - start[r])
+    return {
+        r: cost / (t - start[r])
         for r, t, cost in zip(
-            beats["rank"].astype(int), beats["time_us"], beats["window_cost_us"], strict=True
+            costs["rank"].astype(int), costs["time_us"], costs["window_cost_us"], strict=True
         )
         if r in start and t > start[r]
-    ]
-    return round(max(shares), 5) if shares else None
+    }
+
+
+def window_cost(data: JobData) -> float | None:
+    """The most any rank's profiling windows cost it (:func:`window_shares`, at its latest
+    heartbeat); None where no heartbeat says."""
+    shares = window_shares(data.ranks, data.heartbeats)
+    return round(max(shares.values()), 5) if shares else None
 
 
 def diagnose(data: JobData, settings: Settings | None = None) -> Diagnosis:

@@ -23,6 +23,7 @@ import pandas as pd
 
 from wire.errors import NotFoundError
 
+from .diagnose import window_shares
 from .robust import dense_index
 from .stragglers import width
 
@@ -109,8 +110,8 @@ def measure(
 ) -> Efficiency:
     """The split of ``job``'s time from its ``steps`` (``rank, start_us, dur_us, data_us, comm_us``),
     ``windows`` (``rank, busy``), ``ranks`` (``rank, host, device``), ``gpu`` (``rank, gpu_util,
-    gpu_mem_mb``: NVML's samples, where the heartbeats carried them) and ``costs`` (``rank, cost_us,
-    span_us``: what the rank's windows cost over its heartbeats' span)."""
+    gpu_mem_mb``: NVML's samples, where the heartbeats carried them) and ``costs`` (``rank, time_us,
+    window_cost_us``: what the rank's windows cost by its last heartbeat, ``diagnose.window_shares``)."""
     if steps.empty:
         raise NotFoundError(f"job {job!r} has no steps: nothing to measure")
     per = per_rank(steps)
@@ -130,15 +131,7 @@ def measure(
         else {}
     )
     nvml = {int(g["rank"]): g for _, g in gpu.iterrows()} if gpu is not None and not gpu.empty else {}
-    cost = (
-        {
-            int(r): c / s
-            for r, c, s in zip(costs["rank"], costs["cost_us"], costs["span_us"], strict=True)
-            if s > 0
-        }
-        if costs is not None and not costs.empty
-        else {}
-    )
+    cost = window_shares(ranks, costs) if costs is not None else {}
     out = []
     for rank, r in zip(per.index, per.to_dict("records"), strict=True):
         dur = max(float(r["dur"]), 1.0)

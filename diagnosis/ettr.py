@@ -395,6 +395,9 @@ class FailingHost:
     jobs: list[str]
     lemon: bool
     """It failed ``LEMON_FAILURES`` attempts or more with a hardware class: a lemon node."""
+    preflight: str = ""
+    """What its last preflight said (``passed``, or ``failed:`` and why), where a report was given;
+    ``not in the reports`` where none held it."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -11,6 +11,7 @@ neighbour on each side is named as that link.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -124,3 +125,20 @@ def _slow(nd: dict[str, Any], check: str, value: float, ref: float, why: str = "
         message=f"{check} {value:.3g} {unit} is {value / ref:.2f}x the reference {ref:.3g}"
         + (f": {why}" if why else ""),
     )
+
+
+def host_verdicts(reports: Iterable[dict[str, Any]]) -> dict[str, str]:
+    """Per node, what its preflight said in ``reports`` (``Report.to_dict``, as ``rankscope
+    preflight --out`` writes them; a later report's word on a node replaces an earlier's):
+    ``passed``, or ``failed:`` and the failed checks' messages. A link's failure is both its
+    nodes'."""
+    out: dict[str, str] = {}
+    for report in reports:
+        failed: dict[str, list[str]] = {}
+        for c in report.get("failed", []):
+            for node in str(c["node"]).split("->"):
+                failed.setdefault(node, []).append(f"{c['check']}: {c['message']}")
+        for nd in report.get("nodes", []):
+            node = str(nd["node"])
+            out[node] = f"failed: {'; '.join(failed[node])}" if node in failed else "passed"
+    return out

@@ -172,13 +172,29 @@ def _measured_runs(store: Any) -> list[Any]:
     return [measure(r) for r in runs if not r.steps.empty]
 
 
+def _preflight_report(path: str) -> dict[str, Any]:
+    try:
+        report = json.loads(Path(path).read_text())
+        if not isinstance(report, dict) or not isinstance(report.get("nodes"), list):
+            raise ValueError("no list of nodes")
+        return report
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--preflight {path}: not a preflight report ({exc})") from None
+
+
 def _failing_hosts(a: argparse.Namespace) -> int:
+    from dataclasses import replace
+
     from diagnosis.ettr import failing_hosts, failures_by_class
+    from preflight.verdict import host_verdicts
     from renderers.text import format_failing_hosts
 
     with _reading(a) as store:
         runs = _measured_runs(store)
     hosts, classes = failing_hosts(runs), failures_by_class(runs)
+    if a.preflight:
+        said = host_verdicts(_preflight_report(path) for path in a.preflight)
+        hosts = [replace(h, preflight=said.get(h.host, "not in the reports")) for h in hosts]
     if a.json:
         print(
             json.dumps(
@@ -423,6 +439,13 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="every job in the store: the hosts whose ranks failed attempts first, by class; "
         "lemon nodes (2+ hardware failures) first",
+    )
+    r.add_argument(
+        "--preflight",
+        action="append",
+        metavar="REPORT",
+        help="with --fleet: a preflight report (rankscope preflight --out) whose verdicts go beside "
+        "the hosts (repeatable; a later report's word on a node replaces an earlier's)",
     )
     r.set_defaults(func=_reliability)
 

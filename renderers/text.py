@@ -204,6 +204,7 @@ def format_failing_hosts(hosts: list[FailingHost], classes: list[FailureClass]) 
         lines.append(
             f"{h.host[:24]:<24} {by_class[:44]:<44} {len(h.jobs)}"
             + ("  LEMON: cordon it and check its GPUs" if h.lemon else "")
+            + (f"  preflight {h.preflight}" if h.preflight else "")
         )
     if classes:
         lines.append(

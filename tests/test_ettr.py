@@ -15,6 +15,8 @@ from diagnosis.ettr import (
     measure,
     observed_failure_rate,
 )
+from preflight.verdict import host_verdicts, judge
+from renderers.text import format_failing_hosts
 from wire.errors import NotFoundError
 
 S = 1_000_000  # µs
@@ -155,6 +157,20 @@ def test_a_host_whose_gpu_failed_two_jobs_is_a_lemon_node() -> None:
         True,
     )
     assert not failing_hosts(runs[:1])[0].lemon, "one failure is no pattern"
+    # Beside its preflight's verdicts: h1's link out was slow, then its GPU failed the check.
+    nodes = [
+        {"rank": r, "node": f"h{r}", "matmul_gflops": 100.0, "memory_gbps": 10.0, "send_gbps": 1.0}
+        for r in range(3)
+    ]
+    slow_link = judge([{**n, "send_gbps": 0.2} if n["node"] == "h1" else n for n in nodes], 1.0).to_dict()
+    gpu_error = judge(
+        [{**n, "gpu_errors": ["XID 79"]} if n["node"] == "h1" else n for n in nodes], 1.0
+    ).to_dict()
+    said = host_verdicts([slow_link, gpu_error])
+    assert said == {"h0": "passed", "h1": "failed: gpu: XID 79", "h2": "passed"}
+    assert host_verdicts([slow_link])["h2"].startswith("failed: link: the link h1 -> h2 alone reaches 0.20x")
+    text = format_failing_hosts([replace(h1, preflight=said["h1"])], [])
+    assert text.splitlines()[1].endswith("LEMON: cordon it and check its GPUs  preflight failed: gpu: XID 79")
     # Per class over the fleet's node-days: one node fails of a GPU fault every half of them.
     node_days = sum(r.nodes * r.wall_s for r in runs) / 86_400
     assert [(c.failure, c.failures) for c in failures_by_class(runs)] == [("gpu_hardware", 2), ("code", 1)]
