@@ -10,9 +10,9 @@ when the step numbers jump, when it has lasted twice ``block_s`` (the steps slow
 must not wait), and when the hook pauses or closes. Steps longer than ``block_s`` get a row each.
 The store reads each row back as its steps, each with the block's mean values.
 
-A block's CPU time, context switches, run-queue wait and garbage collection are the differences of the thread's and
-process's counters from one block's end to the next — the sum of its steps' — read once per block,
-not per step (~10 µs saved a step). Where the step numbers jump, the step after the jump is counted in
+A block's CPU time, context switches, run-queue wait and garbage collection are the differences of
+the thread's and process's counters from one block's end to the next — the sum of its steps' — read
+once per block, not per step (~10 µs saved a step). Where the step numbers jump, the step after the jump is counted in
 the block before it.
 """
 

@@ -5,9 +5,8 @@ threads: a full (generation 2) collection in a process with torch traverses ever
 and can stop a step for 100 ms or more. Ranks collect at different steps (each counts its own
 allocations), so a synchronous job waits at its next collective for whichever rank collects,
 and a rank that collects more often or longer than its peers (a clean-up it calls itself, more
-objects to traverse) is a straggler whose operators are no slower. ByteDance's study of
-stragglers in its training clusters names such pauses as one cause; Megatron-LM disables the
-automatic collector and collects on all ranks at once (``--manual-gc``) for the same reason.
+objects to traverse) is a straggler whose operators are no slower. Megatron-LM offers to turn the
+automatic collector off and collect on all ranks at the same steps (``--manual-gc``) for this reason.
 
 The clock sums the collections' durations from ``gc.callbacks``, which the interpreter calls at
 each collection's start and end (~1 µs a collection, a few hundred a second at most).
