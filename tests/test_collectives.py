@@ -288,7 +288,8 @@ def test_a_rank_that_waits_for_its_pipeline_or_tensor_parallel_peer_waits_in_com
     time grows; each rank's record carries its place in the mesh."""
     env = {**os.environ, "RANKSCOPE_SPOOL": str(tmp_path / "spool"), "RANKSCOPE_JOB": script}
     path = Path(__file__).parents[1] / "benchmarks" / "jobs" / f"{script}.py"
-    flags = ["--steps", "70", "--fault", "metrics_block", "--fault-rank", "0", "--onset-s", "8"]
+    # By time, not steps: on a slower machine 70 steps once ended right after the 8-s onset.
+    flags = ["--seconds", "16", "--fault", "metrics_block", "--fault-rank", "0", "--onset-s", "8"]
     run = subprocess.run(
         [*torchrun(4), str(path), *flags, "--fault-ms", "60", "--marker-dir", str(tmp_path)],
         env=env, capture_output=True, text=True, timeout=300,
