@@ -41,6 +41,12 @@ class StragglerSettings:
     min_chunk_steps: int = 5
     """Fewer steps than this per chunk (30 in all) is too few to tell a straggler from noise: over a
     second of steps or less, a healthy rank can read 1.49x its peers."""
+    min_s: float = 10.0
+    """...and until the analyzed range holds ``last_steps``, fewer seconds of steps than this is a
+    job too young to compare its ranks: in its first seconds a healthy rank's own time can read
+    1.15x its peers' for 1-5 s (imports still running on background threads, allocator and cache
+    warm-up, the first profiling window). A fault from the first step is found this much later;
+    a ticket waits 15 s anyway (``api.tickets.Rules.open_after_s``)."""
     min_ratio: float = 1.10
     """A rank's mean own time (per step, relative to the step's median) must exceed the ranks' median
     by this factor to count as slow in a chunk."""
@@ -302,6 +308,16 @@ def grid(steps: pd.DataFrame, s: StragglerSettings, columns: list[str]) -> Grid 
     return Grid(ranks=ranks, chunk=chunk, values=values, first_step=lo, width=w)
 
 
+def young(steps: pd.DataFrame, g: Grid, s: StragglerSettings) -> bool:
+    """Whether the analyzed steps are a young job's: fewer than ``last_steps`` of them, from the
+    first one's start to the last one's end fewer than ``min_s`` seconds. Steps without their
+    start times (``start_us``: a store's read has them) are of a job of unknown age: not young."""
+    if g.steps >= s.last_steps or "start_us" not in steps:
+        return False
+    mine = steps[steps["step"] >= g.first_step]
+    return int((mine["start_us"] + mine["dur_us"]).max() - mine["start_us"].min()) < s.min_s * 1e6
+
+
 def nanmean_rows(a: np.ndarray) -> np.ndarray:
     """Mean of each row ignoring NaN (NaN for a row without values), without numpy's warning."""
     ok = ~np.isnan(a)
@@ -400,7 +416,7 @@ def find(
     g = grid(steps, s, cols)
     if g is None or len(g.ranks) < 3:
         return []  # two ranks cannot outvote each other
-    if g.steps < s.chunks * s.min_chunk_steps:
+    if g.steps < s.chunks * s.min_chunk_steps or young(steps, g, s):
         return []
     role = (
         np.array([roles.get(int(r), -1) for r in g.ranks])
@@ -575,7 +591,7 @@ def shifted(
     s = s or StragglerSettings()
     c = s.shift_chunks
     g = shift_grid(steps, s) if cut is None else cut
-    if g is None or len(g.ranks) < 2 or g.steps < c * s.min_chunk_steps * 4:
+    if g is None or len(g.ranks) < 2 or g.steps < c * s.min_chunk_steps * 4 or young(steps, g, s):
         return []
     own = g.values["own_us"]
     skip = np.isin(g.ranks, list(exclude))

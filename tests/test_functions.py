@@ -506,7 +506,7 @@ def test_a_stall_that_began_within_the_span_is_named_from_the_samples_since_it_b
     holds a twentieth of the rank's samples, too few to name it; since the change, half. A store's
     data reads the samples since the step the straggler began at."""
     data = synthetic(slow={5: {"compute_us": 2000, "cpu": 5000 / 7000, "from": 150}})
-    data = replace(data, steps=data.steps.assign(start_us=T0_US + 10_000 * data.steps["step"]))
+    data = replace(data, steps=data.steps.assign(start_us=T0_US + 50_000 * data.steps["step"]))  # 15 s
     loop, callback = "trainer.py(2200): _inner_training_loop", "train.py(30): on_step_end"
     peers = {r: {sample_key(loop, 2300): 16} for r in range(8) if r != 5}
     whole = _samples(peers | {5: {sample_key(loop, 2300): 19, sample_key(callback, 31): 1}})

@@ -47,7 +47,12 @@ def find(data: JobData, s: Settings) -> list[Finding]:
 def _find(data: JobData, s: Settings) -> Finding | None:
     # The job's own start is its latest attempt's: a restart's processes are new ones.
     steps = data.attempt_steps()
-    recent = steps[steps["step"] > steps["step"].max() - s.steps]
+    if steps.empty:
+        return None
+    # The seconds the rule compares, the warm-up it leaves out not counted: a job's first step
+    # holds its start-up (imports, building the model, the process group), often 10-20 s alone.
+    lo = max(int(steps["step"].min()) + s.warmup_steps, int(steps["step"].max()) - s.steps + 1)
+    recent = steps[steps["step"] >= lo]
     # The steps' time: a row of a large job's read stands for ``width`` steps (its means per step).
     if (
         recent.empty

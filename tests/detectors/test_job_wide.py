@@ -48,6 +48,17 @@ def test_a_jobs_first_seconds_are_no_baseline() -> None:
     assert job_wide.find(synthetic(steps=300, growth=2.0), SETTINGS) == []
 
 
+def test_a_first_step_that_holds_the_jobs_start_up_does_not_make_it_old_enough() -> None:
+    """A job's first step holds its start-up (imports, the model, the process group: 15 s here),
+    then 5 s of steps growing 2x: still too young for a baseline. With 25 s of steps, job-wide."""
+    young = synthetic(steps=600, growth=2.0)
+    first = young.steps["step"] == young.steps["step"].min()
+    young = replace(young, steps=young.steps.assign(dur_us=young.steps["dur_us"].mask(first, 15_000_000)))
+    assert job_wide.find(young, SETTINGS) == []
+    old = synthetic(steps=3000, growth=2.0)
+    assert only(job_wide.find(old, SETTINGS)).cause == "job_wide"
+
+
 def test_it_runs_only_when_no_rank_stands_out() -> None:
     """The same job-wide growth with one rank slower still: the straggler is the finding, and the
     job-wide slowdown, which it explains in part, is not reported beside it."""

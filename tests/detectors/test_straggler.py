@@ -31,6 +31,21 @@ def test_compute_straggler_is_named_not_the_ranks_that_wait_for_it() -> None:
     assert 0.5 < f.confidence <= 1
 
 
+def test_a_job_a_few_seconds_old_is_too_young_to_compare_its_ranks() -> None:
+    """The same slower device, in a job whose 300 steps took 3 s (a store's read says when each
+    started): too young to tell from a healthy job's first seconds. 40 ms steps (12 s): found."""
+    data = synthetic(slow={5: {"compute_us": 1500}})
+    at = 1_800_000_000_000_000 + data.steps["step"] * 10_000
+    young = replace(data, steps=data.steps.assign(start_us=at))
+    assert straggler.find(young, SETTINGS) == []
+    old = replace(data, steps=data.steps.assign(start_us=at.min() + data.steps["step"] * 40_000))
+    assert only(straggler.find(old, SETTINGS)).ranks == [5]
+    # Once the analyzed range is whole (800 steps after the warm-up), the job is old enough at any pace.
+    many = synthetic(steps=900, slow={5: {"compute_us": 1500}})
+    quick = many.steps.assign(start_us=1_800_000_000_000_000 + many.steps["step"] * 5_000)  # 4.5 s
+    assert only(straggler.find(replace(many, steps=quick), SETTINGS)).ranks == [5]
+
+
 def test_threads_that_queue_on_a_rank_the_job_does_not_wait_for_are_no_finding() -> None:
     """Every rank waits for rank 1's slower device; rank 5's threads queue 4 ms a step for a CPU
     (shared cores), but it waits in the collectives as long as the others: it holds no one back."""
