@@ -33,9 +33,11 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
+
+from wire.records import PIPELINE_DIMS
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +85,8 @@ FUNCTIONAL = (
 skipped): each launches one collective and returns a tensor that ``wait_tensor`` waits on, at its
 first use (DTensor) or at once."""
 _FUNCOL = "torch.distributed._functional_collectives"
+_STAGE = "torch.distributed.pipelining.stage"
+"""Where ``torch.distributed.pipelining``'s stages are defined: a stage says its index."""
 MAX_AWAITED = 4096
 """Calls kept until the thread waits on them (``isend``/``irecv`` works, functional collectives'
 tensors); the oldest go first (a job that never waits)."""
@@ -183,12 +187,22 @@ MEGATRON_GROUPS = {
 ``group_desc``), by the dimension of the job's parallelism they span."""
 
 
-def mesh_coordinates() -> dict[str, int]:
+def mesh_coordinates(stages: Iterable[int] = ()) -> dict[str, int]:
     """This rank's coordinate on each named dimension of the job's parallelism: ``DeviceMesh``
     gives the process group of each dimension the description ``mesh_<name>`` and orders its ranks
     along it (a dimension that spans the whole job uses the default group, and is not named);
     Megatron-LM, without a mesh, describes its groups by name (``MEGATRON_GROUPS``), each ordered
-    along its dimension too."""
+    along its dimension too. Where neither says a pipeline dimension, the pipeline stages the rank
+    ran (``stages``, ``CollectiveTracker.stages``) do: ``pp`` is the first one's index (a rank that
+    runs several, as interleaved schedules do, runs stages i, i + P, ...)."""
+    coords = _named_coordinates()
+    known = [s for s in stages if s >= 0]
+    if known and not any(d in PIPELINE_DIMS for d in coords):
+        coords["pp"] = min(known)
+    return coords
+
+
+def _named_coordinates() -> dict[str, int]:
     try:
         import torch.distributed as dist
         from torch.distributed import distributed_c10d
@@ -272,6 +286,9 @@ class CollectiveTracker:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _originals: dict[str, Any] = field(default_factory=dict)
     _local: threading.local = field(default_factory=threading.local)
+    stages: set[int] = field(default_factory=set)
+    """The indices of the ``torch.distributed.pipelining`` stages this rank ran a microbatch of
+    (:meth:`_watch_stages`): its place in a pipeline where no device mesh says it."""
     _awaited: dict[int, CollectiveCall] = field(default_factory=dict)
     """Calls by what the thread will wait on (an ``isend``/``irecv``'s work, a functional
     collective's tensor: :func:`_wait_key`), until it does."""
@@ -335,6 +352,7 @@ class CollectiveTracker:
         Once per step block: c10d's number costs ~17 µs a read inside a training step."""
         if self.active:
             self._patch_functional()
+            self._watch_stages()
         extra, unnumbered = 0, set[str]()
         seqs = c10d_seqs(unnumbered)
         if unnumbered - self.unnumbered:
@@ -483,6 +501,7 @@ class CollectiveTracker:
 
             setattr(dist.Work, "wait", waited)  # noqa: B010 (a method of a C++ class: mypy refuses the plain form)
         self.active = True
+        self._watch_stages()
         self.catch_up()  # what was launched until now (or while paused) belongs to no step
 
     def _patch_functional(self) -> None:
@@ -513,6 +532,28 @@ class CollectiveTracker:
 
         setattr(funcol, "wait_tensor", wait_tensor)  # noqa: B010 (a module mypy knows only as ModuleType)
 
+    def _watch_stages(self) -> None:
+        """Note the index of each pipeline stage this rank runs (``stages``), once the job has
+        imported ``torch.distributed.pipelining`` (importing it here would cost every other job its
+        start-up): a job that builds its pipeline without a device mesh, as PyTorch's own
+        pipelining docs do (``PipelineStage(module, stage_index, num_stages, device)``), says
+        where each rank sits only there. The stages' base class's ``forward_one_chunk`` (one call
+        per microbatch, on 2.8 to 2.15) is wrapped, so stages made before the hook attached are
+        seen too. At :meth:`patch` and at each :meth:`catch_up` after it. Idempotent."""
+        module = sys.modules.get(_STAGE)
+        base = getattr(module, "_PipelineStageBase", None)
+        if base is None or _STAGE in self._originals or not hasattr(base, "forward_one_chunk"):
+            return
+        self._originals[_STAGE] = forward = base.forward_one_chunk
+        stages = self.stages
+
+        @functools.wraps(forward)
+        def forward_one_chunk(stage: Any, *args: Any, **kwargs: Any) -> Any:
+            stages.add(getattr(stage, "stage_index", -1))
+            return forward(stage, *args, **kwargs)
+
+        setattr(base, "forward_one_chunk", forward_one_chunk)  # noqa: B010
+
     def unpatch(self) -> None:
         import torch.distributed as dist
         import torch.distributed.distributed_c10d as c10d
@@ -522,6 +563,8 @@ class CollectiveTracker:
         for op, original in self._originals.items():
             if op == "Work.wait":
                 setattr(dist.Work, "wait", original)  # noqa: B010
+            elif op == _STAGE:
+                setattr(sys.modules[_STAGE]._PipelineStageBase, "forward_one_chunk", original)  # noqa: B010
             elif op.startswith(_FUNCOL):
                 setattr(funcol, op.removeprefix(_FUNCOL + "."), original)
             else:

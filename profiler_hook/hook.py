@@ -184,7 +184,7 @@ class Hook:
             device="cuda" if _cuda() else "cpu",
             attempt=ident.attempt,
             coverage=self.coverage(),
-            mesh=mesh_coordinates(),
+            mesh=mesh_coordinates(self.tracker.stages),
         )
         self.schedule.role = _role(self._rank_info.mesh)
         if gaps := coverage_gaps(self._rank_info.coverage):
@@ -478,7 +478,7 @@ class Hook:
         with contextlib.suppress(Exception):
             if self.cfg.patch_collectives and not self.paused:
                 self.nccl.scan()  # NCCL groups made since: their collectives' GPU time
-            coverage, mesh = self.coverage(), mesh_coordinates()
+            coverage, mesh = self.coverage(), mesh_coordinates(self.tracker.stages)
             if (coverage, mesh) != (self._rank_info.coverage, self._rank_info.mesh):
                 self._rank_info = replace(self._rank_info, coverage=coverage, mesh=mesh)
                 self.shipper.submit(self._rank_info)

@@ -9,20 +9,18 @@ import json
 import os
 import statistics
 import subprocess
-import time
 from pathlib import Path
 
 import pandas as pd
 import pytest
-import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import profiler_hook
 from benchmarks.workload import Fault, JobSpec, free_port, launch
+from diagnosis import JobData
 from diagnosis.detectors.hang import Settings as HangSettings
 from diagnosis.detectors.hang import locate
 from tests.commands import torchrun
+from tests.jobs import spawned
 from tests.records import spool_records
 from wire.records import Heartbeat, RankInfo, StepBatch, WindowSummary, coverage_gaps
 
@@ -82,48 +80,13 @@ def test_every_loop_shape_shows_its_collectives_and_the_wait_for_a_late_rank(
     assert last[0] == last[1] and last[0]["world"] >= least * STEPS
 
 
-def _user_hook_job(rank: int, port: int, spool: str, out: str) -> None:
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    hook = profiler_hook.attach(job="userhook", spool_dir=spool, rank=rank, world_size=2, window_s=0)
-    world = dist.distributed_c10d._get_default_group()
-    attached_seq = world._get_sequence_number_for_group()
-    torch.manual_seed(0)
-    model = DDP(torch.nn.Linear(64, 8))
-    built_seq = world._get_sequence_number_for_group()
-    calls = []
-
-    # Unannotated: DDP checks annotations against its types, and this module's are strings.
-    def compress(state, bucket):  # type: ignore[no-untyped-def]
-        calls.append(bucket.index())
-        return fp16_compress_hook(state, bucket)
-
-    model.register_comm_hook(None, compress)
-    x = torch.full((4, 64), float(rank + 1))
-    for i in range(10):
-        if i in (5, 8):  # steps 5-7 paused: their collectives belong to no step
-            hook.resume() if hook.paused else hook.pause()
-        with hook.step():
-            model.zero_grad()
-            model(x).sum().backward()
-    grad = model.module.weight.grad
-    c10d_seq = world._get_sequence_number_for_group()
-    seq = hook.tracker.last_seq.get("world", 0)
-    with open(f"{out}/rank{rank}", "w") as f:
-        f.write(f"{len(calls)} {seq - c10d_seq} {float(grad[0, 0]):.4f} {c10d_seq - built_seq}")
-        f.write(f" {c10d_seq - attached_seq}")
-    hook.close()
-    dist.destroy_process_group()
-
-
 @pytest.mark.slow
 def test_a_users_own_ddp_comm_hook_still_runs_and_its_collectives_are_tracked(tmp_path: Path) -> None:
     mp.start_processes(
-        _user_hook_job, args=(free_port(), str(tmp_path), str(tmp_path)), nprocs=2, start_method="spawn"
+        spawned.user_hook_job,
+        args=(free_port(), str(tmp_path), str(tmp_path)),
+        nprocs=2,
+        start_method="spawn",
     )
     got = [(tmp_path / f"rank{r}").read_text().split() for r in (0, 1)]
     # Every step ran the user's fp16 hook once; the tracked numbering is c10d's (what Flight Recorder
@@ -143,46 +106,6 @@ def test_a_users_own_ddp_comm_hook_still_runs_and_its_collectives_are_tracked(tm
         assert all(row.comm_us > 0 for row in rows), (rank, rows)
 
 
-STUCK_AT = 12
-"""The tensor-parallel step rank 1 is stuck in for 3 s, before the all-reduce rank 0 waits in."""
-
-
-def _launched_from_cxx_job(rank: int, port: int, spool: str, out: str) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    hook = profiler_hook.attach(
-        job="cxx", spool_dir=spool, rank=rank, world_size=2, window_s=0, step_block_s=0, flush_s=0.5,
-        heartbeat_s=0.2, stall_s=1.0,
-    )  # fmt: skip
-    torch.manual_seed(0)  # tensor parallelism: both ranks take the same batch
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
-    plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}  # the forward ends in an all-reduce
-    tp, x = parallelize_module(model, init_device_mesh("cpu", (2,)), plan), torch.randn(4, 32)
-    world = dist.distributed_c10d._get_default_group()
-    seqs = []
-    for step in range(20):
-        with hook.step():
-            if step == STUCK_AT and rank == 1:
-                time.sleep(3)
-            seqs.append(world._get_sequence_number_for_group())
-            tp(x).sum().backward()
-            if step == 15:  # a process group's own method, as a C++ extension would call it
-                world.allreduce([torch.ones(2)]).wait()
-    fsdp = FSDP(torch.nn.Linear(32, 32), device_id=torch.device("cpu"))
-    for _ in range(10):
-        with hook.step():
-            fsdp(x).sum().backward()
-    seqs.append(world._get_sequence_number_for_group())
-    Path(out, f"rank{rank}").write_text(" ".join(map(str, seqs)))
-    hook.close()
-    dist.destroy_process_group()
-
-
 @pytest.mark.slow
 def test_collectives_launched_from_cxx_are_counted_numbered_and_name_the_rank_a_hang_waits_for(
     tmp_path: Path,
@@ -190,7 +113,7 @@ def test_collectives_launched_from_cxx_are_counted_numbered_and_name_the_rank_a_
     """Tensor parallelism (DTensor's functional collectives, launched from C++ and waited on in
     ``wait_tensor``), then FSDP."""
     mp.start_processes(
-        _launched_from_cxx_job,
+        spawned.launched_from_cxx_job,
         args=(free_port(), str(tmp_path), str(tmp_path)),
         nprocs=2,
         start_method="spawn",
@@ -213,7 +136,7 @@ def test_collectives_launched_from_cxx_are_counted_numbered_and_name_the_rank_a_
         assert last.last_seq == {"world": seqs[0][-1]}, rank  # c10d's numbers, on every rank
     # Rank 0 waited for the sleeping rank 1 in the tensor-parallel all-reduce, not in its own time.
     stuck_step = {
-        r: next(row for x in rs if isinstance(x, StepBatch) for row in x.rows if row.step == STUCK_AT)
+        r: next(row for x in rs if isinstance(x, StepBatch) for row in x.rows if row.step == spawned.STUCK_AT)
         for r, rs in recs.items()
     }
     assert stuck_step[0].comm_us >= 2_500_000, stuck_step[0]
@@ -225,40 +148,20 @@ def test_collectives_launched_from_cxx_are_counted_numbered_and_name_the_rank_a_
         return [
             x
             for x in recs[rank]
-            if isinstance(x, Heartbeat) and x.step == STUCK_AT - 1 and x.progress_age_s >= 1.0
+            if isinstance(x, Heartbeat) and x.step == spawned.STUCK_AT - 1 and x.progress_age_s >= 1.0
         ]
 
     waiting = [x for x in stalled(0) if x.coll_op == "all_reduce"]
-    assert waiting and {(x.coll_group, x.coll_seq) for x in waiting} == {("world", seqs[0][STUCK_AT] + 1)}
+    assert waiting and {(x.coll_group, x.coll_seq) for x in waiting} == {
+        ("world", seqs[0][spawned.STUCK_AT] + 1)
+    }
     # Until it wakes up and launches it (its last heartbeats of the step may come after that).
-    stuck = [x for x in stalled(1) if x.last_seq["world"] == seqs[1][STUCK_AT]]
+    stuck = [x for x in stalled(1) if x.last_seq["world"] == seqs[1][spawned.STUCK_AT]]
     assert stuck and stuck[-1].progress_age_s >= 2.0 and stuck[-1].coll_seq == -1, stalled(1)
     hang = locate(
         pd.DataFrame([dataclasses.asdict(x) for x in (waiting[-1], stuck[-1])]), HangSettings(stall_s=1.0)
     )
-    assert hang is not None and (hang.ranks, hang.seq) == ([1], seqs[0][STUCK_AT] + 1), hang
-
-
-def _megatron_groups_job(rank: int, port: int, spool: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=4)
-    hook = profiler_hook.attach(job="megatron", spool_dir=spool, rank=rank, world_size=4, window_s=0)
-    # As megatron.core.parallel_state.initialize_model_parallel(tensor_model_parallel_size=2,
-    # pipeline_model_parallel_size=2) makes them on 4 ranks, after the hook: every rank makes
-    # every group, in one order; tensor-parallel groups of consecutive ranks, pipelines strided.
-    for desc, groups in (
-        ("DATA_PARALLEL_GROUP", [[0], [1], [2], [3]]),
-        ("TENSOR_MODEL_PARALLEL_GROUP", [[0, 1], [2, 3]]),
-        ("PIPELINE_MODEL_PARALLEL_GROUP", [[0, 2], [1, 3]]),
-        ("EMBEDDING_GROUP", [[0, 2], [1, 3]]),
-    ):
-        for ranks in groups:
-            dist.new_group(ranks, group_desc=desc)
-    for _ in range(3):
-        with hook.step():
-            dist.all_reduce(torch.ones(1))
-    hook.close()
-    dist.destroy_process_group()
+    assert hang is not None and (hang.ranks, hang.seq) == ([1], seqs[0][spawned.STUCK_AT] + 1), hang
 
 
 @pytest.mark.slow
@@ -267,11 +170,26 @@ def test_a_megatron_jobs_ranks_carry_their_place_in_its_parallelism_from_its_nam
 ) -> None:
     """Without a ``DeviceMesh``: Megatron-LM describes each process group it makes by name."""
     mp.start_processes(
-        _megatron_groups_job, args=(free_port(), str(tmp_path)), nprocs=4, start_method="spawn"
+        spawned.megatron_groups_job, args=(free_port(), str(tmp_path)), nprocs=4, start_method="spawn"
     )
     recs = spool_records(tmp_path, "megatron")
     mesh = {r: [x for x in rs if isinstance(x, RankInfo)][-1].mesh for r, rs in recs.items()}
     assert mesh == {r: {"dp": 0, "tp": r % 2, "pp": r // 2} for r in range(4)}
+
+
+@pytest.mark.slow
+def test_a_pipeline_made_without_a_device_mesh_gives_each_rank_its_stage(tmp_path: Path) -> None:
+    """Without a ``DeviceMesh`` or named groups: a rank's place in a pipeline is the index of the
+    ``torch.distributed.pipelining`` stage it runs, and each rank is compared with the ranks of
+    its stage (the diagnosis's roles)."""
+    mp.start_processes(
+        spawned.pipeline_without_mesh_job, args=(free_port(), str(tmp_path)), nprocs=4, start_method="spawn"
+    )
+    recs = spool_records(tmp_path, "pipeline")
+    mesh = {r: [x for x in rs if isinstance(x, RankInfo)][-1].mesh for r, rs in recs.items()}
+    assert mesh == {r: {"pp": r % 2} for r in range(4)}
+    ranks = pd.DataFrame({"rank": list(mesh), "mesh": list(mesh.values())})
+    assert JobData(job="pipeline", ranks=ranks).roles() == [[0, 2], [1, 3]]
 
 
 @pytest.mark.slow
