@@ -1,6 +1,6 @@
 """The fault suite: inject real faults into real multi-rank jobs and score the diagnosis.
 
-    python -m benchmarks.faults [--suite full|ci] [--only NAME ...] [--json PATH] [--keep DIR]
+    python -m benchmarks.faults [--suite full|ci|validation|soak] [--only NAME ...] [--json PATH] [--keep DIR]
     python -m benchmarks.faults --rescore DIR [--only NAME ...] [--json PATH]   # kept runs, scored again
 
 For each scenario in ``benchmarks/scenarios/`` (see :mod:`benchmarks.scenarios`) it trains the
@@ -411,7 +411,7 @@ def run_suite(
     scores, delays = _scored(results)
     return {
         "suite_seconds": round(time.perf_counter() - t0, 1),
-        "split": "validation" if scenarios and all(sc.validation for sc in scenarios) else "tuning",
+        "split": "+".join(sorted({sc.split for sc in scenarios})),
         "cpus": len(os.sched_getaffinity(0)),
         "hook": HOOK,
         "probe_s": probe_s,
@@ -428,7 +428,8 @@ def main(argv: list[str] | None = None) -> int:
         "--suite",
         choices=SUITES,
         default="full",
-        help="full: the tuning set; ci: its reduced part; validation: the scenarios no threshold was set on",
+        help="full: the tuning set; ci: its reduced part; validation: the scenarios no threshold was set "
+        "on; soak: healthy jobs of many minutes",
     )
     ap.add_argument(
         "--only",

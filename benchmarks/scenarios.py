@@ -97,8 +97,10 @@ class Scenario:
     script_fault: ScriptFault | None = None
     script_args: tuple[str, ...] = ()
     """More of the script's own flags (``--schedule gpipe``): the variant of the job it runs."""
-    validation: bool = False
-    """Of the validation split (``scenarios/validation/``): no threshold was set on it."""
+    split: str = "tuning"
+    """``tuning`` (``scenarios/``: the thresholds were set on it), or one no threshold was set on:
+    ``validation`` (``scenarios/validation/``) or ``soak`` (``scenarios/soak/``: a healthy job of
+    many minutes)."""
 
     @property
     def kind(self) -> str:
@@ -187,7 +189,7 @@ def load(path: str | Path) -> Scenario:
             script=script,
             script_fault=script_fault,
             script_args=tuple(str(x) for x in raw.get("script_args") or ()),
-            validation=path.parent.name == "validation",
+            split=path.parent.name if path.parent.name in ("validation", "soak") else "tuning",
         )
     except (TypeError, ValueError) as exc:
         raise ScenarioError(f"{path}: {exc}") from exc
@@ -247,17 +249,19 @@ def _check(path: Path, sc: Scenario) -> None:
         raise ScenarioError(f"{path}: expect.also must be given exactly when fault.also is")
 
 
-SUITES = ("full", "ci", "validation")
+SUITES = ("full", "ci", "validation", "soak")
 
 
 def load_all(suite: str = "full", only: Sequence[str] = (), directory: Path = SCENARIO_DIR) -> list[Scenario]:
     """The scenarios of ``suite``, sorted by name; ``only``: just the ones whose name contains one
     of these. ``full``: the tuning set, every scenario the diagnosis's thresholds were set on;
     ``ci``: those of them marked ``ci: true``; ``validation``: those under ``validation/``, which no
-    threshold was set on (nor may be: a scenario tuned on moves to the tuning set)."""
+    threshold was set on (nor may be: a scenario tuned on moves to the tuning set); ``soak``:
+    those under ``soak/``, healthy jobs that run for many minutes (no threshold set on them either),
+    for the false alarms and tickets of a job's hours."""
     if suite not in SUITES:
         raise ScenarioError(f"suite must be one of {', '.join(SUITES)}, got {suite!r}")
-    where = directory / "validation" if suite == "validation" else directory
+    where = directory / suite if suite in ("validation", "soak") else directory
     out = [load(p) for p in sorted(where.glob("*.yaml"))]
     if suite == "ci":
         out = [s for s in out if s.ci]

@@ -257,8 +257,14 @@ def test_every_scenario_file_loads_and_the_ci_suite_is_small() -> None:
     assert 3 <= len(ci) <= 6 and any(s.truth.healthy for s in ci)
     # The validation split: its own scenarios, healthy ones among them, none of the tuning set's.
     held_out = load_all("validation")
-    assert held_out and all(s.validation for s in held_out) and not any(s.validation for s in full)
+    assert (
+        held_out and {s.split for s in held_out} == {"validation"} and {s.split for s in full} == {"tuning"}
+    )
     assert any(s.truth.healthy for s in held_out) and not {s.name for s in held_out} & {s.name for s in full}
+    # The soak suite: healthy jobs of many minutes, in none of the others.
+    soak = load_all("soak")
+    assert soak and all(s.split == "soak" and s.truth.healthy and s.seconds >= 600 for s in soak)
+    assert not {s.name for s in soak} & {s.name for s in full + held_out}
 
 
 def test_a_bad_scenario_is_refused_with_the_field(tmp_path: Path) -> None:
