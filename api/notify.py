@@ -39,11 +39,16 @@ def _iso(us: int) -> str:
     )
 
 
+ALERTNAMES = {"hang": "RankscopeHang", "failure": "RankscopeFailure"}
+"""The alert's name by the ticket's cause: a hung job, a job whose rank failed; any other cause is
+a slowdown (``RankscopeSlowdown``)."""
+
+
 def alertmanager_payload(ticket: dict[str, Any], link: str) -> dict[str, Any]:
     """Alertmanager's webhook payload (version 4) with the ticket as its one alert."""
     status = "resolved" if ticket["state"] == "resolved" else "firing"
     labels = {
-        "alertname": "RankscopeHang" if ticket["cause"] == "hang" else "RankscopeSlowdown",
+        "alertname": ALERTNAMES.get(ticket["cause"], "RankscopeSlowdown"),
         "job": ticket["job"],
         "cause": ticket["cause"],
         "scope": ticket["scope"],

@@ -36,7 +36,7 @@ from diagnosis import Finding, diagnose, read_job
 from diagnosis.ettr import measure, read_run
 from rankscope.cli import main
 from wire.errors import NotFoundError, RankscopeError, UsageError
-from wire.records import StepBatch, StepRow
+from wire.records import Exit, RankInfo, StepBatch, StepRow
 
 FIXTURES = Path(__file__).parent / "fixtures"
 JOBS = ("compute-r2", "healthy")
@@ -182,6 +182,49 @@ def test_an_ended_job_resolves_its_ticket_and_the_webhook_hears_both(
     assert bodies[1]["alerts"][0]["endsAt"] != "0001-01-01T00:00:00Z"
     deliveries = _get(client, f"/api/v1/tickets/{t['id']}")["deliveries"]
     assert [(d["status"], d["ok"]) for d in deliveries] == [("firing", 1), ("resolved", 1)]
+
+
+def test_a_rank_that_raised_opens_a_critical_ticket_at_once_and_the_webhook_hears_it(
+    served: tuple[Service, TestClient], receiver: Receiver
+) -> None:
+    """A job's rank 1 raises what PyTorch raises when its GPU fails; its peers' collectives raise
+    after it and torchrun stops the rest: the service's next cycle opens a critical ticket on
+    rank 1 (no waiting: a failure is urgent) and the webhook fires."""
+    svc, client = served
+    job, now = "gpu-fault", _last_us(svc)
+    rows = tuple(
+        StepRow(s, now - 2_000_000 + s * 10_000, 10_000, 0, 2_000, 1, 500, 8_000, 0, 1) for s in range(50)
+    )
+    host = {r: f"node{r // 2}" for r in range(4)}
+    said = {1: ("exception", "RuntimeError", "CUDA error: an illegal memory access was encountered")}
+    said |= {r: ("exception", "RuntimeError", "Connection closed by peer") for r in (0, 2)}
+    said[3] = ("signal", "", "")
+    svc.store.write(
+        [RankInfo(job=job, rank=r, host=host[r], time_us=now - 3_000_000, local_rank=r, world_size=4) for r in range(4)]
+        + [StepBatch(job=job, rank=r, host=host[r], time_us=now - 1_000_000, rows=rows) for r in range(4)]
+        + [
+            Exit(job=job, rank=r, host=host[r], time_us=now + (0 if r == 1 else 200_000 + r), how=how, step=50,
+                 error=error, message=message, frame="train.py(80): train_step @95" if error else "",
+                 signal=15 if how == "signal" else 0)
+            for r, (how, error, message) in said.items()
+        ]
+    )  # fmt: skip
+    svc.cycle(now_us=now + 1_000_000)
+    (t,) = _get(client, f"/api/v1/tickets?job={job}")
+    assert (t["cause"], t["culprit"], t["hosts"], t["severity"]) == (
+        "failure",
+        "ranks 1",
+        ["node0"],
+        "critical",
+    )
+    # The recorded job's straggler ticket opens in the same cycle: two bodies, in either order.
+    (firing,) = [b for b in receiver.wait_for(2) if b["alerts"][0]["labels"]["job"] == job]
+    labels = firing["alerts"][0]["labels"]
+    assert firing["status"] == "firing" and (labels["alertname"], labels["culprit"], labels["severity"]) == (
+        "RankscopeFailure",
+        "ranks 1",
+        "critical",
+    )
 
 
 def test_a_fault_that_stopped_resolves_its_ticket_while_the_job_runs(

@@ -47,9 +47,9 @@ def _faults(run: dict[str, Any]) -> list[str]:
     named = [s["score"]["function_ok"] for s in run["scenarios"] if s["score"].get("function_ok") is not None]
     return [
         f"{t['scenarios']} ({faults} faults, {t['healthy_scenarios']} healthy)",
-        f"{round(t['top1_accuracy'] * faults)}/{faults}",
+        f"{round(t['top1_accuracy'] * faults)}/{faults}" if faults else "—",
         f"{sum(named)}/{len(named)}" if named else "—",
-        f"{t['precision']:.2f}",
+        f"{t['precision']:.2f}" if faults else "—",
         str(t["healthy_false_findings"]),
         str(t.get("false_extra_findings", "—")),
         _s(t["median_detect_s"]),
