@@ -1565,14 +1565,15 @@ def test_a_hook_never_closed_ships_its_last_steps_when_the_process_ends(tmp_path
     )
     if end == "sigterm-in-c":
         assert run.returncode == 128 + signal.SIGTERM and took < 30, (run.returncode, took)
-    rows = [
-        row
-        for path in tmp_path.rglob("*.jsonl")
-        for line in path.read_text().splitlines()
-        if (r := json.loads(line))["type"] == "steps"
-        for row in r["rows"]
+    records = [
+        json.loads(line) for path in tmp_path.rglob("*.jsonl") for line in path.read_text().splitlines()
     ]
+    rows = [row for r in records if r["type"] == "steps" for row in r["rows"]]
     assert sum(row[STEP_COLUMNS.index("n_steps")] for row in rows) == 30, rows
+    # One exit record says how the process ended: closed at its normal end, or by torchrun's SIGTERM.
+    exits = [(r["how"], r.get("signal", 0)) for r in records if r["type"] == "exit"]
+    said = {"return": [("close", 0)], "sigterm": [("signal", 15)], "sigterm-in-c": [("signal", 15)]}
+    assert exits == said.get(end, exits) and len(exits) == 1, exits
 
 
 def test_close_waits_for_the_watchdog_thread_inside_a_slow_call_of_the_jobs_store(tmp_path: Path) -> None:
