@@ -189,7 +189,7 @@ def load(path: str | Path) -> Scenario:
             script=script,
             script_fault=script_fault,
             script_args=tuple(str(x) for x in raw.get("script_args") or ()),
-            split=path.parent.name if path.parent.name in ("validation", "soak") else "tuning",
+            split=path.parent.name if path.parent.name in UNTUNED else "tuning",
         )
     except (TypeError, ValueError) as exc:
         raise ScenarioError(f"{path}: {exc}") from exc
@@ -249,7 +249,9 @@ def _check(path: Path, sc: Scenario) -> None:
         raise ScenarioError(f"{path}: expect.also must be given exactly when fault.also is")
 
 
-SUITES = ("full", "ci", "validation", "soak")
+UNTUNED = ("validation", "soak")
+"""The suites no threshold was set on, each the scenarios in the folder of its name."""
+SUITES = ("full", "ci", *UNTUNED)
 
 
 def load_all(suite: str = "full", only: Sequence[str] = (), directory: Path = SCENARIO_DIR) -> list[Scenario]:
@@ -261,7 +263,7 @@ def load_all(suite: str = "full", only: Sequence[str] = (), directory: Path = SC
     for the false alarms and tickets of a job's hours."""
     if suite not in SUITES:
         raise ScenarioError(f"suite must be one of {', '.join(SUITES)}, got {suite!r}")
-    where = directory / suite if suite in ("validation", "soak") else directory
+    where = directory / suite if suite in UNTUNED else directory
     out = [load(p) for p in sorted(where.glob("*.yaml"))]
     if suite == "ci":
         out = [s for s in out if s.ci]

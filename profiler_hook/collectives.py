@@ -196,7 +196,8 @@ def mesh_coordinates(stages: Iterable[int] = ()) -> dict[str, int]:
     ran (``stages``, ``CollectiveTracker.stages``) do: ``pp`` is the first one's index (a rank that
     runs several, as interleaved schedules do, runs stages i, i + P, ...)."""
     coords = _named_coordinates()
-    known = [s for s in stages if s >= 0]
+    # tuple() copies the set in one C call: the training thread may add a stage meanwhile.
+    known = [s for s in tuple(stages) if s >= 0]
     if known and not any(d in PIPELINE_DIMS for d in coords):
         coords["pp"] = min(known)
     return coords
@@ -540,9 +541,10 @@ class CollectiveTracker:
         where each rank sits only there. The stages' base class's ``forward_one_chunk`` (one call
         per microbatch, on 2.8 to 2.15) is wrapped, so stages made before the hook attached are
         seen too. At :meth:`patch` and at each :meth:`catch_up` after it. Idempotent."""
-        module = sys.modules.get(_STAGE)
-        base = getattr(module, "_PipelineStageBase", None)
-        if base is None or _STAGE in self._originals or not hasattr(base, "forward_one_chunk"):
+        if _STAGE in self._originals:  # wrapped: the call at each step block ends here
+            return
+        base = getattr(sys.modules.get(_STAGE), "_PipelineStageBase", None)
+        if base is None or not hasattr(base, "forward_one_chunk"):
             return
         self._originals[_STAGE] = forward = base.forward_one_chunk
         stages = self.stages

@@ -1,7 +1,6 @@
 """The jobs tests/test_collectives.py spawns (``torch.multiprocessing``, ``spawn``), in a module of
 their own: each spawned process imports the module its function is in, and this one imports only
-torch and the hook (~3 s a process; the test module, with the benchmarks, pandas and the
-diagnosis, took ~7 s of a CPU a process)."""
+torch and the hook, not the test module's benchmarks, pandas and diagnosis."""
 
 from __future__ import annotations
 
