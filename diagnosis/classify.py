@@ -237,5 +237,5 @@ def wait_evidence(c: contention.Contended) -> dict[str, Any]:
         "peer_cpu_wait_ms_per_step": ms(c.peer_wait_us),
         "wait_ratio": round(c.ratio, 3),
         "step_ms": ms(c.step_us),
-        "windows_flagged": f"{c.windows_flagged}/{c.windows}",
+        f"{'windows' if c.measured == 'windows' else 'chunks'}_flagged": f"{c.windows_flagged}/{c.windows}",
     }

@@ -7,20 +7,25 @@ peer waits for this rank inside the collectives — step time grows everywhere, 
 The hook's ``cpu_wait@sched`` pattern is the time the rank's threads spent runnable but waiting
 for a CPU during the window (``profiler_hook.schedstat``). Per window each rank's wait per step is
 compared with the other ranks' (median / MAD); a rank that waits much longer in most windows, by a
-share of the step time that matters, is contended.
+share of the step time that matters, is contended — if its windows rank above the others' by more
+than chance allows: on cores shared by many ranks' threads, each healthy rank's wait per step
+swings 0.2-5x the median from one window to the next.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+import math
+from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 import pandas as pd
 
 from wire.records import WAIT_KIND, WAIT_PATTERN
 
-from .robust import needed, spread
-from .stragglers import width
+from . import stragglers
+from .robust import evenly, needed, spread
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -44,6 +49,19 @@ class ContentionSettings:
     persistence: float = 0.5
     """A contended rank must stand out in at least this fraction of the windows since the first
     in which it did (contention starts when the intruder does), and in two at least."""
+    max_p: float = 0.001
+    """...and its waits must rank above those of the ranks not contended by more than chance
+    allows: at most this one-sided p-value (Mann-Whitney U on the ratios to the median, the ranks
+    of one host pooled: a hog on a host's cores slows all of its ranks). A healthy rank whose
+    threads happen to queue longest in two windows running is no finding (a 1 in 28 chance among
+    four ranks: a 20-minute healthy job had it at 108 s); the service asks again at every cycle."""
+    step_ratio: float = 2.0
+    """The training thread's wait per step (always on) against that of the ranks of other hosts,
+    chunk by chunk (``chunks``): healthy jobs' ranks reached 1.64x in chunks of 130 steps on 2
+    shared cores, those of a host with CPU hogs 3.5-7x."""
+    chunks: stragglers.StragglerSettings = field(default_factory=stragglers.StragglerSettings)
+    """How the steps are read for it: the last ``last_steps`` after the warm-up, in ``chunks``
+    chunks, from the job's ``min_s``-th second (the stragglers' cut)."""
     waited_for: float = 1.1
     """A contended rank that is no straggler is left out when a straggler's collective wait per step
     is under its own by this factor: the job waits for that straggler, not for it."""
@@ -61,7 +79,10 @@ class Contended:
     windows_flagged: int
     windows: int
     since_step: int = 0
-    """The first step of the first window it stood out in."""
+    """The first step of the first window (or chunk of steps) it stood out in."""
+    measured: Literal["windows", "steps"] = "windows"
+    """From all its threads' wait in the profiling windows, or its training thread's at every step
+    (``windows_flagged`` and ``windows`` are then chunks of steps)."""
 
     @property
     def step_share(self) -> float:
@@ -75,7 +96,7 @@ def _window_step_us(functions: pd.DataFrame, steps: pd.DataFrame) -> pd.Series:
     if steps.empty:
         return pd.Series(np.nan, index=spans["window"])
     per_step = steps.groupby("step")["dur_us"].median()
-    w = width(steps) - 1  # rows that start this many steps before a window overlap it
+    w = stragglers.width(steps) - 1  # rows that start this many steps before a window overlap it
     return pd.Series(
         [
             float(per_step.loc[lo - w : max(lo, hi - 1)].median())
@@ -86,10 +107,27 @@ def _window_step_us(functions: pd.DataFrame, steps: pd.DataFrame) -> pd.Series:
 
 
 def find(
-    functions: pd.DataFrame, steps: pd.DataFrame, s: ContentionSettings | None = None
+    functions: pd.DataFrame,
+    steps: pd.DataFrame,
+    s: ContentionSettings | None = None,
+    hosts: dict[int, str] | None = None,
 ) -> list[Contended]:
-    """Ranks whose threads persistently wait for a CPU much longer than their peers'."""
+    """Ranks whose threads persistently wait for a CPU much longer than their peers': their
+    training thread at every step, or all their threads in the profiling windows (``hosts``:
+    each rank's host, where known)."""
     s = s or ContentionSettings()
+    hosts = hosts or {}
+    found = {c.rank: c for c in _from_windows(functions, steps, s, hosts)}
+    return sorted(
+        {**{c.rank: c for c in _from_steps(steps, s, hosts)}, **found}.values(), key=lambda c: c.rank
+    )
+
+
+def _from_windows(
+    functions: pd.DataFrame, steps: pd.DataFrame, s: ContentionSettings, hosts: dict[int, str]
+) -> list[Contended]:
+    """The ranks whose threads, all of them, wait for a CPU much longer than the others' in most
+    windows, beyond chance."""
     if functions.empty:
         return []
     f = functions[(functions["kind"] == WAIT_KIND) & (functions["name"] == WAIT_PATTERN)]
@@ -111,7 +149,113 @@ def find(
         known = {c.rank for c in found}
         rest = f[~f["rank"].isin(known)]
         found += [c for c in _persistent(_flag(rest, f, s, s.peel_ratio), s) if c.rank not in known]
-    return sorted(found, key=lambda c: c.rank)
+    return _beyond_chance(found, f, s, hosts)
+
+
+def _from_steps(steps: pd.DataFrame, s: ContentionSettings, hosts: dict[int, str]) -> list[Contended]:
+    """The ranks whose training thread waits for a CPU ``step_ratio`` times as long per step as
+    the ranks of the other hosts (of the job's other ranks, on one host) in most chunks of the
+    analyzed steps since it first did, by ``min_step_share`` of the step at least: always on, at
+    every step, where the windows come every few tens of seconds."""
+    if "wait_us" not in steps or steps.empty:
+        return []
+    g = stragglers.grid(steps, s.chunks, ["wait_us", "dur_us"])
+    if (
+        g is None
+        or g.steps < s.chunks.chunks * s.chunks.min_chunk_steps
+        or stragglers.young(steps, g, s.chunks)
+    ):
+        return []
+    wait = stragglers.chunk_medians(g, "wait_us", s.chunks.chunks)  # rank x chunk
+    dur = stragglers.nanmedian(stragglers.chunk_medians(g, "dur_us", s.chunks.chunks), axis=0)
+    host = np.array([hosts.get(int(r), f"rank {r}") for r in g.ranks])
+    starts = g.chunk_starts(s.chunks.chunks)
+    out = []
+    for i, rank in enumerate(g.ranks):
+        others = host != host[i]
+        if not others.any() or len(set(host)) == 1:
+            others = np.arange(len(g.ranks)) != i
+        if others.sum() < 2:
+            continue
+        ref = np.maximum(stragglers.nanmedian(wait[others], axis=0), 1.0)  # µs: never 0
+        flagged = (wait[i] >= s.step_ratio * ref) & (wait[i] - ref >= s.min_step_share * dur)
+        if not flagged.any():
+            continue
+        first = int(np.argmax(flagged))
+        since = slice(first, None)
+        if int(flagged[since].sum()) < needed(flagged[since].size, s.persistence):
+            continue
+        out.append(
+            Contended(
+                rank=int(rank),
+                wait_us=float(np.nanmedian(wait[i, since])),
+                peer_wait_us=float(np.nanmedian(ref[since])),
+                step_us=float(np.nanmedian(dur[since])),
+                ratio=float(np.nanmedian(wait[i, since] / ref[since])),
+                windows_flagged=int(flagged[since].sum()),
+                windows=int(flagged[since].size),
+                since_step=int(starts[first]),
+                measured="steps",
+            )
+        )
+    return out
+
+
+def _beyond_chance(
+    found: list[Contended], f: pd.DataFrame, s: ContentionSettings, hosts: dict[int, str]
+) -> list[Contended]:
+    """Those of ``found`` whose waits in the windows read rank above the other ranks' beyond
+    chance (``max_p``), the found ranks of one host tested together. All windows read, not those
+    since a rank first stood out: chosen for standing out, they would make chance look like a
+    finding at one cycle or another of a long job's."""
+    if not found:
+        return []
+    ratio = np.log(f["w"].clip(lower=1e-9) / f.groupby("window")["w"].transform("median").clip(lower=1e-9))
+    f = f.assign(ratio=ratio)
+    others = f[~f["rank"].isin([c.rank for c in found])]
+    groups: dict[str, list[Contended]] = {}
+    for c in found:
+        groups.setdefault(hosts.get(c.rank, f"rank {c.rank}"), []).append(c)
+    out = []
+    for group in groups.values():
+        x = f.loc[f["rank"].isin([c.rank for c in group]), "ratio"]
+        if mann_whitney_p(x.to_numpy(), others["ratio"].to_numpy()) <= s.max_p:
+            out += group
+    return out
+
+
+def mann_whitney_p(x: np.ndarray, y: np.ndarray) -> float:
+    """One-sided p-value that ``x`` ranks above ``y`` by chance: Mann-Whitney U, exact (its null
+    distribution without ties; tied values share their ranks, and a half U counts down). Samples
+    beyond ``MAX_SAMPLE`` are cut to that many of their quantiles."""
+    x, y = (evenly(np.sort(v), MAX_SAMPLE) for v in (x, y))
+    m, n = x.size, y.size
+    if m == 0 or n == 0:
+        return 1.0
+    ranks = pd.Series(np.concatenate([x, y])).rank().to_numpy()
+    u = math.floor(ranks[:m].sum() - m * (m + 1) / 2)
+    counts = _u_counts(m, n)
+    return float(counts[u:].sum() / counts.sum())
+
+
+MAX_SAMPLE = 64
+
+
+@functools.lru_cache(maxsize=32)
+def _u_counts(m: int, n: int) -> np.ndarray:
+    """How many orderings of ``m`` values above or below ``n`` others give each U (0 to m n): the
+    largest of i + j values is one of the i (it is above all j: U gains j) or one of the j."""
+    size = m * n + 1
+    prev = np.zeros((n + 1, size))
+    prev[:, 0] = 1.0  # no x values: U is 0, one way
+    for _ in range(m):
+        cur = np.zeros_like(prev)
+        cur[0, 0] = 1.0
+        for j in range(1, n + 1):
+            cur[j, j:] = prev[j, : size - j]
+            cur[j] += cur[j - 1]
+        prev = cur
+    return prev[n]
 
 
 def _flag(peers: pd.DataFrame, f: pd.DataFrame, s: ContentionSettings, ratio: float) -> pd.DataFrame:

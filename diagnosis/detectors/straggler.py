@@ -41,7 +41,7 @@ def find(data: JobData, s: Settings) -> list[Finding]:
     # Precedence between the two accounts of who holds the job back: a contended rank that waits
     # for a straggler is none, and then a straggler that waits for a contended rank is none.
     waits = _waited_for(
-        contention.find(data.functions, data.steps, s.contention), sts, data.steps, s.contention
+        contention.find(data.functions, data.steps, s.contention, data.hosts()), sts, data.steps, s.contention
     )
     sts = _not_waiting(sts, waits, data.steps, s.contention)
     # The wait inversion: the rank the job waits for waits in the collectives the least. One that
@@ -61,6 +61,12 @@ def find(data: JobData, s: Settings) -> list[Finding]:
     return found + list(contended.values())
 
 
+METRIC = {
+    "windows": "run-queue wait of the rank's threads per step (schedstat, profiling windows)",
+    "steps": "run-queue wait of the rank's training thread per step (schedstat, every step)",
+}
+
+
 def _contention_finding(c: contention.Contended, hosts: dict[int, str]) -> Finding:
     host = hosts.get(c.rank, "")
     return Finding(
@@ -70,12 +76,13 @@ def _contention_finding(c: contention.Contended, hosts: dict[int, str]) -> Findi
         function=CPU_WAIT,
         confidence=round(effect(1 + c.step_share) * c.windows_flagged / max(c.windows, 1), 3),
         summary=(
-            f"rank {c.rank}{f' ({host})' if host else ''}: CPU contention — its threads wait "
+            f"rank {c.rank}{f' ({host})' if host else ''}: CPU contention — its "
+            f"{'threads wait' if c.measured == 'windows' else 'training thread waits'} "
             f"{ms(c.wait_us)} ms per step for a CPU where its peers' wait {ms(c.peer_wait_us)} ms "
-            f"(the step takes {ms(c.step_us)} ms); its collectives' and data threads fall behind "
-            f"and every rank waits for them. Look for other processes on its cores"
+            f"(the step takes {ms(c.step_us)} ms); it falls behind, and every rank waits for it "
+            f"in the collectives. Look for other processes on its cores"
         ),
-        evidence={"metric": "run-queue wait of the rank's threads per step (schedstat)", **wait_evidence(c)},
+        evidence={"metric": METRIC[c.measured], **wait_evidence(c)},
     )
 
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import pandas as pd
 import pytest
 
-from diagnosis import diagnose
+from diagnosis import JobData, diagnose
 from diagnosis.detectors import job_wide
 from tests.jobdata import only, sched_windows, synthetic
 
@@ -77,3 +78,27 @@ def test_a_restarted_jobs_own_start_is_its_latest_attempts() -> None:
     assert only(job_wide.find(replace(data, steps=steps, ranks=ranks), SETTINGS)).ranks == list(range(8))
     again = ranks.assign(time_us=T + 7500 * 10_000)
     assert job_wide.find(replace(data, steps=steps, ranks=again), SETTINGS) == []
+
+
+def _paced(data: JobData, pace: Callable[[pd.Series], pd.Series]) -> JobData:
+    """``data`` with every rank's step, own and CPU time scaled by ``pace(step)``."""
+    k = pace(data.steps["step"])
+    st = data.steps.assign(
+        dur_us=data.steps["dur_us"] * k, comm_us=data.steps["comm_us"] * k, cpu_us=data.steps["cpu_us"] * k
+    )
+    return replace(data, steps=st)
+
+
+def test_an_older_jobs_steps_are_measured_against_their_usual_pace_not_one_fast_stretch() -> None:
+    """A job older than the steps the rule reads (4,000 of 3,000): the first chunk read is any
+    stretch of its life. Its steps ran 1.4x faster for that one stretch (a 20-minute healthy
+    job's did, its shared cores freed for 30 s), then as before: no slowdown. Slower by 1.5x for
+    its last third, against the chunks before, it is one."""
+    data = synthetic(steps=4000)
+    # Steps of ~11 ms: the 3,000 read span the rule's 20 s.
+    dip = _paced(data, lambda step: pd.Series(2.0, index=step.index).mask(step.between(1000, 1499), 2 / 1.4))
+    assert job_wide.find(dip, SETTINGS) == []
+    late = _paced(dip, lambda step: pd.Series(1.0, index=step.index).mask(step >= 3000, 1.5))
+    f = only(job_wide.find(late, SETTINGS))
+    assert f.evidence["ratio"] == pytest.approx(1.5, abs=0.05)
+    assert "the 4 chunks of steps before" in f.summary
