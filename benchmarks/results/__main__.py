@@ -44,7 +44,8 @@ def _s(x: float | None) -> str:
 def _faults(run: dict[str, Any]) -> list[str]:
     t = run["totals"]
     faults = t["fault_scenarios"]
-    named = [s["score"]["function_ok"] for s in run["scenarios"] if s["score"].get("function_ok") is not None]
+    scored = [s["score"] for s in run["scenarios"] if "score" in s]  # not those skipped
+    named = [s["function_ok"] for s in scored if s.get("function_ok") is not None]
     return [
         f"{t['scenarios']} ({faults} faults, {t['healthy_scenarios']} healthy)",
         f"{round(t['top1_accuracy'] * faults)}/{faults}" if faults else "—",
