@@ -168,37 +168,57 @@ def _from_steps(steps: pd.DataFrame, s: ContentionSettings, hosts: dict[int, str
         return []
     wait = stragglers.chunk_medians(g, "wait_us", s.chunks.chunks)  # rank x chunk
     dur = stragglers.nanmedian(stragglers.chunk_medians(g, "dur_us", s.chunks.chunks), axis=0)
-    host = np.array([hosts.get(int(r), f"rank {r}") for r in g.ranks])
+    ref = _reference(wait, np.array([hosts.get(int(r), "") for r in g.ranks]))
+    flagged = (wait >= s.step_ratio * ref) & (wait - ref >= s.min_step_share * dur[None, :])
     starts = g.chunk_starts(s.chunks.chunks)
     out = []
-    for i, rank in enumerate(g.ranks):
-        others = host != host[i]
-        if not others.any() or len(set(host)) == 1:
-            others = np.arange(len(g.ranks)) != i
-        if others.sum() < 2:
-            continue
-        ref = np.maximum(stragglers.nanmedian(wait[others], axis=0), 1.0)  # µs: never 0
-        flagged = (wait[i] >= s.step_ratio * ref) & (wait[i] - ref >= s.min_step_share * dur)
-        if not flagged.any():
-            continue
-        first = int(np.argmax(flagged))
+    for i in np.flatnonzero(flagged.any(axis=1)):  # a few ranks at most
+        first = int(np.argmax(flagged[i]))
         since = slice(first, None)
-        if int(flagged[since].sum()) < needed(flagged[since].size, s.persistence):
+        if int(flagged[i, since].sum()) < needed(flagged[i, since].size, s.persistence):
             continue
         out.append(
             Contended(
-                rank=int(rank),
+                rank=int(g.ranks[i]),
                 wait_us=float(np.nanmedian(wait[i, since])),
-                peer_wait_us=float(np.nanmedian(ref[since])),
+                peer_wait_us=float(np.nanmedian(ref[i, since])),
                 step_us=float(np.nanmedian(dur[since])),
-                ratio=float(np.nanmedian(wait[i, since] / ref[since])),
-                windows_flagged=int(flagged[since].sum()),
-                windows=int(flagged[since].size),
+                ratio=float(np.nanmedian(wait[i, since] / ref[i, since])),
+                windows_flagged=int(flagged[i, since].sum()),
+                windows=int(flagged[i, since].size),
                 since_step=int(starts[first]),
                 measured="steps",
             )
         )
     return out
+
+
+def _reference(wait: np.ndarray, host: np.ndarray) -> np.ndarray:
+    """rank x chunk: what each rank's wait is measured against — the median of the ranks of the
+    other hosts (of ``MAX_HOSTS`` hosts or fewer: one host's ranks share its hogs), of all other
+    ranks on one host, or of the job's ranks (evenly spread) where a host is a small part of it.
+    NaN where fewer than two ranks make it; never under 1 µs."""
+    ref = np.full(wait.shape, np.nan)
+    names = np.unique(host)
+    if names.size == 1 or "" in names:  # one host, or hosts unknown: the other ranks
+        if wait.shape[0] <= MAX_HOSTS:
+            for i in range(wait.shape[0]):
+                if wait.shape[0] > 2:
+                    ref[i] = stragglers.nanmedian(np.delete(wait, i, axis=0), axis=0)
+            return np.maximum(ref, 1.0)
+    elif names.size <= MAX_HOSTS:
+        for name in names:
+            mine = host == name
+            if (~mine).sum() >= 2:
+                ref[mine] = stragglers.nanmedian(wait[~mine], axis=0)
+        return np.maximum(ref, 1.0)
+    rows = evenly(np.arange(wait.shape[0]), stragglers.MAX_PEERS)
+    return np.maximum(np.broadcast_to(stragglers.nanmedian(wait[rows], axis=0), wait.shape), 1.0)
+
+
+MAX_HOSTS = 16
+"""Up to this many hosts (ranks, on one host) each is measured against the others exactly;
+beyond, against the job's median, which one host's ranks barely move."""
 
 
 def _beyond_chance(

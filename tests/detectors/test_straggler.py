@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from diagnosis import JobData, Settings, classify, diagnose, stragglers
+from diagnosis import JobData, Settings, classify, contention, diagnose, stragglers
 from diagnosis.detectors import straggler
 from diagnosis.findings import effect
 from tests.jobdata import functions_frame, only, sched_windows, synthetic
@@ -501,3 +501,11 @@ def test_a_host_whose_training_threads_queue_for_a_cpu_at_every_step_is_found_be
         ("host_contention", [r], ["node1"], "6/6") for r in (2, 3)
     ]
     assert "training thread waits" in found[0].summary
+    # A job of many hosts measures each rank against the job's median: one host of 32 is hogged.
+    data = synthetic(ranks=64, hosts_of=32, steps=300)
+    st = data.steps.assign(wait_us=1000 * np.random.default_rng(2).lognormal(0, 0.3, len(data.steps)))
+    st.loc[st["rank"].isin([10, 11]), "wait_us"] *= 3
+    assert [(c.rank, c.measured) for c in contention.find(data.functions, st, hosts=data.hosts())] == [
+        (10, "steps"),
+        (11, "steps"),
+    ]
