@@ -102,6 +102,9 @@ def _find(data: JobData, s: Settings) -> Finding | None:
         "now_ms": now_ms,
         "ratio": round(ratio, 3),
         "step_time_ratio": round(step_ratio, 3),
+        # It held over the last two chunks at least: what a ticket counts the job's lost time by
+        # (without it, a job-wide slowdown of any length was a ticket's lowest severity).
+        "held_steps": int(g.chunk_steps(s.chunks)[last[-2:]].sum()),
     }
     waits = _cpu_wait_growth(data)
     if waits is not None and waits[1] - waits[0] >= EXTERNAL_LOAD_SHARE * (now_ms - base_ms) > 0:

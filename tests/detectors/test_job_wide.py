@@ -8,6 +8,7 @@ from dataclasses import replace
 import pandas as pd
 import pytest
 
+from api.tickets import lost_rank_s
 from diagnosis import JobData, diagnose
 from diagnosis.detectors import job_wide
 from tests.jobdata import only, sched_windows, synthetic
@@ -22,6 +23,12 @@ def test_job_wide_slowdown() -> None:
     assert (f.cause, f.scope, f.ranks) == ("job_wide", "job", list(range(8)))
     assert f.evidence["ratio"] > 1.3 and f.evidence["cpu_time_ratio"] > 1.3
     assert "x the CPU time: more work per step, or slower cores" in f.summary
+    # It held over the last two of six chunks of the 2,990 steps after the warm-up: the job time a
+    # ticket says it lost (it was none, whatever the slowdown and however long it lasted).
+    assert f.evidence["held_steps"] == 996
+    assert lost_rank_s(f, 8) == pytest.approx(
+        (f.evidence["now_ms"] - f.evidence["baseline_ms"]) / 1e3 * 996 * 8
+    )
     # The same slowdown off the CPU (blocking I/O, say): the CPU time per step stayed as it was.
     steady = data.steps.assign(cpu_us=data.steps.groupby("rank")["cpu_us"].transform("first"))
     f = only(job_wide.find(replace(data, steps=steady), SETTINGS))
