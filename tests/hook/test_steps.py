@@ -1,0 +1,256 @@
+"""Step rows: blocks every rank cuts alike, each block's CPU time, the run-queue wait inside and
+outside collectives, garbage collections."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from profiler_hook.blocks import StepBlocks
+from profiler_hook.collectives import CollectiveTracker
+from profiler_hook.config import Config, Identity
+from profiler_hook.hook import Hook
+from profiler_hook.schedstat import ThreadWait
+from tests.records import ListSink
+from wire.records import (
+    StepBatch,
+    decode,
+)
+
+# Steps, windows and threads timed on the machine's clock: no other test beside them.
+pytestmark = pytest.mark.alone
+
+
+def test_step_rows_are_blocks_that_every_rank_cuts_alike() -> None:
+    """Ranks at slightly different step times cut their steps into the same power-of-two blocks,
+    aligned on step numbers; a jump in step numbers, or steps that slow down, end a block early."""
+    cuts = []
+    for step_us in (10_000, 10_200, 10_400):  # ranks of one job: ~10 ms a step, give or take
+        blocks = StepBlocks(2.0)
+        for step in range(2000):
+            blocks.add(step, step * step_us, step_us + step % 7 * 100, 0, step_us // 2, 3, 100)
+        rows = blocks.take()
+        end = rows[-1].step + rows[-1].n_steps
+        assert [s for r in rows for s in range(r.step, r.step + r.n_steps)] == list(range(end))
+        assert end > 2000 - 256  # the rest is in the open block
+        assert all(r.n_coll == 3 * r.n_steps and r.first_coll_us == 100 for r in rows)
+        assert [r.n_steps for r in rows[:2]] == [1, 255] and {r.n_steps for r in rows[2:]} == {256}
+        cuts.append([r.step for r in rows])
+    assert cuts[0] == cuts[1] == cuts[2]
+    assert cuts[0][3] - cuts[0][2] == 256  # 2.6 s: the power of two nearest to 2 s
+    blocks = StepBlocks(2.0)
+    for step in list(range(300)) + list(range(1000, 1010)):  # a jump: the open block ends before it
+        blocks.add(step, 0, 10_000, 0, 0, 0, -1)
+    blocks.add(1010, 0, 5_000_000, 0, 0, 0, -1)  # a 5 s step: its block ends with it
+    rows = blocks.take()
+    assert rows[-1].step + rows[-1].n_steps == 1011 and all(r.first_coll_us == -1 for r in rows)
+    assert any(r.step + r.n_steps == 300 for r in rows)
+    blocks.add(1011, 0, 5_000_000, 0, 0, 0, -1)
+    assert [r.n_steps for r in blocks.take()] == [1] and blocks.length == 1  # slow steps: a row each
+
+
+def test_a_blocks_cpu_time_is_its_steps_own_read_once_per_block() -> None:
+    """The training thread's CPU time lands in the block of the steps that spent it; a pause's does not."""
+    sink = ListSink()
+    hook = Hook(
+        Config(window_s=0, heartbeat_s=60, step_block_s=0),
+        Identity(rank=0, local_rank=0, world_size=1, host="h"),
+        sink,
+    )
+
+    def spin(s: float) -> None:
+        end = time.thread_time() + s
+        while time.thread_time() < end:
+            pass
+
+    for busy in (0.0, 0.05, 0.0):
+        with hook.step():
+            spin(busy)
+    hook.pause()
+    spin(0.1)  # paused: counted nowhere
+    hook.resume()
+    with hook.step():
+        time.sleep(0.05)  # waiting is not CPU time
+    hook.close(timeout=30)
+    rows = [row for r in map(decode, sink.got) if isinstance(r, StepBatch) for row in r.rows]
+    cpu = [row.cpu_us for row in sorted(rows, key=lambda r: r.step)]
+    assert len(cpu) == 4 and 45_000 <= cpu[1] <= 60_000, cpu
+    assert max(cpu[0], cpu[2], cpu[3]) < 10_000, cpu
+
+
+def test_a_close_from_another_thread_still_counts_the_last_blocks_cpu_time() -> None:
+    """A SIGTERM handler, or the harness of a hung job, closes the hook on another thread than the
+    training thread: the last block still gets the training thread's CPU time (it once got none,
+    and no run-queue wait either, which read as more own time than its peers')."""
+    sink = ListSink()
+    hook = Hook(
+        Config(window_s=0, heartbeat_s=60, step_block_s=60),
+        Identity(rank=0, local_rank=0, world_size=1, host="h"),
+        sink,
+    )
+    for _ in range(4):
+        with hook.step():
+            end = time.thread_time() + 0.02
+            while time.thread_time() < end:
+                pass
+    closer = threading.Thread(target=hook.close, kwargs={"timeout": 30})
+    closer.start()
+    closer.join()
+    rows = [row for r in map(decode, sink.got) if isinstance(r, StepBatch) for row in r.rows]
+    assert sum(r.n_steps for r in rows) == 4
+    assert 75_000 <= sum(r.cpu_us for r in rows) <= 120_000, rows
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/thread-self/schedstat"), reason="no schedstat")
+def test_a_threads_run_queue_wait_is_read_from_another_thread_and_grows_only_while_it_queues() -> None:
+    """CPU hogs in other processes (more than there are cores) make a spinning thread queue for a
+    CPU; a sleeping one does not queue. Read through ``ThreadWait`` from another thread."""
+    hogs = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range((os.cpu_count() or 1) + 1)
+    ]
+    try:
+        main, reads = ThreadWait(), {}
+
+        def read(key: str) -> None:
+            reads[key] = main()
+
+        def on_the_side(key: str) -> None:  # another thread reads the main thread's wait
+            t = threading.Thread(target=read, args=(key,))
+            t.start()
+            t.join()
+
+        on_the_side("before")
+        time.sleep(0.3)
+        on_the_side("slept")
+        end = time.thread_time() + 0.3
+        while time.thread_time() < end:  # 0.3 s of CPU among the hogs: longer in the run queue
+            pass
+        on_the_side("spun")
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+    main.close()
+    assert main() == 0  # closed: reads nothing
+    assert reads["slept"] - reads["before"] < 0.05e9, reads
+    assert reads["spun"] - reads["slept"] > 0.05e9, reads
+
+
+def test_a_steps_run_queue_wait_inside_collectives_is_not_counted_as_its_own() -> None:
+    """``StepRow.wait_us`` is the training thread's wait outside collectives: the block's growth of
+    the counter less what grew inside the collectives the step waited in (a counter stands in for
+    the kernel's, so that the amounts are exact)."""
+    counter = iter(range(0, 10**9, 1_000_000))  # +1 ms of wait at every read
+    tracker = CollectiveTracker(thread_wait=lambda: next(counter))
+    call = tracker.enter("world", "all_reduce", 8)  # read 1
+    tracker.exit(call)  # read 2: 1 ms inside the call
+    launched = tracker.enter("world", "all_reduce", 8, blocking=False)  # read 3
+    tracker.exit(launched)  # read 4: the step's last asynchronous call counts too
+    comm_ns, n, _, comm_wait_ns, waited_ns = tracker.take_step(time.perf_counter_ns())
+    assert n == 2 and comm_wait_ns == 2_000_000 and waited_ns == comm_ns
+    usage = iter([(0, 0, 0, 0), (0, 0, 10_000, 0)])  # CPU µs, switches, wait µs, GC µs: start, end
+    blocks = StepBlocks(0.0, lambda: next(usage))
+    blocks.add(0, 0, 20_000, 0, comm_ns // 1000, n, 0, comm_wait_ns // 1000)
+    (row,) = blocks.take()
+    assert row.wait_us == 10_000 - 2_000
+
+
+def test_the_wait_inside_collectives_is_read_once_in_100_ms_and_counted_at_that_share_between() -> None:
+    """Each read of the kernel's counter costs ~17 µs in a training step: the steps in between
+    count their collectives' wait at the share the last read ones waited."""
+    reads: list[int] = []
+
+    def wait() -> int:
+        reads.append(1)
+        return len(reads) * 1_000_000  # +1 ms of wait at every read
+
+    tracker = CollectiveTracker(thread_wait=wait)
+    tracker.exit(tracker.enter("world", "all_reduce", 8))
+    *_, comm_wait_ns, waited_ns = tracker.take_step(time.perf_counter_ns())
+    assert len(reads) == 2 and comm_wait_ns == 1_000_000 and waited_ns > 0
+    tracker.exit(tracker.enter("world", "all_reduce", 8))  # the next step, within 100 ms: not read
+    *_, comm_wait_ns, waited_ns = tracker.take_step(time.perf_counter_ns())
+    assert len(reads) == 2 and comm_wait_ns == waited_ns == 0
+    usage = iter([(0, 0, 0, 0), (0, 0, 10_000, 0), (0, 0, 20_000, 0)])
+    blocks = StepBlocks(0.0, lambda: next(usage))  # a row per step
+    blocks.add(0, 0, 20_000, 0, 4_000, 1, 0, 1_000, 4_000)  # read: a quarter of the time waited
+    blocks.add(1, 20_000, 20_000, 0, 2_000, 1, 0, 0, 0)  # not read: counted at a quarter
+    assert [r.wait_us for r in blocks.take()] == [10_000 - 1_000, 10_000 - 500]
+
+
+def test_a_steps_garbage_collection_is_timed_in_the_block_of_the_steps_it_stopped() -> None:
+    """A full collection every other step (a clean-up the job calls), on a heap of a few hundred
+    thousand objects: each lands in its step's row, the steps between collect (next to) nothing."""
+    heap = [[i] for i in range(300_000)]  # objects a full collection traverses
+    sink = ListSink()
+    hook = Hook(
+        Config(window_s=0, heartbeat_s=60, step_block_s=0),
+        Identity(rank=0, local_rank=0, world_size=1, host="h"),
+        sink,
+    )
+    timed = []
+    for step in range(6):
+        with hook.step():
+            if step % 2:
+                t = time.perf_counter_ns()
+                gc.collect()
+                timed.append((time.perf_counter_ns() - t) // 1000)
+    hook.close(timeout=30)
+    del heap
+    rows = sorted(row for r in map(decode, sink.got) if isinstance(r, StepBatch) for row in r.rows)
+    collected = [row.gc_us for row in rows]
+    assert len(collected) == 6, collected
+    assert all(0 < c <= t for c, t in zip(collected[1::2], timed, strict=True)), (collected, timed)
+    assert sum(collected[1::2]) >= 0.8 * sum(timed), (collected, timed)
+    assert max(collected[0::2]) < 0.1 * min(timed), collected
+
+
+_WAIT_PROBE = """
+import json, os, sys, time
+from profiler_hook.schedstat import run_queue_wait, wait_pattern
+os.sched_setaffinity(0, {int(sys.argv[1])})
+sys.stdin.readline()  # the hogs run on this core now
+before, wall, cpu = run_queue_wait(), time.perf_counter(), time.thread_time()
+while time.thread_time() - cpu < 0.2:  # never sleeps: off the CPU only while waiting for it
+    pass
+p = wait_pattern(before, run_queue_wait())
+wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+print(json.dumps({"wait_s": p.total_us / 1e6, "wall_s": wall, "cpu_s": cpu, "pattern": [p.kind, p.name, p.count]}))
+"""
+
+
+def test_cpu_wait_is_the_time_a_thread_queued_behind_hogs_on_its_core() -> None:
+    from wire.records import WAIT_PATTERN
+
+    core = max(os.sched_getaffinity(0))
+    probe = subprocess.Popen(
+        [sys.executable, "-c", _WAIT_PROBE, str(core)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    hogs = []
+    try:
+        for _ in range(2):
+            hogs.append(subprocess.Popen([sys.executable, "-c", "while True: pass"]))
+            os.sched_setaffinity(hogs[-1].pid, {core})
+        assert probe.stdin is not None and probe.stdout is not None
+        probe.stdin.write("go\n")
+        probe.stdin.flush()
+        out = json.loads(probe.stdout.readline())
+    finally:
+        for p in [*hogs, probe]:
+            p.kill()
+            p.wait()
+    assert out["pattern"] == ["sched", WAIT_PATTERN, 1]
+    # A thread that never sleeps is either on the CPU or waiting for it: wait = wall - CPU time.
+    # Sharing the core with two hogs, it gets about a third of it and waits about two thirds.
+    assert out["wait_s"] == pytest.approx(out["wall_s"] - out["cpu_s"], rel=0.2)
+    assert out["wait_s"] >= 0.5 * out["wall_s"]
