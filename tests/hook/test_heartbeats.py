@@ -104,6 +104,9 @@ def test_a_sample_due_while_the_garbage_collector_held_the_gil_counts_where_it_c
         Identity(rank=0, local_rank=0, world_size=1, host="h"),
         SlowSink(),
     )
+    # Only this test's samples: the watchdog's own, every ~0.5 s, can fall in the collection too
+    # (a CI run's did: 2 samples in free_memory).
+    hook.watchdog.close(timeout=5)
     hook.watchdog.beat()  # takes the samples so far
     free_memory()
     start, end, _ = hook._gc.last
