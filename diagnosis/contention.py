@@ -174,8 +174,8 @@ def _from_steps(steps: pd.DataFrame, s: ContentionSettings, hosts: dict[int, str
     out = []
     for i in np.flatnonzero(flagged.any(axis=1)):  # a few ranks at most
         first = int(np.argmax(flagged[i]))
-        since = slice(first, None)
-        if int(flagged[i, since].sum()) < needed(flagged[i, since].size, s.persistence):
+        since, held = slice(first, None), flagged[i, first:]
+        if int(held.sum()) < needed(held.size, s.persistence):
             continue
         out.append(
             Contended(
@@ -184,8 +184,8 @@ def _from_steps(steps: pd.DataFrame, s: ContentionSettings, hosts: dict[int, str
                 peer_wait_us=float(np.nanmedian(ref[i, since])),
                 step_us=float(np.nanmedian(dur[since])),
                 ratio=float(np.nanmedian(wait[i, since] / ref[i, since])),
-                windows_flagged=int(flagged[i, since].sum()),
-                windows=int(flagged[i, since].size),
+                windows_flagged=int(held.sum()),
+                windows=int(held.size),
                 since_step=int(starts[first]),
                 measured="steps",
             )
@@ -198,22 +198,18 @@ def _reference(wait: np.ndarray, host: np.ndarray) -> np.ndarray:
     other hosts (of ``MAX_HOSTS`` hosts or fewer: one host's ranks share its hogs), of all other
     ranks on one host, or of the job's ranks (evenly spread) where a host is a small part of it.
     NaN where fewer than two ranks make it; never under 1 µs."""
-    ref = np.full(wait.shape, np.nan)
+    if np.unique(host).size == 1 or (host == "").any():  # one host, or hosts unknown: each rank alone
+        host = np.arange(wait.shape[0]).astype(str)
     names = np.unique(host)
-    if names.size == 1 or "" in names:  # one host, or hosts unknown: the other ranks
-        if wait.shape[0] <= MAX_HOSTS:
-            for i in range(wait.shape[0]):
-                if wait.shape[0] > 2:
-                    ref[i] = stragglers.nanmedian(np.delete(wait, i, axis=0), axis=0)
-            return np.maximum(ref, 1.0)
-    elif names.size <= MAX_HOSTS:
-        for name in names:
-            mine = host == name
-            if (~mine).sum() >= 2:
-                ref[mine] = stragglers.nanmedian(wait[~mine], axis=0)
-        return np.maximum(ref, 1.0)
-    rows = evenly(np.arange(wait.shape[0]), stragglers.MAX_PEERS)
-    return np.maximum(np.broadcast_to(stragglers.nanmedian(wait[rows], axis=0), wait.shape), 1.0)
+    if names.size > MAX_HOSTS:
+        rows = evenly(np.arange(wait.shape[0]), stragglers.MAX_PEERS)
+        return np.maximum(np.broadcast_to(stragglers.nanmedian(wait[rows], axis=0), wait.shape), 1.0)
+    ref = np.full(wait.shape, np.nan)
+    for name in names:
+        mine = host == name
+        if (~mine).sum() >= 2:
+            ref[mine] = stragglers.nanmedian(wait[~mine], axis=0)
+    return np.maximum(ref, 1.0)
 
 
 MAX_HOSTS = 16
