@@ -20,7 +20,6 @@ import os
 import resource
 import threading
 import time
-import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from typing import Any, NamedTuple, TypeVar
@@ -38,7 +37,7 @@ from wire.records import (
     pipeline_role,
 )
 
-from . import ddp, exits, threadstates
+from . import cupti, ddp, exits, threadstates
 from .blocks import StepBlocks
 from .budget import WindowBudget
 from .collectives import CollectiveTracker, mesh_coordinates, process_groups
@@ -451,7 +450,12 @@ class Hook:
         groups = process_groups()
         unnumbered = self.tracker.unnumbered
         if self.tracker.active:
-            numbered = [f"{name} ({backend})" for name, backend in groups if name not in unnumbered]
+            # Timed on the GPU (said below) is more than counted: such a group is said once.
+            numbered = [
+                f"{name} ({backend})"
+                for name, backend in groups
+                if name not in unnumbered and name not in self.nccl.timed
+            ]
             if numbered:
                 more = len(numbered) - MAX_GROUPS_SAID
                 said = ", ".join(numbered[:MAX_GROUPS_SAID]) + (f" and {more} more" if more > 0 else "")
@@ -527,7 +531,7 @@ class Hook:
 
     def _warm_up(self) -> None:
         """Import what torch.profiler's first ``start()`` imports (``torch._inductor``: ~1.7 s of
-        CPU) and, on a GPU, start CUPTI (:func:`_start_cupti`: seconds) now, at attach, so that no
+        CPU) and, on a GPU, start CUPTI (:func:`cupti.start`: seconds) now, at attach, so that no
         step pays for either; the schedule plans no window until every
         rank's is done. Not on a thread of ours: importing ``torch._inductor`` there while the
         script imports ``torch._dynamo`` (``torch.optim`` does) failed the script with "cannot
@@ -540,7 +544,8 @@ class Hook:
             import torch._inductor.config  # noqa: F401
 
             if _cuda():
-                _start_cupti()
+                cupti.ask_teardown()
+                cupti.start()
         except Exception as exc:  # the profiler will import it, or fail, on its own
             log.debug("rankscope: profiler warm-up: %s", exc)
         finally:
@@ -567,11 +572,7 @@ class Hook:
         self._waits = run_queue_wait()
         stacks = cfg.with_stack and self.schedule.stacks
         self._prof = profile(activities=activities, with_stack=stacks, record_shapes=False)
-        with warnings.catch_warnings():
-            # Some releases (2.10, 2.11) say that events are cleared at the end of each cycle, for
-            # sessions that have one cycle (pytorch/pytorch#180387). Their remedy, ``acc_events``,
-            # turns every event into a Python object at stop(): 0.5-1 s on the training thread.
-            warnings.filterwarnings("ignore", message=".*clears events at the end of each cycle")
+        with cupti.quiet():
             self._prof.start()
         self._window = Window(s, s + self.schedule.steps, time.time_ns())
         self.budget.start(stacks, self.schedule.recent)
@@ -679,19 +680,6 @@ def _check_release() -> None:
             *lo,
             *hi,
         )
-
-
-def _start_cupti() -> None:
-    """Start CUPTI, which a profiler session with CUDA activity does the first time in a process:
-    4.5-5.2 s on an H100 (torch 2.11), where later sessions start in ~1 ms. Here, at attach, no
-    training step waits for it."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    t0 = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CUDA]):
-        torch.cuda.synchronize()
-    log.info("rankscope: CUPTI started in %.1f s, at attach", time.perf_counter() - t0)
 
 
 @functools.cache

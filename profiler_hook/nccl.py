@@ -92,6 +92,8 @@ class NcclTiming:
         """False after :meth:`close`: the hooks, which cannot be removed, only return."""
         self._state: dict[str, str] = {}
         """Per group name: what is timed (said in :meth:`coverage`)."""
+        self.timed: set[str] = set()
+        """The groups whose collectives are timed on the GPU, or will be in a few steps."""
         self._pending: dict[str, tuple[Any, str, int, float]] = {}
         """Groups whose timing is on and whose hook waits: (group, backend, steps then, time then)."""
         self._timed: list[Any] = []
@@ -123,6 +125,7 @@ class NcclTiming:
                 self._state[name] = _untracked(name, backend, f"{type(exc).__name__}: {exc}")
                 continue
             self._state[name] = f"group {name} ({backend}): GPU time from a few steps on"
+            self.timed.add(name)
             self._pending[name] = (pg, backend, steps, now)
         for name, (pg, backend, since_steps, since) in list(self._pending.items()):
             if steps - since_steps < SETTLE_STEPS or now - since < SETTLE_S:
@@ -132,6 +135,7 @@ class NcclTiming:
                 pg._register_on_completion_hook(_forward)
             except Exception as exc:  # registered meanwhile by someone else, say
                 self._state[name] = _untracked(name, backend, f"{type(exc).__name__}: {exc}")
+                self.timed.discard(name)
                 continue
             _hooked[id(pg)] = pg
             self._timed_now(name, backend, pg)
@@ -139,6 +143,7 @@ class NcclTiming:
     def _timed_now(self, name: str, backend: str, pg: Any) -> None:
         with self._lock:
             self._timed.append(pg)
+        self.timed.add(name)
         self._state[name] = f"group {name} ({backend}): collectives timed on the GPU"
 
     def completed(self, info: Any) -> None:

@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from profiler_hook import hook as hook_module
 from profiler_hook import nccl
 from profiler_hook.collectives import CollectiveTracker
 from profiler_hook.config import Config, Identity
@@ -170,6 +171,7 @@ def test_the_hooks_step_rows_carry_the_gpu_time_of_the_nccl_collectives(
     collectives' GPU time is in the step rows (paused, none is)."""
     pg = Group()
     monkeypatch.setattr(nccl, "nccl_groups", lambda: [("dp", "nccl", pg)])
+    monkeypatch.setattr(hook_module, "process_groups", lambda: [("world", "gloo"), ("dp", "nccl")])
     dist.init_process_group(
         "gloo",
         store=dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False),
@@ -201,6 +203,8 @@ def test_the_hooks_step_rows_carry_the_gpu_time_of_the_nccl_collectives(
     infos = [r for r in map(decode, sink.got) if isinstance(r, RankInfo)]
     assert "group dp (nccl): GPU time from a few steps on" in infos[0].coverage
     assert "group dp (nccl): collectives timed on the GPU" in infos[-1].coverage
+    # Said once: a group timed on the GPU is not also "counted, not timed" (as on the H200).
+    assert "groups world (gloo): collectives from C++ counted, not timed;" in infos[-1].coverage
     rows = [row for r in map(decode, sink.got) if isinstance(r, StepBatch) for row in r.rows]
     assert [row.comm_us >= 7000 for row in rows] == [False, False, True, False], rows
     assert pg.waited == 1

@@ -118,6 +118,41 @@ def _jobs(run: dict[str, Any]) -> list[str]:
     ]
 
 
+def _gpu(run: dict[str, Any]) -> list[str]:
+    env = run["environment"]
+
+    def arms(runs: list[dict[str, Any]]) -> str:
+        by: dict[str, list[float]] = {}
+        for r in runs:
+            if r.get("mode") != "ab" and r.get("ms_per_step"):
+                arm = " ".join([r["mode"], *(f"{k}={v}" for k, v in r.get("env", {}).items())])
+                by.setdefault(arm, []).append(r["ms_per_step"])
+        return "; ".join(f"{arm} {' / '.join(f'{x:.2f}' for x in ms)}" for arm, ms in by.items())
+
+    def ab(runs: list[dict[str, Any]]) -> str:
+        r = next((r for r in runs if r.get("mode") == "ab"), {})
+        return f"{_pct(r.get('ab_median_pair_pct'))} ({r.get('ab_pairs', 0)} pairs)"
+
+    def ms(runs: list[dict[str, Any]], key: str) -> str:
+        times = [t for r in runs for t in r.get(key) or []]
+        return "—" if not times else f"{1e3 * min(times):.0f}–{1e3 * max(times):.0f} ms"
+
+    loops = run.get("loops", {})
+    scenarios = run.get("scenarios", {}).get("runs", {})
+    every = [r for runs in loops.values() for r in runs]
+    return [
+        f"{env.get('gpu', '—')}, torch {env['torch']}",
+        "<br>".join(f"{loop}: {arms(runs)}" for loop, runs in loops.items()),
+        "<br>".join(f"{loop}: {ab(runs)}" for loop, runs in loops.items()),
+        f"{ms(every, 'window_start_s')} / {ms(every, 'window_stop_s')}",
+        "; ".join(
+            f"{name} {'right' if r.get('right') else 'wrong' if 'right' in r else 'not diagnosed'}"
+            for name, r in scenarios.items()
+        )
+        or "—",
+    ]
+
+
 def _scale(run: dict[str, Any]) -> list[str]:
     sizes = run["sizes"]
 
@@ -218,6 +253,17 @@ TABLES: dict[str, tuple[str, list[str], Callable[[dict[str, Any]], list[str]]]] 
             "always-on per step",
         ],
         _overhead,
+    ),
+    "gpu_check": (
+        "On a GPU (`python -m benchmarks.gpu_check`): one rank's loops on NCCL, four ranks' scenarios",
+        [
+            "GPU",
+            "ms/step after warm-up, separate runs, by arm",
+            "in-run A/B, median pair",
+            "window start / stop on the training thread",
+            "scenarios",
+        ],
+        _gpu,
     ),
     "scale": (
         "Scale (`python -m benchmarks.scale`): one job through spool, ingest, diagnose and serve, per size",
