@@ -19,7 +19,7 @@ from renderers.html import efficiency_section, page, reliability_section, render
 
 from .auth import need_read
 from .deps import Svc, known_job, known_ticket
-from .tickets import Ticket, culprit, fingerprint
+from .tickets import Rules, Ticket, culprit, fingerprint, open_after_s
 
 router = APIRouter(tags=["pages"], include_in_schema=False, dependencies=[Depends(need_read)])
 REFRESH_S = 5
@@ -58,20 +58,17 @@ def _ticket_rows(tickets: list[Ticket]) -> str:
     return f'<table class="list">{head}<th>lost rank-s</th><th>opened</th></tr>{rows}</table>'
 
 
-def _watched(d: Diagnosis, pending: dict[str, int], now_us: int, open_after_s: float) -> str:
+def _watched(d: Diagnosis, pending: dict[str, int], now_us: int, rules: Rules) -> str:
     """The findings not yet sure enough to ticket (``Rules.open_after_s``): shown, paging no one."""
     rows = [
         f"<li>{_e(f.cause)} on {_e(culprit(f))} (confidence {f.confidence:.2f}), seen for "
-        f"{(now_us - pending[fp]) / 1e6:.0f} s</li>"
+        f"{(now_us - pending[fp]) / 1e6:.0f} s of the {open_after_s(f, rules):g} s it must hold</li>"
         for f in d.findings
         if (fp := fingerprint(d.job, f)) in pending
     ]
     if not rows:
         return ""
-    return (
-        f'<p class="note">Watching, not yet a ticket (one opens once a finding holds {open_after_s:g} s):</p>'
-        f"<ul>{''.join(rows)}</ul>"
-    )
+    return f'<p class="note">Watching, not yet a ticket:</p><ul>{"".join(rows)}</ul>'
 
 
 @router.get("/", response_class=HTMLResponse)
@@ -108,8 +105,7 @@ def job_page(job: str, svc: Svc) -> HTMLResponse:
     extra = (
         f'<p class="meta">state <span class="st {state}">{state}</span> · step {js.step} · '
         f'{js.steps_per_s:.2f} steps/s · diagnosed {_time(js.diagnosed_us)} · <a href="/">all jobs</a></p>'
-        f"<h2>Tickets</h2>{_ticket_rows(tickets)}"
-        + _watched(d, js.pending, svc.now_us, svc.settings.rules.open_after_s)
+        f"<h2>Tickets</h2>{_ticket_rows(tickets)}" + _watched(d, js.pending, svc.now_us, svc.settings.rules)
     )
     if (e := svc.efficiency(job)) is not None:
         extra += efficiency_section(e)

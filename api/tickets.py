@@ -6,8 +6,8 @@ The rules follow what operators already run:
   scope + culprit (the ranks, or the NIC, host or switch). A finding with the fingerprint of an
   unresolved ticket updates it (evidence, confidence, lost time) instead of opening another.
 - **Pending** (a Prometheus alerting rule's ``for``): a slowdown finding opens its ticket only once
-  every diagnosis for ``open_after_s`` has had it; until then the job page shows it as watched and
-  nobody is paged. A hang or a failure opens its ticket at once: each is a fact, not a trend (a
+  every diagnosis for ``open_after_s`` has had it (a job-wide one, ``open_after_job_wide_s``); until
+  then the job page shows it as watched and nobody is paged. A hang or a failure opens its ticket at once: each is a fact, not a trend (a
   hang has already stood still for ``HangSettings.stall_s``).
 - **Resolve** (Alertmanager's ``resolve_timeout``): once the fingerprint has been absent from the
   job's diagnoses for ``resolve_after_s``, or when the job has ended.
@@ -153,10 +153,23 @@ class Rules:
     ``for``). Three of the service's 5-s cycles: a slowdown that costs a job this long costs it
     little, and most of what a healthy job shows comes and goes faster (the fault suite's probes
     of healthy runs: an early job-wide reading for 4-8 s)."""
+    open_after_job_wide_s: float = 300.0
+    """A job-wide slowdown (every rank slower than the job's own usual pace, no culprit among them)
+    opens its ticket once it held this long instead: the 5-minute ``for`` of throughput alerts and
+    the short window of the SRE workbook's burn-rate pages. It names nothing to cordon or restart,
+    and a shared machine or cluster slows every rank of a healthy job alike for tens of seconds at a
+    time; until then the job page shows it as watched."""
 
 
 URGENT = ("hang", "failure")
 """Causes whose ticket opens at the first diagnosis that finds them."""
+
+
+def open_after_s(f: Finding, rules: Rules) -> float:
+    """How long a slowdown's finding must hold before its ticket opens."""
+    return rules.open_after_job_wide_s if f.cause == "job_wide" else rules.open_after_s
+
+
 ENDED_AFTER = "the job ended after"
 
 
@@ -203,7 +216,7 @@ def reconcile(
             continue
         if pending is not None and f.cause not in URGENT:
             since = pending.setdefault(fp, now_us)
-            if now_us - since < rules.open_after_s * 1e6:
+            if now_us - since < open_after_s(f, rules) * 1e6:
                 continue
             del pending[fp]
         occurrence = t.occurrence + 1 if t is not None else 1

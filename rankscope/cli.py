@@ -319,6 +319,7 @@ def _serve(a: argparse.Namespace) -> int:
         rules=Rules(
             resolve_after_s=a.resolve_after,
             **({} if a.open_after is None else {"open_after_s": a.open_after}),
+            **({} if a.open_after_job_wide is None else {"open_after_job_wide_s": a.open_after_job_wide}),
         ),
         webhooks=[Webhook(u) for u in a.webhook] + [Webhook(u, "slack") for u in a.slack_webhook],
         base_url=a.base_url or f"http://{a.host}:{a.port}",
@@ -496,6 +497,11 @@ def parser() -> argparse.ArgumentParser:
         "--open-after",
         type=float,
         help="open a slowdown's ticket once it held this long; hangs and failures at once (default: 15 s)",
+    )
+    v.add_argument(
+        "--open-after-job-wide",
+        type=float,
+        help="open a job-wide slowdown's ticket once it held this long (default: 300 s)",
     )
     v.add_argument(
         "--ended-after", type=float, default=60.0, help="a job silent this long has ended (default: 60 s)"

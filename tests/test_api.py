@@ -612,6 +612,7 @@ def test_a_finding_not_yet_held_is_watched_on_the_job_page_and_pages_no_one(
         client.cookies.set("rankscope_token", READ)
         page = client.get("/jobs/compute-r2").text
         assert "Watching, not yet a ticket" in page and "compute on ranks 2" in page
+        assert f"of the {Rules().open_after_s:g} s it must hold" in page
         assert receiver.wait_for(1, timeout_s=1.0) == []
         # Held on for open_after_s: the job sent nothing new, its diagnosis stands, it opens.
         svc.cycle(now_us=now + int(Rules().open_after_s * 1e6))
@@ -719,6 +720,28 @@ def test_a_slowdown_opens_its_ticket_once_it_held_and_one_that_comes_and_goes_op
     assert cycle(40, _finding(ranks=(5,))) == [] and len(pending) == 1
     ended = reconcile(tickets, "j", [], 41 * s, 8, rules, ended=True, pending=pending)
     assert {c.kind for c in ended} == {"resolved"} and pending == {}, "an ended job watches nothing"
+
+
+def test_a_job_wide_slowdown_pages_only_once_it_held_for_minutes() -> None:
+    """A job-wide finding names no culprit, and a shared machine slows a healthy job's ranks alike
+    for tens of seconds (the dp x pp soak's false ticket held 40 s): it is watched, not ticketed,
+    until it held ``open_after_job_wide_s``; a rank's slowdown beside it opens as before."""
+    tickets: dict[str, Ticket] = {}
+    pending: dict[str, int] = {}
+    rules, s = Rules(), 1_000_000
+    wide = _finding(cause="job_wide", ranks=(0, 1, 2, 3), scope="job")
+
+    def cycle(at_s: float, *findings: Finding) -> list[str]:
+        return [
+            c.kind for c in reconcile(tickets, "j", list(findings), int(at_s * s), 8, rules, pending=pending)
+        ]
+
+    assert [cycle(t, wide) for t in range(0, 45, 5)] == [[]] * 9, "40 s: watched"
+    assert cycle(50) == [] and pending == {}, "gone before it held"
+    assert cycle(60, wide, _finding()) == [] and cycle(80, wide, _finding()) == ["opened"]
+    assert cycle(355, wide, _finding()) == ["updated"]
+    assert cycle(360, wide, _finding()) == ["opened", "updated"], "held 300 s: ticketed"
+    assert {t.cause for t in tickets.values()} == {"job_wide", "compute"}
 
 
 def test_a_failure_opens_a_critical_ticket_at_once_and_says_what_came_after_it() -> None:
