@@ -24,8 +24,7 @@ import torch.distributed as dist
 from profiler_hook import hook as hook_module
 from profiler_hook import nccl
 from profiler_hook.collectives import CollectiveTracker
-from profiler_hook.config import Config, Identity
-from profiler_hook.hook import Hook
+from tests.hook.common import one_rank_hook
 from tests.records import ListSink
 from wire.records import RankInfo, StepBatch, coverage_gaps, decode
 
@@ -180,11 +179,7 @@ def test_the_hooks_step_rows_carry_the_gpu_time_of_the_nccl_collectives(
     )
     try:
         sink = ListSink()
-        hook = Hook(
-            Config(window_s=0, heartbeat_s=60, step_block_s=0),
-            Identity(rank=0, local_rank=0, world_size=1, host="h"),
-            sink,
-        )
+        hook = one_rank_hook(sink, window_s=0, heartbeat_s=60, step_block_s=0)
         for _ in range(nccl.SETTLE_STEPS):
             with hook.step():
                 torch.ones(4).sum()

@@ -4,12 +4,14 @@ inside a window."""
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 
 from profiler_hook import threadstates
 from profiler_hook.config import Config, Identity
 from profiler_hook.hook import Hook
+from profiler_hook.sinks import Sink
 from tests.records import ListSink
 
 
@@ -41,9 +43,14 @@ def tcp_store() -> torch.distributed.TCPStore:
     return torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
 
+def one_rank_hook(sink: Sink, **config: Any) -> Hook:
+    """A hook of a one-rank job on host "h" with ``Config(**config)``, shipping to ``sink``."""
+    return Hook(Config(**config), Identity(rank=0, local_rank=0, world_size=1, host="h"), sink)
+
+
 def in_a_window(sink: ListSink, steps: int) -> Hook:
     """A hook whose planned window opened at its second step, ``steps`` steps in."""
-    hook = Hook(Config(heartbeat_s=60), Identity(rank=0, local_rank=0, world_size=1, host="h"), sink)
+    hook = one_rank_hook(sink, heartbeat_s=60)
     hook.schedule.planned = 1
     for _ in range(steps):
         with hook.step():

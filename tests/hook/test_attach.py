@@ -13,9 +13,8 @@ import pytest
 import torch
 
 import profiler_hook
-from profiler_hook.config import Config, Identity
-from profiler_hook.hook import Hook
-from tests.hook.common import run_steps
+from profiler_hook.config import Config
+from tests.hook.common import one_rank_hook, run_steps
 from tests.records import ListSink
 from wire.errors import UsageError
 from wire.records import (
@@ -61,11 +60,7 @@ def test_config_rejects_bad_settings_naming_the_field() -> None:
 
 def test_a_hook_profiles_on_its_clock() -> None:
     sink = ListSink()
-    hook = Hook(
-        Config(window_s=0.2, window_steps=3, with_stack=False, window_budget=1.0),
-        Identity(rank=0, local_rank=0, world_size=1, host="h"),
-        sink,
-    )
+    hook = one_rank_hook(sink, window_s=0.2, window_steps=3, with_stack=False, window_budget=1.0)
     t0 = time.monotonic()
     while time.monotonic() - t0 < 3.5:  # a plan every 0.2 s, each LEAD_S (2 s) ahead
         with hook.step():

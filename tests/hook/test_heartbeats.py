@@ -13,9 +13,7 @@ import pytest
 from torch.profiler import ProfilerActivity, profile
 
 from profiler_hook import events
-from profiler_hook.config import Config, Identity
-from profiler_hook.hook import Hook
-from tests.hook.common import SlowSink
+from tests.hook.common import SlowSink, one_rank_hook
 from wire.records import (
     Heartbeat,
     sample_key,
@@ -26,11 +24,7 @@ pytestmark = pytest.mark.alone
 
 
 def test_stalled_rank_heartbeat_carries_its_stack() -> None:
-    hook = Hook(
-        Config(window_s=0, heartbeat_s=60, stall_s=0.05),
-        Identity(rank=0, local_rank=0, world_size=1, host="h"),
-        SlowSink(),
-    )
+    hook = one_rank_hook(SlowSink(), window_s=0, heartbeat_s=60, stall_s=0.05)
     hook.begin_step(0)
     hb: list[Heartbeat] = []
 
@@ -58,11 +52,7 @@ def test_heartbeats_carry_the_function_of_the_jobs_code_each_stack_sample_found_
     """The watchdog samples the innermost function of the job's own code the training thread is in,
     named as torch's profiler names it, so that samples and windows name a function alike, and the
     line it is at."""
-    hook = Hook(
-        Config(window_s=0, heartbeat_s=60),
-        Identity(rank=0, local_rank=0, world_size=1, host="h"),
-        SlowSink(),
-    )
+    hook = one_rank_hook(SlowSink(), window_s=0, heartbeat_s=60)
     hook.watchdog.beat()  # takes the samples so far
 
     def sample() -> None:
@@ -99,11 +89,7 @@ def test_a_sample_due_while_the_garbage_collector_held_the_gil_counts_where_it_c
     counts where the collection ran. Here the training thread samples itself, after the
     collection, from another function."""
     heap = [[i] for i in range(300_000)]  # a full collection of several ms
-    hook = Hook(
-        Config(window_s=0, heartbeat_s=60),
-        Identity(rank=0, local_rank=0, world_size=1, host="h"),
-        SlowSink(),
-    )
+    hook = one_rank_hook(SlowSink(), window_s=0, heartbeat_s=60)
     # Only this test's samples: the watchdog's own, every ~0.5 s, can fall in the collection too
     # (a CI run's did: 2 samples in free_memory).
     hook.watchdog.close(timeout=5)
@@ -127,11 +113,7 @@ def test_a_sample_due_while_the_garbage_collector_held_the_gil_counts_where_it_c
 
 def test_a_paused_hook_is_not_a_stalled_rank() -> None:
     """hook.pause() (an evaluation loop, a benchmark's A/B) stops the step clock: no stall, no stack."""
-    hook = Hook(
-        Config(window_s=0, heartbeat_s=60, stall_s=0.05),
-        Identity(rank=0, local_rank=0, world_size=1, host="h"),
-        SlowSink(),
-    )
+    hook = one_rank_hook(SlowSink(), window_s=0, heartbeat_s=60, stall_s=0.05)
     with hook.step():
         pass
     hook.pause()
@@ -182,11 +164,7 @@ def _bulk_sender() -> tuple[socket.socket, socket.socket, Callable[[int], None],
 def test_heartbeats_carry_each_links_sends_from_a_real_bulk_transfer_and_not_idle_connections() -> None:
     from profiler_hook.netstat import MIN_BYTES, LinkMeter, tcp_counters
 
-    hook = Hook(
-        Config(window_s=0, heartbeat_s=60),
-        Identity(rank=0, local_rank=0, world_size=1, host="h"),
-        SlowSink(),
-    )
+    hook = one_rank_hook(SlowSink(), window_s=0, heartbeat_s=60)
     _, _, send, close = _bulk_sender()
     try:
         assert not tcp_counters()  # loopback connections never touch a NIC: left out by default

@@ -19,7 +19,7 @@ from benchmarks.workload import free_port
 from profiler_hook.config import Config, Identity
 from profiler_hook.hook import Hook
 from profiler_hook.shipper import Shipper
-from tests.hook.common import SlowSink, in_a_window, run_steps
+from tests.hook.common import SlowSink, in_a_window, one_rank_hook, run_steps
 from tests.records import ListSink
 from wire.records import (
     STEP_COLUMNS,
@@ -42,11 +42,7 @@ class _BrokenSink:
 
 
 def test_a_failing_sink_never_reaches_the_training_loop() -> None:
-    hook = Hook(
-        Config(flush_s=0.001, window_s=0),
-        Identity(rank=0, local_rank=0, world_size=1, host="h"),
-        _BrokenSink(),
-    )
+    hook = one_rank_hook(_BrokenSink(), flush_s=0.001, window_s=0)
     run_steps(hook, 50)
     hook.close()
     assert hook.shipper.sent == 0
@@ -55,11 +51,7 @@ def test_a_failing_sink_never_reaches_the_training_loop() -> None:
 
 def test_a_full_queue_drops_and_counts_instead_of_blocking() -> None:
     sink = SlowSink()
-    hook = Hook(
-        Config(flush_s=0.0001, queue_size=2, window_s=0),
-        Identity(rank=0, local_rank=0, world_size=1, host="h"),
-        sink,
-    )
+    hook = one_rank_hook(sink, flush_s=0.0001, queue_size=2, window_s=0)
     worst = run_steps(hook, 200)
     hook.close(timeout=30)
     assert worst < 0.05, f"a step waited {worst * 1e3:.1f} ms on the transport"

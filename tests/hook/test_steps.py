@@ -15,9 +15,8 @@ import pytest
 
 from profiler_hook.blocks import StepBlocks
 from profiler_hook.collectives import CollectiveTracker
-from profiler_hook.config import Config, Identity
-from profiler_hook.hook import Hook
 from profiler_hook.schedstat import ThreadWait
+from tests.hook.common import one_rank_hook
 from tests.records import ListSink
 from wire.records import (
     StepBatch,
@@ -59,11 +58,7 @@ def test_step_rows_are_blocks_that_every_rank_cuts_alike() -> None:
 def test_a_blocks_cpu_time_is_its_steps_own_read_once_per_block() -> None:
     """The training thread's CPU time lands in the block of the steps that spent it; a pause's does not."""
     sink = ListSink()
-    hook = Hook(
-        Config(window_s=0, heartbeat_s=60, step_block_s=0),
-        Identity(rank=0, local_rank=0, world_size=1, host="h"),
-        sink,
-    )
+    hook = one_rank_hook(sink, window_s=0, heartbeat_s=60, step_block_s=0)
 
     def spin(s: float) -> None:
         end = time.thread_time() + s
@@ -90,11 +85,7 @@ def test_a_close_from_another_thread_still_counts_the_last_blocks_cpu_time() -> 
     training thread: the last block still gets the training thread's CPU time (it once got none,
     and no run-queue wait either, which read as more own time than its peers')."""
     sink = ListSink()
-    hook = Hook(
-        Config(window_s=0, heartbeat_s=60, step_block_s=60),
-        Identity(rank=0, local_rank=0, world_size=1, host="h"),
-        sink,
-    )
+    hook = one_rank_hook(sink, window_s=0, heartbeat_s=60, step_block_s=60)
     for _ in range(4):
         with hook.step():
             end = time.thread_time() + 0.02
@@ -190,11 +181,7 @@ def test_a_steps_garbage_collection_is_timed_in_the_block_of_the_steps_it_stoppe
     thousand objects: each lands in its step's row, the steps between collect (next to) nothing."""
     heap = [[i] for i in range(300_000)]  # objects a full collection traverses
     sink = ListSink()
-    hook = Hook(
-        Config(window_s=0, heartbeat_s=60, step_block_s=0),
-        Identity(rank=0, local_rank=0, world_size=1, host="h"),
-        sink,
-    )
+    hook = one_rank_hook(sink, window_s=0, heartbeat_s=60, step_block_s=0)
     timed = []
     for step in range(6):
         with hook.step():

@@ -16,7 +16,7 @@ from benchmarks.workload import JobSpec, free_port, launch
 from profiler_hook import threadstates
 from profiler_hook.config import Config, Identity
 from profiler_hook.hook import Hook
-from tests.hook.common import STASHES, tcp_store
+from tests.hook.common import STASHES, one_rank_hook, tcp_store
 from tests.records import ListSink, spool_records
 from wire.records import (
     Heartbeat,
@@ -58,11 +58,7 @@ def test_a_ddp_model_built_before_attach_is_timed_and_the_rank_record_says_so_pe
         net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
         model = DDP(net)
         sink = ListSink()
-        hook = Hook(
-            Config(window_s=0, heartbeat_s=60, step_block_s=0),
-            Identity(rank=0, local_rank=0, world_size=1, host="h"),
-            sink,
-        )
+        hook = one_rank_hook(sink, window_s=0, heartbeat_s=60, step_block_s=0)
         for _ in range(20):
             with hook.step():
                 model(torch.randn(32, 64)).sum().backward()
@@ -135,11 +131,7 @@ def test_ddp_with_unused_parameters_found_gets_its_windows() -> None:
         net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
         model = DDP(net, find_unused_parameters=True)
         sink = ListSink()
-        hook = Hook(
-            Config(heartbeat_s=60, window_steps=2),
-            Identity(rank=0, local_rank=0, world_size=1, host="h"),
-            sink,
-        )
+        hook = one_rank_hook(sink, heartbeat_s=60, window_steps=2)
         started = []
         for step in range(12):
             if step in (2, 7):
@@ -236,11 +228,7 @@ def test_a_ddp_model_on_another_process_group_is_named_with_its_group() -> None:
     try:
         sub = dist.new_group([0])
         _model = DDP(torch.nn.Linear(8, 2), process_group=sub)  # built before attach
-        hook = Hook(
-            Config(window_s=0, heartbeat_s=60),
-            Identity(rank=0, local_rank=0, world_size=1, host="h"),
-            ListSink(),
-        )
+        hook = one_rank_hook(ListSink(), window_s=0, heartbeat_s=60)
         coverage = hook.coverage()
         hook.close(timeout=30)
     finally:

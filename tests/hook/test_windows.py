@@ -13,10 +13,8 @@ import pytest
 import torch
 
 from profiler_hook import threadstates
-from profiler_hook.config import Config, Identity
-from profiler_hook.hook import Hook
 from profiler_hook.summarize import summarize
-from tests.hook.common import STASHES, in_a_window, tcp_store
+from tests.hook.common import STASHES, in_a_window, one_rank_hook, tcp_store
 from tests.records import ListSink, spool_records
 from wire.records import (
     WindowSummary,
@@ -57,7 +55,7 @@ def test_a_window_holds_none_of_the_hooks_own_reads() -> None:
     """The send counters are read (a readlink per open descriptor) before the profiler starts: in
     the window they read as the rank's code path, on the rank with the most descriptors."""
     sink = ListSink()
-    hook = Hook(Config(heartbeat_s=60), Identity(rank=0, local_rank=0, world_size=1, host="h"), sink)
+    hook = one_rank_hook(sink, heartbeat_s=60)
     hook.schedule.planned = 1
     x = torch.ones(64, 64)
     for _ in range(8):
@@ -73,7 +71,7 @@ def test_a_window_holds_none_of_the_hooks_own_reads() -> None:
 @pytest.mark.releases
 def test_a_window_records_python_functions_only_where_its_plan_asks_for_stacks() -> None:
     sink = ListSink()
-    hook = Hook(Config(heartbeat_s=60), Identity(rank=0, local_rank=0, world_size=1, host="h"), sink)
+    hook = one_rank_hook(sink, heartbeat_s=60)
     x = torch.ones(64, 64)
     for stacks in (False, True):
         hook.schedule.stacks, hook.schedule.planned = stacks, hook.step_num + 2
@@ -106,11 +104,7 @@ def test_a_window_starts_only_once_the_last_one_is_summarized(monkeypatch: pytes
     """torch's Python tracer hooks every thread at start: the summarizer of the last window must not
     run (or end) inside the next one. It waits for it, and skips the window if it takes too long."""
     sink = ListSink()
-    hook = Hook(
-        Config(heartbeat_s=60, with_stack=False, window_steps=2),
-        Identity(rank=0, local_rank=0, world_size=1, host="h"),
-        sink,
-    )
+    hook = one_rank_hook(sink, heartbeat_s=60, with_stack=False, window_steps=2)
     summarized: list[int] = []
 
     def slow(*args: Any) -> Any:
@@ -159,11 +153,7 @@ def test_a_window_waits_for_a_collective_in_flight_but_not_for_a_context_a_live_
     dist.init_process_group("gloo", store=tcp_store(), rank=0, world_size=1)
     try:
         sink = ListSink()
-        hook = Hook(
-            Config(heartbeat_s=60, window_steps=2),
-            Identity(rank=0, local_rank=0, world_size=1, host="h"),
-            sink,
-        )
+        hook = one_rank_hook(sink, heartbeat_s=60, window_steps=2)
         w = torch.ones(64, requires_grad=True)
         works: list = []
         w.register_hook(lambda g: works.append(dist.all_reduce(g.clone(), async_op=True)) and None)
