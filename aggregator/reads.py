@@ -45,7 +45,7 @@ _ALWAYS = ("rank", "step", "start_us")
 """The columns :meth:`Reads.steps` reads whatever it is asked: where and when a row is."""
 WIDTH = "width"
 """The column of :meth:`Reads.steps` read by buckets of steps: how many (the diagnosis's name for
-it is ``diagnosis.stragglers.WIDTH``)."""
+it is ``diagnosis.grid.WIDTH``)."""
 
 
 class SpoolOffset(NamedTuple):
@@ -139,7 +139,7 @@ class Reads:
 
         ``width`` > 1: one row per rank and bucket of that many steps (``step`` a multiple of it),
         with the means per step of the stored rows that begin in it, summed up by ClickHouse, and
-        a column ``width`` (``diagnosis.stragglers.WIDTH``), in no order (the diagnosis places
+        a column ``width`` (``diagnosis.grid.WIDTH``), in no order (the diagnosis places
         each by rank and step; ClickHouse sorts them slower than it sums them up): what the
         diagnosis of a job too large to hold step by step reads. A rank's rows of two attempts
         over the same steps (a restart from a checkpoint) both count in their bucket's means.

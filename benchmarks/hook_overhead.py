@@ -61,7 +61,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.workload import free_port
-from diagnosis.functions import PYTHON_KINDS
+from diagnosis.detectors.straggler.functions import PYTHON_KINDS
 from profiler_hook.config import Config, Identity
 from profiler_hook.hook import Hook
 from profiler_hook.sinks import NullSink

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from diagnosis import JobData, diagnose
-from diagnosis.classify import ACROSS_OPERATORS, UNATTRIBUTED
+from diagnosis.detectors.straggler.cause import ACROSS_OPERATORS, UNATTRIBUTED
 from tests.jobdata import functions_frame, only, synthetic
 from wire.records import sample_key
 

@@ -17,7 +17,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from diagnosis import functions as fn
+from diagnosis.detectors.straggler import functions as fn
 from profiler_hook import events
 from profiler_hook.summarize import summarize
 

@@ -114,7 +114,7 @@ KINDS = ("op", "kernel", "collective", "memcpy", "dataloader", "python", "pylib"
 WAIT_KIND = "sched"
 WAIT_PATTERN = "cpu_wait@sched"
 """The window pattern of the time the rank's threads were runnable but waited for a CPU
-(``profiler_hook.schedstat``; read by ``diagnosis.contention``)."""
+(``profiler_hook.schedstat``; read by ``diagnosis.detectors.straggler.contention``)."""
 TRANSFER_PREFIX = "net_send@"
 """The collective patterns that time a network transfer alone (``net_send@<group>``: what an NCCL
 net plugin reports per proxy step; ``benchmarks.cluster`` records them so)."""

@@ -10,7 +10,7 @@ import numpy as np
 
 from wire.records import WAIT_KIND, WAIT_PATTERN
 
-from .. import stragglers
+from .. import grid
 from ..data import JobData
 from ..findings import Finding, effect, ms
 
@@ -54,13 +54,10 @@ def _find(data: JobData, s: Settings) -> Finding | None:
     lo = max(int(steps["step"].min()) + s.warmup_steps, int(steps["step"].max()) - s.steps + 1)
     recent = steps[steps["step"] >= lo]
     # The steps' time: a row of a large job's read stands for ``width`` steps (its means per step).
-    if (
-        recent.empty
-        or recent.groupby("step")["dur_us"].median().sum() * stragglers.width(recent) < s.min_s * 1e6
-    ):
+    if recent.empty or recent.groupby("step")["dur_us"].median().sum() * grid.width(recent) < s.min_s * 1e6:
         return None
-    cut = stragglers.StragglerSettings(warmup_steps=s.warmup_steps, last_steps=s.steps, chunks=s.chunks)
-    g = stragglers.grid(steps, cut, ["dur_us", "own_us", "cpu_us"])
+    cut = grid.Cut(warmup_steps=s.warmup_steps, last_steps=s.steps, chunks=s.chunks)
+    g = grid.grid(steps, cut, ["dur_us", "own_us", "cpu_us"])
     if g is None or len(np.unique(g.chunk)) < 3:
         return None
     last = sorted(np.unique(g.chunk))
@@ -73,10 +70,10 @@ def _find(data: JobData, s: Settings) -> Finding | None:
     growth: dict[str, tuple[float, np.ndarray]] = {}
     g.values["cpu_us"][g.values["cpu_us"] <= 0] = np.nan  # not read in that block
     for col in ("dur_us", "own_us", "cpu_us"):
-        per = stragglers.chunk_medians(g, col, s.chunks)  # rank x chunk
-        base = stragglers.nanmedian(per[:, before], axis=1)
+        per = grid.chunk_medians(g, col, s.chunks)  # rank x chunk
+        base = grid.nanmedian(per[:, before], axis=1)
         with np.errstate(invalid="ignore", divide="ignore"):
-            ratio = min(float(stragglers.nanmedian(per[:, c] / base, axis=0)) for c in last[-2:])
+            ratio = min(float(grid.nanmedian(per[:, c] / base, axis=0)) for c in last[-2:])
         growth[col] = (ratio, np.column_stack([base, per[:, last[-1]]]))
     # Step time carries every slowdown but also the job's tail (each step waits for its slowest
     # rank); own time is free of that noise for compute and data slowdowns. Own time alone is not
@@ -91,8 +88,8 @@ def _find(data: JobData, s: Settings) -> Finding | None:
         return None
     ranks = [int(r) for r in g.ranks]
     what = "step time" if col == "dur_us" else "own time per step (outside collectives)"
-    base_ms = ms(float(stragglers.nanmedian(per[:, 0], axis=0)))
-    now_ms = ms(float(stragglers.nanmedian(per[:, 1], axis=0)))
+    base_ms = ms(float(grid.nanmedian(per[:, 0], axis=0)))
+    now_ms = ms(float(grid.nanmedian(per[:, 1], axis=0)))
     summary = f"all {len(ranks)} ranks slowed down together: {what} {ratio:.2f}x " + (
         "the job's own start" if young else f"the {len(before)} chunks of steps before"
     )

@@ -9,8 +9,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from diagnosis import JobData, Settings, classify, contention, diagnose, stragglers
+from diagnosis import JobData, Settings, diagnose, grid
 from diagnosis.detectors import straggler
+from diagnosis.detectors.straggler import cause, contention, rank, shift
+from diagnosis.detectors.straggler.peers import slower_than_peers
 from diagnosis.findings import effect
 from tests.jobdata import functions_frame, only, sched_windows, synthetic
 
@@ -66,7 +68,7 @@ def test_a_rank_that_waits_longer_than_its_peers_is_not_their_straggler() -> Non
     longer = st.loc[~mine, "comm_us"].max() + 500 - st.loc[mine, "comm_us"]
     st.loc[mine, "comm_us"] += longer
     st.loc[mine, "dur_us"] += longer  # its own time unchanged
-    assert 5 in {r.rank for r in stragglers.find(st)}  # its own time alone would name it
+    assert 5 in {r.rank for r in slower_than_peers(st)}  # its own time alone would name it
     assert straggler.find(replace(data, steps=st), SETTINGS) == []
 
 
@@ -84,7 +86,7 @@ def test_the_ranks_that_wait_for_a_contended_host_are_no_straggler_of_their_own(
     st.loc[waiting, "comm_us"] += 1500
     waits = sched_windows({2: 3.4, 3: 3.2}, base_ms=1.4, ranks=4)
     data = replace(data, steps=st, functions=waits)
-    assert {r.rank for r in stragglers.find(st)} == {0, 1}  # their own time alone would name them
+    assert {r.rank for r in slower_than_peers(st)} == {0, 1}  # their own time alone would name them
     found = straggler.find(data, SETTINGS)
     assert [(f.cause, f.ranks, f.hosts) for f in found] == [
         ("host_contention", [r], ["node1"]) for r in (2, 3)
@@ -101,7 +103,7 @@ def _in_buckets(data: JobData, width: int) -> JobData:
     b = s.assign(step=s["step"] // width * width)
     means = {c: "min" if c == "start_us" else "mean" for c in s.columns if c not in ("rank", "step")}
     out = b.groupby(["rank", "step"], as_index=False).agg(means)
-    return replace(data, steps=out.assign(**{stragglers.WIDTH: width}))
+    return replace(data, steps=out.assign(**{grid.WIDTH: width}))
 
 
 @pytest.mark.parametrize(
@@ -138,7 +140,7 @@ def test_a_mild_slowdown_within_the_ranks_spread_is_found_against_the_ranks_own_
         data = synthetic(
             ranks=4, steps=1400, hosts_of=2, bias=bias, seed=seed, slow={2: {"compute_us": 750, "from": 700}}
         )
-        assert stragglers.find(data.steps) == []  # the peer rule alone does not see it
+        assert slower_than_peers(data.steps) == []  # the peer rule alone does not see it
         f = only(diagnose(data).findings)
         assert (f.cause, f.ranks) == ("compute", [2])
         assert f.evidence["ratio_before"] < 1.0 < 1.04 < f.evidence["ratio"]
@@ -165,13 +167,11 @@ def test_a_mild_slowdown_lost_in_queueing_noise_is_found_by_the_cpu_time_that_ro
         mild = {2: {"compute_us": 400, "from": 700}}
         data = _queue_waves(synthetic(ranks=4, steps=1400, hosts_of=2, seed=seed, slow=mild), seed)
         without_cpu = data.steps.assign(cpu_us=0.0)
-        assert stragglers.shifted(without_cpu) == [], "the own-time series alone must not see it"
-        by_cpu = stragglers.shifted(data.steps)
+        assert shift.shifted(without_cpu) == [], "the own-time series alone must not see it"
+        by_cpu = shift.shifted(data.steps)
         assert [x.rank for x in by_cpu] in ([], [2])
         # Of one rank alone (its peers still its peers), as of all ranks.
-        assert (
-            stragglers.shifted(data.steps, only=2) == by_cpu and stragglers.shifted(data.steps, only=1) == []
-        )
+        assert shift.shifted(data.steps, only=2) == by_cpu and shift.shifted(data.steps, only=1) == []
         found += bool(by_cpu)
         assert (
             diagnose(_queue_waves(synthetic(ranks=4, steps=1400, hosts_of=2, seed=seed), seed)).findings == []
@@ -187,11 +187,11 @@ def test_a_certain_rise_a_hair_short_in_own_time_is_judged_on_the_cpu_time_too()
         data = synthetic(
             ranks=4, steps=1400, hosts_of=2, seed=seed, slow={2: {"compute_us": 290, "from": 700}}
         )
-        assert stragglers.shifted(data.steps.assign(cpu_us=0.0)) == [], "own time alone: too small a rise"
-        (st,) = stragglers.shifted(data.steps)
+        assert shift.shifted(data.steps.assign(cpu_us=0.0)) == [], "own time alone: too small a rise"
+        (st,) = shift.shifted(data.steps)
         assert st.rank == 2 and 650 <= st.since_step <= 760 and st.ratio > 1.04
-        assert stragglers.shifted(data.steps, only=2) == [st]
-        assert stragglers.shifted(synthetic(ranks=4, steps=1400, hosts_of=2, seed=seed).steps) == []
+        assert shift.shifted(data.steps, only=2) == [st]
+        assert shift.shifted(synthetic(ranks=4, steps=1400, hosts_of=2, seed=seed).steps) == []
 
 
 def test_a_rise_in_own_time_that_is_run_queue_wait_moving_into_the_collectives_is_no_change() -> None:
@@ -204,20 +204,20 @@ def test_a_rise_in_own_time_that_is_run_queue_wait_moving_into_the_collectives_i
         since = (healthy["rank"] == 2) & (healthy["step"] >= 700)
         moved = healthy.copy()
         moved.loc[since, "wait_us"] = 0.0
-        assert stragglers.shifted(moved) == []
+        assert shift.shifted(moved) == []
         # Its time outside the collectives grows too, but not its CPU time: its own time is CPU
         # work (a CPU-bound rank), and a rise in it that is no more work is no change either.
         longer = healthy.copy()
         longer.loc[since, "dur_us"] += 800.0
-        assert stragglers.shifted(longer) == []
+        assert shift.shifted(longer) == []
         # The same rise as work: its CPU time grows with it.
         slower = longer.copy()
         slower.loc[since, "cpu_us"] += 800.0
-        (found,) = stragglers.shifted(slower)
+        (found,) = shift.shifted(slower)
         assert found.rank == 2 and 650 <= found.since_step <= 760
         # Where its own time is not CPU work (it waits off the CPU for a device), the longer steps
         # are the change.
-        (found,) = stragglers.shifted(longer.assign(cpu_us=longer["cpu_us"] / 4))
+        (found,) = shift.shifted(longer.assign(cpu_us=longer["cpu_us"] / 4))
         assert found.rank == 2
 
 
@@ -228,20 +228,20 @@ def test_a_straggler_in_bursts_stands_out_in_cpu_time_where_its_own_time_is_lost
     for seed in range(6):
         bursts = {2: {"compute_us": 900, "cpu": 1.25, "on": 150, "off": 150}}
         data = _queue_waves(synthetic(ranks=4, steps=1200, hosts_of=2, seed=seed, slow=bursts), seed)
-        own_only += bool(stragglers.find(data.steps.assign(cpu_us=0.0)))
-        found = stragglers.find(data.steps)
+        own_only += bool(slower_than_peers(data.steps.assign(cpu_us=0.0)))
+        found = slower_than_peers(data.steps)
         assert [x.rank for x in found] in ([], [2])
         with_cpu += bool(found)
         healthy = _queue_waves(synthetic(ranks=4, steps=1200, hosts_of=2, seed=seed), seed)
-        assert stragglers.find(healthy.steps) == []
+        assert slower_than_peers(healthy.steps) == []
     assert own_only <= 1 and with_cpu >= 5, (own_only, with_cpu)
 
 
-def _change(ratio: float, before_ratio: float) -> stragglers.Straggler:
+def _change(ratio: float, before_ratio: float) -> rank.Straggler:
     """A rank the change-point rule found, held in 15 of 15 chunks (its values per step all 0)."""
     parts = ("own_us", "data_us", "comm_us", "cpu_us", "nivcsw")
     zero = dict.fromkeys((*parts, *(f"peer_{p}" for p in parts)), 0.0)
-    return stragglers.Straggler(
+    return rank.Straggler(
         rank=3, chunks_flagged=15, chunks=15, ratio=ratio, before_ratio=before_ratio, **zero
     )
 
@@ -272,7 +272,7 @@ def test_a_straggler_slow_half_the_time_is_told_in_bursts_not_diluted_over_the_c
     for seed in range(4):
         bursts = {1: {"compute_us": 1200, "cpu": 1.1, "on": 200, "off": 200}}
         data = _queue_waves(synthetic(ranks=4, steps=1210, hosts_of=2, seed=seed, slow=bursts), seed)
-        (st,) = stragglers.find(data.steps)
+        (st,) = slower_than_peers(data.steps)
         assert st.rank == 1 and st.bursts and 12 <= st.chunks_flagged < 18 and st.ratio > 1.15
         f = only(diagnose(data).findings)
         assert f.cause == "compute" and f.confidence > 0.6 and "in bursts" in f.summary
@@ -284,7 +284,7 @@ def test_a_straggler_in_short_rare_bursts_is_found_in_fine_chunks_where_half_the
     healthy job has at most 1 or 2 by chance. Own time waits in waves of +-10% (8 ranks on shared
     cores)."""
     found = coarse_found = 0
-    chunks = replace(stragglers.StragglerSettings(), burst_min_chunks=25)
+    chunks = replace(rank.StragglerSettings(), burst_min_chunks=25)
     coarse = replace(Settings(), straggler=replace(straggler.Settings(), steps=chunks))
     for seed in range(6):
         bursts = {6: {"compute_us": 900, "cpu": 1.18, "on": 100, "off": 200}}
@@ -305,7 +305,7 @@ def test_a_rank_the_garbage_collector_stops_longer_is_a_code_path_not_a_slower_d
     that all collect alike are judged as before."""
     data = synthetic(slow={6: {"compute_us": 1500, "gc_us": 1400}})
     f = only(straggler.find(data, SETTINGS))
-    assert (f.cause, f.ranks, f.function) == ("code_path", [6], classify.GARBAGE_COLLECTION)
+    assert (f.cause, f.ranks, f.function) == ("code_path", [6], cause.GARBAGE_COLLECTION)
     assert f.evidence["gc_ms_per_step"] == pytest.approx(1.4, abs=0.01)
     assert f.evidence["peer_gc_ms_per_step"] == 0
     assert "the garbage collector stopping it 1.4 ms per step" in f.summary
@@ -321,7 +321,7 @@ def test_a_rank_the_garbage_collector_stops_longer_is_a_code_path_not_a_slower_d
     # A clean-up since mid-run, too mild for the peer rule: the change-point rule's account of it.
     since = synthetic(steps=800, slow={6: {"compute_us": 600, "gc_us": 500, "from": 500}})
     f = only(straggler.find(since, SETTINGS))
-    assert (f.cause, f.function) == ("code_path", classify.GARBAGE_COLLECTION)
+    assert (f.cause, f.function) == ("code_path", cause.GARBAGE_COLLECTION)
     assert f.evidence["ratio_before"] == pytest.approx(1.0, abs=0.01)
     assert 480 <= f.evidence["held_since_step"] <= 500  # from the chunk the change fell in
     alike = synthetic(slow={r: {"gc_us": 1400} for r in range(8)} | {6: {"compute_us": 1500, "gc_us": 1400}})
@@ -369,7 +369,7 @@ def test_a_rank_whose_threads_queue_for_the_cpu_is_named_though_it_works_no_long
     # A rank whose threads wait 4 ms a step for a CPU and that works a little longer too (1.14x: a
     # hogged host slows its work as well) is contended: the surer of its two accounts.
     mild = synthetic(slow={3: {"compute_us": 700}})
-    assert [st.rank for st in stragglers.find(mild.steps)] == [3]
+    assert [st.rank for st in slower_than_peers(mild.steps)] == [3]
     f = only(diagnose(replace(mild, functions=sched_windows({3: 4.0}))).findings)
     assert (f.cause, f.ranks) == ("host_contention", [3])
     # A rank whose reads sleep 10 ms a batch uses the CPU for a third of its own time, and on

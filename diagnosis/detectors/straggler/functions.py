@@ -19,7 +19,7 @@ import pandas as pd
 from wire import records
 from wire.records import WAIT_KIND
 
-from .robust import evenly
+from ...robust import evenly
 
 CUT_KIND = "cut"
 """The kind of the pattern that says what a window left out beyond ``max_functions`` (the hook's

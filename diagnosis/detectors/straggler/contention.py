@@ -24,8 +24,9 @@ import pandas as pd
 
 from wire.records import WAIT_KIND, WAIT_PATTERN
 
-from . import stragglers
-from .robust import evenly, needed, spread
+from ... import grid
+from ...robust import evenly, needed, spread
+from .rank import MAX_PEERS, StragglerSettings
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -59,7 +60,7 @@ class ContentionSettings:
     """The training thread's wait per step (always on) against that of the ranks of other hosts,
     chunk by chunk (``chunks``): healthy jobs' ranks reached 1.64x in chunks of 130 steps on 2
     shared cores, those of a host with CPU hogs 3.5-7x."""
-    chunks: stragglers.StragglerSettings = field(default_factory=stragglers.StragglerSettings)
+    chunks: StragglerSettings = field(default_factory=StragglerSettings)
     """How the steps are read for it: the last ``last_steps`` after the warm-up, in ``chunks``
     chunks, from the job's ``min_s``-th second (the stragglers' cut)."""
     waited_for: float = 1.1
@@ -96,7 +97,7 @@ def _window_step_us(functions: pd.DataFrame, steps: pd.DataFrame) -> pd.Series:
     if steps.empty:
         return pd.Series(np.nan, index=spans["window"])
     per_step = steps.groupby("step")["dur_us"].median()
-    w = stragglers.width(steps) - 1  # rows that start this many steps before a window overlap it
+    w = grid.width(steps) - 1  # rows that start this many steps before a window overlap it
     return pd.Series(
         [
             float(per_step.loc[lo - w : max(lo, hi - 1)].median())
@@ -159,15 +160,11 @@ def _from_steps(steps: pd.DataFrame, s: ContentionSettings, hosts: dict[int, str
     every step, where the windows come every few tens of seconds."""
     if "wait_us" not in steps or steps.empty:
         return []
-    g = stragglers.grid(steps, s.chunks, ["wait_us", "dur_us"])
-    if (
-        g is None
-        or g.steps < s.chunks.chunks * s.chunks.min_chunk_steps
-        or stragglers.young(steps, g, s.chunks)
-    ):
+    g = grid.grid(steps, s.chunks, ["wait_us", "dur_us"])
+    if g is None or g.steps < s.chunks.chunks * s.chunks.min_chunk_steps or grid.young(steps, g, s.chunks):
         return []
-    wait = stragglers.chunk_medians(g, "wait_us", s.chunks.chunks)  # rank x chunk
-    dur = stragglers.nanmedian(stragglers.chunk_medians(g, "dur_us", s.chunks.chunks), axis=0)
+    wait = grid.chunk_medians(g, "wait_us", s.chunks.chunks)  # rank x chunk
+    dur = grid.nanmedian(grid.chunk_medians(g, "dur_us", s.chunks.chunks), axis=0)
     ref = _reference(wait, np.array([hosts.get(int(r), "") for r in g.ranks]))
     flagged = (wait >= s.step_ratio * ref) & (wait - ref >= s.min_step_share * dur[None, :])
     starts = g.chunk_starts(s.chunks.chunks)
@@ -202,13 +199,13 @@ def _reference(wait: np.ndarray, host: np.ndarray) -> np.ndarray:
         host = np.arange(wait.shape[0]).astype(str)
     names = np.unique(host)
     if names.size > MAX_HOSTS:
-        rows = evenly(np.arange(wait.shape[0]), stragglers.MAX_PEERS)
-        return np.maximum(np.broadcast_to(stragglers.nanmedian(wait[rows], axis=0), wait.shape), 1.0)
+        rows = evenly(np.arange(wait.shape[0]), MAX_PEERS)
+        return np.maximum(np.broadcast_to(grid.nanmedian(wait[rows], axis=0), wait.shape), 1.0)
     ref = np.full(wait.shape, np.nan)
     for name in names:
         mine = host == name
         if (~mine).sum() >= 2:
-            ref[mine] = stragglers.nanmedian(wait[~mine], axis=0)
+            ref[mine] = grid.nanmedian(wait[~mine], axis=0)
     return np.maximum(ref, 1.0)
 
 

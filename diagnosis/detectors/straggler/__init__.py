@@ -17,16 +17,18 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from .. import contention, functions, stragglers
-from ..classify import ACROSS_OPERATORS, CPU_WAIT, UNATTRIBUTED, classify, wait_evidence
-from ..data import JobData
-from ..findings import Finding, effect, ms
-from ..robust import evenly
+from ...data import JobData
+from ...findings import Finding, effect, ms
+from ...robust import evenly
+from . import contention, functions, shift
+from .cause import ACROSS_OPERATORS, CPU_WAIT, UNATTRIBUTED, classify, wait_evidence
+from .peers import slow_windows, slower_than_peers
+from .rank import Straggler, StragglerSettings
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Settings:
-    steps: stragglers.StragglerSettings = field(default_factory=stragglers.StragglerSettings)
+    steps: StragglerSettings = field(default_factory=StragglerSettings)
     """Who is slow, against its peers and against its own past (``stragglers``)."""
     contention: contention.ContentionSettings = field(default_factory=contention.ContentionSettings)
     """Whose threads wait for a CPU (``contention``), and whom the job waits for."""
@@ -87,7 +89,7 @@ def _contention_finding(c: contention.Contended, hosts: dict[int, str]) -> Findi
 
 
 def _straggler_findings(
-    sts: list[stragglers.Straggler],
+    sts: list[Straggler],
     data: JobData,
     hosts: dict[int, str],
     waits: dict[int, contention.Contended],
@@ -126,7 +128,7 @@ def _straggler_findings(
     ]
 
 
-def _samples(data: JobData, st: stragglers.Straggler) -> pd.DataFrame:
+def _samples(data: JobData, st: Straggler) -> pd.DataFrame:
     """The stack samples since the straggler became one, where that was within the span read:
     those from before dilute the stall it has had since (a rank whose metrics upload blocks 15 ms
     a step from 12 s into a 60 s run: 24 of its 98 samples there, 24 of its 68 since)."""
@@ -141,7 +143,7 @@ def _samples(data: JobData, st: stragglers.Straggler) -> pd.DataFrame:
 
 
 def _straggler_finding(
-    st: stragglers.Straggler,
+    st: Straggler,
     fs: pd.DataFrame,
     steps: pd.DataFrame,
     samples: pd.DataFrame,
@@ -158,7 +160,7 @@ def _straggler_finding(
         if st.before_ratio > 0 and (mine["step_hi"] > st.since_step).any():
             mine = mine[mine["step_hi"] > st.since_step]
             fs = fs[fs["window"].isin(mine["window"].unique())]
-        slow = stragglers.slow_windows(steps, mine, st, peers)
+        slow = slow_windows(steps, mine, st, peers)
         if slow:
             fs = fs[fs["window"].isin(slow)]
     excess = functions.compare(fs, st.rank, peers)
@@ -229,7 +231,7 @@ def _where(fn: str, held: float, evidence: dict[str, Any]) -> str:
 
 
 def _collective_waits(
-    contended: Iterable[contention.Contended], sts: list[stragglers.Straggler], steps: pd.DataFrame
+    contended: Iterable[contention.Contended], sts: list[Straggler], steps: pd.DataFrame
 ) -> pd.Series:
     """The median collective wait per step of the contended ranks and the stragglers, by rank, over
     the steps since both held: before a fault began nobody waited for its rank."""
@@ -242,7 +244,7 @@ def _collective_waits(
 
 def _waited_for(
     found: list[contention.Contended],
-    sts: list[stragglers.Straggler],
+    sts: list[Straggler],
     steps: pd.DataFrame,
     s: contention.ContentionSettings,
 ) -> dict[int, contention.Contended]:
@@ -268,11 +270,11 @@ def _waited_for(
 
 
 def _not_waiting(
-    sts: list[stragglers.Straggler],
+    sts: list[Straggler],
     contended: dict[int, contention.Contended],
     steps: pd.DataFrame,
     s: contention.ContentionSettings,
-) -> list[stragglers.Straggler]:
+) -> list[Straggler]:
     """The stragglers, less those waiting for a contended rank: the rank the job waits for waits
     in the collectives the least (the wait inversion), and a straggler whose collective wait per
     step is over a contended rank's by ``waited_for`` is a peer that waits, whatever part of its
@@ -291,23 +293,23 @@ def _not_waiting(
 
 
 def _stragglers(
-    data: JobData, s: stragglers.StragglerSettings, roles: list[list[int]], role_of: dict[int, int]
-) -> list[stragglers.Straggler]:
+    data: JobData, s: StragglerSettings, roles: list[list[int]], role_of: dict[int, int]
+) -> list[Straggler]:
     """The peer rule's stragglers, then the change-point rule's; a rank both find is described by
     the surer of the two (slow since step N in every chunk since, rather than in half of the last
     800 steps). Each rank's change point is measured against the ranks not found slow: of its role,
     where the job's ranks have ``roles`` (each a list of ranks)."""
     steps = data.steps
-    found = {st.rank: st for st in stragglers.find(steps, s, role_of)}
+    found = {st.rank: st for st in slower_than_peers(steps, s, role_of)}
     slow = set(found)
     every: list[list[int] | None] = [None]  # no roles: all ranks at once
     for role in roles or every:
         mine = steps if role is None else data.of_ranks(role).steps
-        cut = stragglers.shift_grid(mine, s)  # the same steps for every call
-        for st in stragglers.shifted(mine, s, exclude=slow, cut=cut):
+        cut = shift.shift_grid(mine, s)  # the same steps for every call
+        for st in shift.shifted(mine, s, exclude=slow, cut=cut):
             found[st.rank] = st
         for rank in slow if role is None else slow & set(role):
-            for st in stragglers.shifted(mine, s, exclude=slow - {rank}, cut=cut, only=rank):
+            for st in shift.shifted(mine, s, exclude=slow - {rank}, cut=cut, only=rank):
                 if st.strength > found[rank].strength:
                     found[rank] = st
     return sorted(found.values(), key=lambda st: st.rank)
