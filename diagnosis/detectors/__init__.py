@@ -19,7 +19,7 @@ which:
 2. ``straggler`` — the ranks that hold a running job back: working longer per step (``compute``,
    ``dataloader``, ``code_path``) or their threads waiting for a CPU (``host_contention``), each
    account deciding the other's (see its module);
-3. ``link`` — slow network links (``communication``);
+3. ``link`` — slow network links (cause ``communication``);
 
 then ``diagnosis.topology`` merges the rank findings that make up a whole NIC, host, switch or
 spine into one naming it; and

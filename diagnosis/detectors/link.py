@@ -1,15 +1,303 @@
-"""``link`` (cause ``communication``): a slow network link — the rank whose sends take longer per
-byte than its peers', without the wait for peers (the rule is ``diagnosis.communication``)."""
+"""``link`` (cause ``communication``): a slow network link.
+
+Which ranks' network link is slow, from per-rank transfer throughput in the profiling windows.
+
+With ring or tree collectives one slow link slows every rank's collective alike, and a rank that
+waits for a late peer spends that wait inside the collective too: neither step time nor a
+collective's duration names the link. What does is a transfer measurement per rank — the bytes a
+rank sent over the network and the time spent sending them, without the wait for peers, as NCCL's
+profiler plugin reports per proxy step. Such patterns are ``collective`` rows named
+``net_send@<group>`` with ``nbytes``. (The hook's wrapped ``torch.distributed`` calls, named
+``<op>@<group>``, include the wait, so they are not used here: an early rank would look slow.)
+
+Per window and pattern each rank's time per byte is compared with the other ranks' (median /
+MAD); a rank that is slower in most windows is a communication culprit. The diagnosis then names
+the NIC, host or switch when the culprits make up a whole one.
+
+Where a measurement names its link's endpoints (``"<local IP>><peer IP>"``: the sends the hook's
+heartbeats carry per link, every few seconds; or, in records of older hooks, a window's
+``net_send@tcp`` pattern with the pair as its ``stack``), the links are compared instead, per span
+of ``CommunicationSettings.span_s`` seconds, and the culprit is found as in network tomography: a
+slow NIC slows every link through it, in both directions, and no other. Ranks that merely send
+*into* the slow NIC have one slow link among healthy ones. So per window the slow links are found,
+and the smallest group of ranks — the ranks behind one address, a NIC, a host, a switch — whose
+links to the rest of the job carry most of their extra send time, most of its links being slow,
+is the culprit.
+"""
 
 from __future__ import annotations
 
-from ..communication import CommunicationSettings as Settings
-from ..communication import SlowLink
-from ..communication import find as slow_links
-from ..data import JobData
-from ..findings import Finding, effect
+from dataclasses import dataclass
 
-__all__ = ["Settings", "find"]
+import numpy as np
+import pandas as pd
+
+from wire.records import TRANSFER_PREFIX
+
+from ..data import JobData
+from ..findings import LEVELS, Finding, effect
+from ..robust import needed, spread
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Settings:
+    min_ratio: float = 1.3
+    """A rank's time per byte must exceed the peers' median by this factor..."""
+    min_z: float = 5.0
+    """...and by this many robust standard deviations (from ``z_min_ranks`` ranks on)."""
+    z_min_ranks: int = 8
+    mad_floor: float = 0.03
+    """The robust deviation is never taken below this fraction of the median."""
+    persistence: float = 0.5
+    """A culprit must be slow in at least this fraction of the windows that saw it."""
+    min_excess_us: float = 20_000.0
+    """...and spend at least this much longer sending in the window than the peers' rate implies.
+    Kernels count TCP busy time in jiffies (1-10 ms), so on a fast link a few ms are noise."""
+    cut_share: float = 0.5
+    """Links with endpoints: more than this share of a culprit group's links to the rest must be slow..."""
+    coverage: float = 0.75
+    """...and they must carry at least this share of the window's extra send time over slow links
+    (a link behind a slow one can back up and look slow too, a little)."""
+    bulk_share: float = 0.1
+    """Links with endpoints: only those that sent at least this share of the window's busiest
+    link's bytes are compared."""
+    span_s: float = 5.0
+    """The heartbeats' link sends are compared across ranks per span of this many seconds (at least
+    the ranks' heartbeat period): each span is a window of the comparison."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SlowLink:
+    rank: int
+    pattern: str
+    ratio: float
+    """The rank's time per byte over the peers' median (median over the windows)."""
+    gbps: float
+    """The rank's send throughput, GB/s (median over the windows)."""
+    peer_gbps: float
+    windows_flagged: int
+    windows: int
+    span_s: float = 0.0
+    """The windows are spans of this many seconds of heartbeats (0: profiling windows)."""
+
+
+def _per_call_us(f: pd.DataFrame) -> pd.Series:
+    """The time of the pattern's executions: the median call's (a one-step spike moves only the mean)."""
+    if "p50_us" in f:
+        p50 = f["p50_us"].astype(float) * f["count"]
+        return p50.where(p50 > 0, f["total_us"])
+    return f["total_us"].astype(float)
+
+
+def slow_links(
+    functions: pd.DataFrame,
+    s: Settings | None = None,
+    ranks: pd.DataFrame | None = None,
+    links: pd.DataFrame | None = None,
+) -> list[SlowLink]:
+    """Ranks whose network send time per byte persistently exceeds their peers'; ``ranks`` (rank,
+    nic, host, switch) lets links with endpoints be grouped by topology; ``links`` (rank, time_us,
+    link, nbytes, send_us: the heartbeats') are those links' sends, measured all along."""
+    s = s or Settings()
+    out: list[SlowLink] = []
+    spans = _spans(links, s) if links is not None and (links["nbytes"] > 0).any() else None
+    if not functions.empty and "nbytes" in functions:
+        f = functions[functions["kind"] == "collective"]
+        f = f[f["name"].astype(str).str.startswith(TRANSFER_PREFIX) & (f["nbytes"] > 0) & (f["count"] > 0)]
+        pair = (
+            f["stack"].astype(str).str.contains(">", regex=False)
+            if "stack" in f
+            else pd.Series(False, f.index)
+        )
+        if not pair.all():
+            out += _per_rank(f[~pair], s)
+        if pair.any() and spans is None:  # an older hook's windows; the heartbeats' spans, if any, say more
+            out += _tomography(f[pair], s, ranks)
+    if spans is not None:
+        out += _tomography(spans[0], s, ranks, span_s=spans[1])
+    return out
+
+
+def _spans(links: pd.DataFrame, s: Settings) -> tuple[pd.DataFrame, float]:
+    """The heartbeats' link sends as transfer patterns (``stack`` = the link), one window per span,
+    and the span's length: ``span_s``, or the ranks' heartbeat period if longer, so that a span
+    holds every rank's sends."""
+    links = links[links["nbytes"] > 0]
+    beats = links[["rank", "time_us"]].drop_duplicates()
+    period = beats.groupby("rank")["time_us"].diff().median() / 1e6
+    span_s = max(s.span_s, float(period) if period == period else 0.0)  # NaN: one beat per rank
+    frame = pd.DataFrame(
+        {
+            "rank": links["rank"].astype(np.int64),
+            "window": links["time_us"].astype(np.int64) // int(span_s * 1e6),
+            "name": f"{TRANSFER_PREFIX}tcp",
+            "stack": links["link"].astype(str),
+            "total_us": links["send_us"].astype(float),
+            "nbytes": links["nbytes"].astype(float),
+        }
+    )
+    return frame, span_s
+
+
+def _per_rank(f: pd.DataFrame, s: Settings) -> list[SlowLink]:
+    """Each rank's one transfer measurement per window against the other ranks'."""
+    f = pd.DataFrame(
+        {
+            "rank": f["rank"].astype(np.int64),
+            "window": f["window"],
+            "name": f["name"].astype(str),
+            "t": _per_call_us(f) / f["nbytes"].astype(float),
+            "nbytes": f["nbytes"].astype(float),
+        }
+    )
+    med, scale, n = spread(f["t"], [f["window"], f["name"]], s.mad_floor, 1e-30)
+    ratio = f["t"] / med
+    slow = (ratio >= s.min_ratio) & (n >= 3) & ((f["t"] - med) * f["nbytes"] >= s.min_excess_us)
+    slow &= ((f["t"] - med) / scale >= s.min_z) | (n < s.z_min_ranks)
+    f = f.assign(ratio=ratio, slow=slow, peer_t=med)
+    suspects = f.loc[f["slow"], ["rank", "name"]].drop_duplicates()
+    if suspects.empty:
+        return []
+    f = f.merge(suspects, on=["rank", "name"])
+    per = f.groupby(["rank", "name"]).agg(
+        flagged=("slow", "sum"),
+        windows=("slow", "size"),
+        ratio=("ratio", "median"),
+        t=("t", "median"),
+        peer_t=("peer_t", "median"),
+    )
+    out = []
+    for (rank, name), r in per.iterrows():
+        windows = int(r["windows"])
+        if int(r["flagged"]) < needed(windows, s.persistence):
+            continue
+        out.append(
+            SlowLink(
+                rank=int(rank),
+                pattern=str(name),
+                ratio=float(r["ratio"]),
+                gbps=1e-3 / max(float(r["t"]), 1e-12),
+                peer_gbps=1e-3 / max(float(r["peer_t"]), 1e-12),
+                windows_flagged=int(r["flagged"]),
+                windows=windows,
+            )
+        )
+    return out
+
+
+def _slow_links(f: pd.DataFrame, s: Settings) -> pd.DataFrame:
+    """One row per rank, window and link (local > peer address) with its time per byte ``t``, the
+    window's healthy time per byte ``base`` and whether the link is ``slow``.
+
+    The healthy baseline is the lower quartile of the window's links, a link's own (not one
+    interpolated between two): a slow NIC in a ring slows two links (in and out), up to half of a
+    small job's, and the median would move with them; with 4 links an interpolated quartile moves
+    with a third link that backs up behind them (behind a 1 Gbit/s NIC: 3.2 ms per MB where a
+    healthy link takes 2.0), and leaves the slow ones short of ``min_excess_us``.
+
+    Links that carried little (under ``bulk_share`` of the window's busiest) are left out, as the
+    hook leaves them out of its heartbeats: their time per byte is the latency of a few small
+    messages (a delayed ACK holds one 40 ms), not the link's bandwidth, and reads as 500 to 20,000
+    times the bulk links'."""
+    nbytes = f["nbytes"].astype(float)
+    f = f[nbytes >= s.bulk_share * nbytes.groupby(f["window"]).transform("max")]
+    local_peer = f["stack"].astype(str).str.split(">", n=1, expand=True)
+    d = pd.DataFrame(
+        {
+            "rank": f["rank"].astype(np.int64),
+            "window": f["window"],
+            "local": local_peer[0],
+            "peer": local_peer[1],
+            "t": _per_call_us(f) / f["nbytes"].astype(float),
+            "nbytes": f["nbytes"].astype(float),
+        }
+    )
+    base = d.groupby("window")["t"].transform(lambda t: t.quantile(0.25, interpolation="lower"))
+    med, scale, n = spread(d["t"], d["window"], s.mad_floor, 1e-30)
+    slow = (d["t"] >= s.min_ratio * base) & (n >= 3) & ((d["t"] - base) * d["nbytes"] >= s.min_excess_us)
+    slow &= ((d["t"] - med) / scale >= s.min_z) | (n < s.z_min_ranks)
+    return d.assign(base=base, slow=slow)
+
+
+def _groups(d: pd.DataFrame, ranks: pd.DataFrame | None, suspects: set[int]) -> list[frozenset[int]]:
+    """Candidate culprits holding a suspect rank, smallest first: the ranks behind each address,
+    then each NIC, host, switch and spine of the ranks table."""
+    behind = d[d["local"].isin(d.loc[d["rank"].isin(suspects), "local"])]
+    out = set(behind.groupby("local")["rank"].agg(frozenset))
+    if ranks is not None and not ranks.empty:
+        r = ranks[ranks["rank"].isin(d["rank"].unique())]
+        for level in LEVELS:
+            if level in r:
+                labeled = r[r[level].astype(str) != ""]
+                mine = labeled[labeled[level].isin(labeled.loc[labeled["rank"].isin(suspects), level])]
+                out |= set(mine.groupby(level)["rank"].agg(lambda x: frozenset(int(v) for v in x)))
+    return sorted(out, key=lambda g: (len(g), sorted(g)))
+
+
+def _tomography(
+    f: pd.DataFrame, s: Settings, ranks: pd.DataFrame | None, span_s: float = 0.0
+) -> list[SlowLink]:
+    """The smallest groups of ranks whose links to the rest carry the slow links, in most windows."""
+    d = _slow_links(f, s)
+    if not d["slow"].any():
+        return []
+    # An address stands for the ranks behind it, which share a host and so every group above it:
+    # one of them is enough to place a link's end.
+    first = d.groupby("local")["rank"].min()
+    src = first.loc[d["local"]].to_numpy()
+    dst = d["peer"].map(first).fillna(-1).to_numpy(dtype=np.int64)  # a peer that never sent: outside
+    windows = d["window"].to_numpy()
+    slow = d["slow"].to_numpy()
+    extra = np.where(slow, (d["t"] - d["base"]) * d["nbytes"], 0.0)
+    suspects = {int(r) for r in (*src[slow], *dst[slow]) if r >= 0}  # only groups touching a slow link
+    flagged: dict[frozenset[int], list[int]] = {}
+    seen: dict[frozenset[int], list[int]] = {}
+    crossing: dict[frozenset[int], np.ndarray] = {}
+    for g in _groups(d, ranks, suspects):
+        members = np.fromiter(g, dtype=np.int64)
+        cross = np.isin(src, members) != np.isin(dst, members)
+        crossing[g] = cross
+        for w in np.unique(windows[cross]):
+            in_w = windows == w
+            seen.setdefault(g, []).append(int(w))
+            slow_w, cross_w = slow & in_w, cross & in_w
+            if (
+                slow_w.any()
+                and extra[slow_w & cross_w].sum() >= s.coverage * extra[slow_w].sum()
+                and (slow_w & cross_w).sum() > s.cut_share * cross_w.sum()
+            ):
+                flagged.setdefault(g, []).append(int(w))
+    # Per window only the smallest groups that explain it; then persistence since the first.
+    smallest: dict[int, int] = {}
+    for g, ws in flagged.items():
+        for w in ws:
+            smallest[w] = min(smallest.get(w, len(g)), len(g))
+    out = []
+    for g, ws in flagged.items():
+        mine = [w for w in ws if len(g) == smallest[w]]
+        if not mine:
+            continue
+        since = [w for w in seen[g] if w >= mine[0]]
+        # Two windows at least, even when there is one so far: a job's first window (connections
+        # still warming up) can show one rank's links slow.
+        if len(mine) < needed(len(since), s.persistence):
+            continue
+        rows = d[np.isin(windows, mine) & slow & crossing[g]]
+        t, base = float(rows["t"].median()), float(rows["base"].median())
+        out += [
+            SlowLink(
+                rank=r,
+                pattern=str(f["name"].iloc[0]),
+                ratio=t / max(base, 1e-30),
+                gbps=1e-3 / max(t, 1e-12),
+                peer_gbps=1e-3 / max(base, 1e-12),
+                windows_flagged=len(mine),
+                windows=len(since),
+                span_s=span_s,
+            )
+            for r in sorted(g)
+        ]
+    return out
 
 
 def find(data: JobData, s: Settings) -> list[Finding]:
