@@ -22,12 +22,11 @@ from aggregator import Store, ingest
 from api import ServeSettings, Service, create_app
 from api.auth import Tokens
 from api.tickets import Rules
-
-from .test_api import JOBS, WRITE, spool  # noqa: F401 (the recorded runs as a spool: a fixture)
+from tests.api.common import JOBS, WRITE
 
 
 @pytest.fixture(scope="module")
-def api_schema(spool: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[schemathesis.Schema]:  # noqa: F811
+def api_schema(spool: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[schemathesis.Schema]:
     with Store.embedded(tmp_path_factory.mktemp("store"), database="fuzz") as store:
         ingest(spool, store)
         svc = Service(store, ServeSettings(spool=str(spool), ended_after_s=1e9))
