@@ -145,12 +145,21 @@ def test_a_rank_killed_under_torchrun_restarts_the_job_and_reliability_measures_
     assert fleet.splitlines()[1].split()[:3] == ["nodeA", "killed", "1x"] and "LEMON" not in fleet, fleet
     assert "failures by class over" in fleet and "killed 1x (" in fleet.splitlines()[-1], fleet
     # The diagnosis of the job that went on says why its first attempt died, and nothing else:
-    # no straggler made of the crash.
+    # no straggler made of the crash: nothing else on the killed rank, nothing job-wide. (Rank 0
+    # alone logs, evaluates and writes the checkpoint every 15 steps here: in one CI run in six its
+    # own time read 1.16x its peers' in the restarted attempt, a straggler of its own duties.)
     out = rankscope("diagnose", "--store", str(store), "--job", "lm-restart", "--json")
     assert out.returncode == 0, out.stderr
     found = json.loads(out.stdout)["findings"]
-    assert len(found) == 1, [f["summary"] for f in found]
-    (f,) = found
+    failures = [f for f in found if f["cause"] == "failure"]
+    assert len(failures) == 1, [f["summary"] for f in found]
+    made_of_the_crash = [
+        f for f in found if f["cause"] != "failure" and (1 in f["ranks"] or f["cause"] == "job_wide")
+    ]
+    assert not made_of_the_crash and all(f["ranks"] == [0] for f in found if f["cause"] != "failure"), [
+        f["summary"] for f in found
+    ]
+    (f,) = failures
     assert (f["cause"], f["ranks"], f["hosts"]) == ("failure", [1], ["nodeA"]), f["summary"]
     assert (f["evidence"]["attempt"], f["evidence"]["class"], f["evidence"]["started_again"]) == (
         0,
