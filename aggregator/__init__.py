@@ -2,7 +2,7 @@
 
 Example::
 
-    from aggregator import Store, ingest
+    from rankscope.aggregator import Store, ingest
 
     with Store.embedded("/var/lib/rankscope/db") as store:
         ingest("/var/spool/rankscope", store)
@@ -11,9 +11,10 @@ Example::
 
 from __future__ import annotations
 
+from rankscope.wire.errors import RankscopeError, SchemaError, StoreError, UsageError
+
 from .batch import Batch
-from .errors import RankscopeError, StoreError, UsageError
-from .schema import STORE_VERSION, SchemaError, ensure_schema
+from .schema import STORE_VERSION, ensure_schema
 from .spool import IngestStats, ingest
 from .store import Store
 

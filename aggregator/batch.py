@@ -14,7 +14,7 @@ from dataclasses import fields
 from operator import attrgetter
 from typing import Any
 
-from wire.records import (
+from rankscope.wire.records import (
     FUNCTION_COLUMNS,
     INT64,
     INT_RANGES,
@@ -34,7 +34,7 @@ from wire.records import (
     checked_str,
     decode,
 )
-from wire.records import check as check_record
+from rankscope.wire.records import check as check_record
 
 from .schema import (
     ARRIVALS,

@@ -34,10 +34,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from wire.kafka import api_version_kwargs
+from rankscope.wire.errors import StoreError, UsageError
+from rankscope.wire.kafka import api_version_kwargs
 
 from .batch import Batch
-from .errors import StoreError, UsageError
 from .metrics import Metrics
 from .store import Store
 

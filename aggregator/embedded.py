@@ -17,7 +17,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 
-from .errors import one_line
+from rankscope.wire.errors import one_line
 
 
 def is_data_dir(path: str) -> bool:

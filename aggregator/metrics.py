@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from .errors import UnavailableError
+from rankscope.wire.errors import UnavailableError
 
 _PREFIX = "rankscope_aggregator"
 

@@ -15,7 +15,8 @@ import numpy as np
 import pandas as pd
 from clickhouse_connect.driver.exceptions import ClickHouseError
 
-from .errors import StoreError
+from rankscope.wire.errors import StoreError
+
 from .schema import (
     ARRIVALS_BY_PROCESS_TABLE,
     ATTEMPTS,

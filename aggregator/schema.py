@@ -18,9 +18,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from wire.records import WIRE_VERSION
-
-from .errors import UnavailableError
+from rankscope.wire.errors import SchemaError
+from rankscope.wire.records import WIRE_VERSION
 
 log = logging.getLogger(__name__)
 
@@ -28,10 +27,6 @@ STORE_VERSION = 13
 DEFAULT_DATABASE = "rankscope"
 _COMMENT = f"rankscope schema {STORE_VERSION}"
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-
-
-class SchemaError(UnavailableError):
-    """The database holds tables this version cannot use, or its name is not a plain identifier."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from wire.records import MAX_VALUE_BYTES
+from rankscope.wire.records import MAX_VALUE_BYTES
 
 from .batch import RAW_PREFIX_BYTES, Batch
 from .reads import SpoolOffset

@@ -37,14 +37,14 @@ import clickhouse_connect
 import pandas as pd
 from clickhouse_connect.driver.exceptions import ClickHouseError
 
-from wire.records import (
+from rankscope.wire.errors import StoreError
+from rankscope.wire.records import (
     Record,
     RecordError,
 )
 
 from .batch import _QUOTES, Batch, _now_us
 from .embedded import fd2_captured, open_problem, path_problem
-from .errors import StoreError
 from .reads import Reads, SpoolOffset
 from .schema import (
     DEFAULT_DATABASE,

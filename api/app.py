@@ -12,10 +12,18 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from wire.errors import NotFoundError, RankscopeError, UnavailableError, UsageError, one_line
+from rankscope.wire.errors import (
+    Forbidden,
+    NotFoundError,
+    RankscopeError,
+    Unauthenticated,
+    UnavailableError,
+    UsageError,
+    one_line,
+)
 
 from . import pages
-from .auth import Forbidden, Tokens, Unauthenticated
+from .auth import Tokens
 from .routes import jobs, ops, tickets
 from .service import Service
 

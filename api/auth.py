@@ -15,16 +15,7 @@ from typing import Literal
 
 from fastapi import Request
 
-from wire.errors import RankscopeError, UsageError
-
-
-class Unauthenticated(RankscopeError):
-    """No token, or one that is not known (401)."""
-
-
-class Forbidden(RankscopeError):
-    """A token whose scope is too small for what it asked (403)."""
-
+from rankscope.wire.errors import Forbidden, Unauthenticated, UsageError
 
 Scope = Literal["read", "write"]
 SCOPES: tuple[Scope, ...] = ("read", "write")

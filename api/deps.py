@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from wire.errors import NotFoundError
+from rankscope.wire.errors import NotFoundError
 
 from .service import JobState, Service
 from .tickets import Ticket

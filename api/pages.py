@@ -14,8 +14,8 @@ from urllib.parse import quote
 from fastapi import APIRouter, Depends
 from fastapi.responses import HTMLResponse
 
-from diagnosis import Diagnosis
-from renderers.html import efficiency_section, page, reliability_section, render_report
+from rankscope.diagnosis import Diagnosis
+from rankscope.renderers.html import efficiency_section, page, reliability_section, render_report
 
 from .auth import need_read
 from .deps import Svc, known_job, known_ticket

@@ -29,14 +29,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aggregator import RankscopeError, Store, ingest
-from aggregator.consumer import Aggregator, BatchSettings, KafkaSettings
-from diagnosis import Diagnosis, Finding, JobData, diagnose, read_job
-from diagnosis.data import RecentJob
-from diagnosis.efficiency import Efficiency
-from diagnosis.efficiency import read as read_efficiency
-from diagnosis.ettr import Reliability, measure, read_run
-from renderers.html import MAX_POINTS, culprit_ranks, heatmap_data, per_step, pictures, step_series
+from rankscope.aggregator import RankscopeError, Store, ingest
+from rankscope.aggregator.consumer import Aggregator, BatchSettings, KafkaSettings
+from rankscope.diagnosis import Diagnosis, Finding, JobData, diagnose, read_job
+from rankscope.diagnosis.data import RecentJob
+from rankscope.diagnosis.efficiency import Efficiency
+from rankscope.diagnosis.efficiency import read as read_efficiency
+from rankscope.diagnosis.ettr import Reliability, measure, read_run
+from rankscope.renderers.html import MAX_POINTS, culprit_ranks, heatmap_data, per_step, pictures, step_series
 
 from . import storage
 from .notify import Notifier, Webhook

@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from aggregator import Store
-from aggregator.schema import Table
+from rankscope.aggregator import Store
+from rankscope.aggregator.schema import Table
 
 TICKETS = Table(
     "tickets",

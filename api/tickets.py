@@ -25,9 +25,9 @@ import hashlib
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from diagnosis import Finding
-from diagnosis.detectors.failure import HARDWARE
-from diagnosis.findings import LEVELS
+from rankscope.diagnosis import Finding
+from rankscope.diagnosis.detectors.failure import HARDWARE
+from rankscope.diagnosis.findings import LEVELS
 
 State = Literal["open", "acknowledged", "resolved"]
 STATES: tuple[State, ...] = ("open", "acknowledged", "resolved")

@@ -54,8 +54,8 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from diagnosis import Diagnosis, JobData, diagnose
-from diagnosis.data import HEARTBEAT_FIELDS, STEP_FIELDS
+from rankscope.diagnosis import Diagnosis, JobData, diagnose
+from rankscope.diagnosis.data import HEARTBEAT_FIELDS, STEP_FIELDS
 
 FAULTS = ("none", "compute", "host", "contention", "nic", "switch", "dataloader", "job_wide", "hang")
 CAUSE = {

@@ -32,10 +32,10 @@ from typing import Any
 
 import pandas as pd
 
-from aggregator import Store, ingest
-from api.tickets import Rules, Ticket, fingerprint, reconcile
 from benchmarks.workload import JobSpec, RunningJob, first_onset, free_port
-from diagnosis import Finding, diagnose, read_job
+from rankscope.aggregator import Store, ingest
+from rankscope.api.tickets import Rules, Ticket, fingerprint, reconcile
+from rankscope.diagnosis import Finding, diagnose, read_job
 
 from . import machine, scoring, torchrun_job
 from .injectors import CpuHog, Fabric, Unavailable, hog_core

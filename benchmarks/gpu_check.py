@@ -40,8 +40,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from wire.errors import RecordError
-from wire.records import RankInfo, StepBatch, WindowSummary, decode
+from rankscope.wire.errors import RecordError
+from rankscope.wire.records import RankInfo, StepBatch, WindowSummary, decode
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = ROOT / "benchmarks" / "jobs" / "gpu_gpt.py"
@@ -263,8 +263,8 @@ def run_scenarios(out: Path, seconds: float, result: dict[str, Any]) -> None:
 
 def diagnose_scenarios(out: Path, scenarios: dict[str, Any]) -> None:
     """Ingest each scenario's spool into a store of its own and diagnose it (needs the server extra)."""
-    from aggregator import Store, ingest
-    from diagnosis import diagnose, read_job
+    from rankscope.aggregator import Store, ingest
+    from rankscope.diagnosis import diagnose, read_job
 
     for name, run in scenarios["runs"].items():
         with tempfile.TemporaryDirectory() as tmp, Store.embedded(tmp) as store:

@@ -61,11 +61,11 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.workload import free_port
-from diagnosis.detectors.straggler.functions import PYTHON_KINDS
-from profiler_hook.config import Config, Identity
-from profiler_hook.hook import Hook
-from profiler_hook.sinks import NullSink
-from wire.records import WindowSummary, decode
+from rankscope.diagnosis.detectors.straggler.functions import PYTHON_KINDS
+from rankscope.profiler_hook.config import Config, Identity
+from rankscope.profiler_hook.hook import Hook
+from rankscope.profiler_hook.sinks import NullSink
+from rankscope.wire.records import WindowSummary, decode
 
 WORLD = 2
 
@@ -87,7 +87,7 @@ def _worker(
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    import profiler_hook
+    from rankscope import profiler_hook
 
     torch.set_num_threads(1)
     cores = sorted(os.sched_getaffinity(0))
@@ -319,7 +319,7 @@ def components(width: int, reps: int = 5) -> dict[str, float]:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from profiler_hook.summarize import summarize
+    from rankscope.profiler_hook.summarize import summarize
 
     hook = Hook(
         Config(window_s=0, sink="none"), Identity(rank=0, local_rank=0, world_size=1, host="b"), NullSink()

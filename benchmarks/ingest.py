@@ -33,10 +33,10 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from aggregator import Store
-from aggregator.consumer import Aggregator, BatchSettings, KafkaSettings
-from wire.kafka import api_version_kwargs
-from wire.records import FunctionPattern, RankInfo, Record, WindowSummary, encode
+from rankscope.aggregator import Store
+from rankscope.aggregator.consumer import Aggregator, BatchSettings, KafkaSettings
+from rankscope.wire.kafka import api_version_kwargs
+from rankscope.wire.records import FunctionPattern, RankInfo, Record, WindowSummary, encode
 
 JOB = "bench"
 T0 = 1_700_000_000_000_000

@@ -24,13 +24,15 @@ import time
 from typing import Any
 
 from benchmarks.workload import JobSpec, host_of, switch_of
+from rankscope.wire.errors import UnavailableError
 
 _SEQ = itertools.count()
 """Numbers the links this process makes, so that a link left behind never blocks the next."""
 
 
-class Unavailable(RuntimeError):
-    """The fault cannot be injected on this machine (no root, no ``ip``/``tc``); the message says why."""
+class Unavailable(UnavailableError):
+    """The fault cannot be injected on this machine (no root, no ``ip``/``tc``); the message says why.
+    The suite's own kind, caught apart from a store's: the scenario is skipped, not failed."""
 
 
 def _run(*cmd: str) -> None:

@@ -48,7 +48,7 @@ from typing import Any
 
 from benchmarks.hook_overhead import _figures, _table
 from benchmarks.workload import free_port
-from wire.records import RecordError, WindowSummary, decode
+from rankscope.wire.records import RecordError, WindowSummary, decode
 
 ROOT = Path(__file__).parents[1]
 WORLD = 4

@@ -41,9 +41,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.serve_scale import STEP_US, rank_records
-from profiler_hook.config import Identity
-from profiler_hook.sinks import SpoolSink
-from wire.records import RankInfo, encode
+from rankscope.profiler_hook.config import Identity
+from rankscope.profiler_hook.sinks import SpoolSink
+from rankscope.wire.records import RankInfo, encode
 
 JOB = "scale"
 GROWTH = 100
@@ -85,7 +85,7 @@ def _step_rows(store: Any) -> int:
 def _repeat(store: Any, steps: int, copies: int) -> None:
     """The job's steps, heartbeats, windows and functions copied ``copies - 1`` times more, each
     copy ``steps`` steps (of ``STEP_US``) and as many windows later, then merged."""
-    from aggregator.schema import FUNCTIONS, HEARTBEATS, LATEST_HEARTBEATS, STEPS, WINDOWS
+    from rankscope.aggregator.schema import FUNCTIONS, HEARTBEATS, LATEST_HEARTBEATS, STEPS, WINDOWS
 
     c, db = store.client, store.database
     q = {"job": JOB}
@@ -108,7 +108,7 @@ def _repeat(store: Any, steps: int, copies: int) -> None:
 def _diagnosed(store: Any, ranks: int, out: dict[str, Any], prefix: str = "") -> None:
     """The job read and diagnosed as ``rankscope diagnose`` does: ``read_s``, ``diagnose_s``
     (read included), ``top_finding``, ``straggler_named``, each under ``prefix``."""
-    from diagnosis import diagnose, read_job
+    from rankscope.diagnosis import diagnose, read_job
 
     t = time.perf_counter()
     data = read_job(store, JOB)
@@ -121,8 +121,8 @@ def _diagnosed(store: Any, ranks: int, out: dict[str, Any], prefix: str = "") ->
 
 def one(ranks: int, minutes: float, functions: int, repeat: int = 1) -> dict[str, Any]:
     """One size, in this process."""
-    from aggregator import Store, ingest
-    from api import ServeSettings, Service
+    from rankscope.aggregator import Store, ingest
+    from rankscope.api import ServeSettings, Service
 
     steps = int(minutes * 60e6 / STEP_US) // GROWTH * GROWTH
     t0 = time.time_ns() // 1000 - steps * STEP_US

@@ -28,7 +28,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from diagnosis.findings import CAUSES, Diagnosis, Finding
+from rankscope.diagnosis.findings import CAUSES, Diagnosis, Finding
 
 SCOPES = ("rank", "host", "switch", "spine", "job")
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.workload import JobSpec, free_port
-from diagnosis import Finding
+from rankscope.diagnosis import Finding
 
 from .faults import HOOK, START_S, run_job
 from .scenarios import load_all

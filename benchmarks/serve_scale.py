@@ -25,9 +25,17 @@ from typing import Any
 
 from fastapi.testclient import TestClient
 
-from aggregator import Store
-from api import ServeSettings, Service, create_app
-from wire.records import FunctionPattern, Heartbeat, RankInfo, Record, StepBatch, StepRow, WindowSummary
+from rankscope.aggregator import Store
+from rankscope.api import ServeSettings, Service, create_app
+from rankscope.wire.records import (
+    FunctionPattern,
+    Heartbeat,
+    RankInfo,
+    Record,
+    StepBatch,
+    StepRow,
+    WindowSummary,
+)
 
 STEP_US = 100_000
 BLOCK = 20  # steps per row: 2 s

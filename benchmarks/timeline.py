@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from aggregator import Store
-from aggregator.schema import HEARTBEATS
-from diagnosis.data import JobData
+from rankscope.aggregator import Store
+from rankscope.aggregator.schema import HEARTBEATS
+from rankscope.diagnosis.data import JobData
 
 
 def step_arrivals(spool_job_dir: str | Path) -> pd.DataFrame:

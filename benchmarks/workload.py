@@ -456,7 +456,7 @@ def run_rank(rank: int, spec: JobSpec) -> dict[str, Any]:
     def attach() -> Any:
         if spec.hook is None:
             return None
-        import profiler_hook
+        from rankscope import profiler_hook
 
         hooks.append(profiler_hook.attach(job=spec.job, rank=rank, world_size=spec.world_size, **spec.hook))
         return hooks[-1]

@@ -13,8 +13,8 @@ from typing import Protocol
 import numpy as np
 import pandas as pd
 
-from wire import records
-from wire.records import TRANSFER_PREFIX, WAIT_KIND, WAIT_PATTERN
+from rankscope.wire import records
+from rankscope.wire.records import TRANSFER_PREFIX, WAIT_KIND, WAIT_PATTERN
 
 STEP_FIELDS = [
     "rank",

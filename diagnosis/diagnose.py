@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from wire import records
+from rankscope.wire import records
 
 from . import topology
 from .data import JobData

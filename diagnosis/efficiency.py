@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import numpy as np
 import pandas as pd
 
-from wire.errors import NotFoundError
+from rankscope.wire.errors import NotFoundError
 
 from .diagnose import window_shares
 from .grid import width

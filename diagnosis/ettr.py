@@ -34,7 +34,7 @@ from typing import Any, Protocol
 import numpy as np
 import pandas as pd
 
-from wire.errors import NotFoundError
+from rankscope.wire.errors import NotFoundError
 
 from . import reliability
 from .detectors import failure

@@ -24,7 +24,7 @@ import math
 import random
 from dataclasses import dataclass
 
-from wire.errors import UsageError
+from rankscope.wire.errors import UsageError
 
 DAY_S = 86_400.0
 

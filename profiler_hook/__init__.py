@@ -9,7 +9,7 @@ import logging
 from dataclasses import replace
 from typing import Any
 
-from wire.records import (
+from rankscope.wire.records import (
     FUNCTION_COLUMNS,
     STEP_COLUMNS,
     WIRE_VERSION,

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from wire.records import StepRow
+from rankscope.wire.records import StepRow
 
 MAX_STEPS = 1 << 16
 """The longest block (at 30 µs steps, 2 s)."""

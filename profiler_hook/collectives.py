@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from wire.records import PIPELINE_DIMS
+from rankscope.wire.records import PIPELINE_DIMS
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any
 
-from wire.errors import UsageError
+from rankscope.wire.errors import UsageError
 
 from .labels import topology
 

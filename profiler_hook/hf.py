@@ -1,6 +1,6 @@
 """Hugging Face ``Trainer``: the hook as a ``TrainerCallback``, with no change to the training loop::
 
-    from profiler_hook.hf import RankscopeCallback
+    from rankscope.profiler_hook.hf import RankscopeCallback
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[RankscopeCallback(job="run-7")])
 
 It attaches when the ``Trainer`` is built (before it wraps the model in DDP, so its all-reduces are

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from typing import Any, NamedTuple, TypeVar
 
-from wire.records import (
+from rankscope.wire.records import (
     MAX_MESSAGE,
     Checkpoint,
     Exit,

@@ -1,6 +1,6 @@
 """PyTorch Lightning: the hook as a ``Callback``, with no change to the training loop::
 
-    from profiler_hook.lightning import RankscopeCallback
+    from rankscope.profiler_hook.lightning import RankscopeCallback
     trainer = Trainer(strategy="ddp", callbacks=[RankscopeCallback(job="llama-run-7")])
 
 It attaches when fitting starts (before Lightning wraps the model in DDP, so its all-reduces are

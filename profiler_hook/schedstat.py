@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import threading
 
-from wire.records import WAIT_KIND, WAIT_PATTERN, FunctionPattern
+from rankscope.wire.records import WAIT_KIND, WAIT_PATTERN, FunctionPattern
 
 Waits = dict[int, int]
 """Thread id -> ns it has spent runnable but waiting for a CPU."""

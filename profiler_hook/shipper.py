@@ -17,7 +17,7 @@ import threading
 import time
 from typing import cast
 
-from wire.records import Record, encode
+from rankscope.wire.records import Record, encode
 
 from .sinks import Sink
 

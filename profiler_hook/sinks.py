@@ -9,7 +9,7 @@ import urllib.parse
 from pathlib import Path
 from typing import Any, Protocol
 
-from wire.kafka import api_version_kwargs
+from rankscope.wire.kafka import api_version_kwargs
 
 from .config import Config, Identity
 

@@ -20,7 +20,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable
 from typing import Any
 
-from wire.records import CUT_KIND, FunctionPattern
+from rankscope.wire.records import CUT_KIND, FunctionPattern
 
 from . import events
 from .collectives import CollectiveCall
@@ -38,8 +38,9 @@ _COLLECTIVE_PREFIXES = (
 _STACK_DEPTH = 3
 
 
-_OWN = ("profiler_hook",)
-"""The hook's own modules: never the job's code."""
+_OWN = "rankscope/profiler_hook/"
+"""The hook's own modules, as the profiler names them (relative to their ``sys.path`` entry):
+never the job's code."""
 _HOOK_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
@@ -53,7 +54,7 @@ def _library_dirs() -> tuple[str, ...]:
 @functools.cache
 def _library_module(top: str) -> bool:
     """Whether top-level module ``top`` is the standard library's or an installed package's."""
-    if top in sys.stdlib_module_names or top in _OWN:
+    if top in sys.stdlib_module_names:
         return True
     try:
         spec = importlib.util.find_spec(top)  # a top-level name: finds, imports nothing
@@ -97,7 +98,7 @@ def library_frame(name: str) -> bool:
     path = name.split("(", 1)[0]
     if path.startswith("/"):  # a file outside every sys.path entry (an editable install's)
         return "-packages/" in path or path.startswith((*_library_dirs(), _HOOK_DIR))
-    return _library_module(path.split("/", 1)[0].removesuffix(".py"))
+    return path.startswith(_OWN) or _library_module(path.split("/", 1)[0].removesuffix(".py"))
 
 
 _MICROBATCH = re.compile(r"^(Forward|Backward) \d+$|(\d+[A-Z_]+?)\d+(?=[;)]|$)")

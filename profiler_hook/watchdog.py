@@ -22,7 +22,7 @@ from collections import Counter
 from collections.abc import Callable
 from types import CodeType, FrameType, TracebackType
 
-from wire.records import Heartbeat, sample_key
+from rankscope.wire.records import Heartbeat, sample_key
 
 from .collectives import CollectiveTracker
 from .gcpause import GcClock

@@ -12,7 +12,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from wire.errors import NotFoundError, RankscopeError, UsageError, one_line
+from rankscope.wire.errors import NotFoundError, RankscopeError, UsageError, one_line
 
 from .demo import FAULTS
 
@@ -25,7 +25,7 @@ def _demo(a: argparse.Namespace) -> int:
 
 
 def _ingest(a: argparse.Namespace) -> int:
-    from aggregator import Store, ingest
+    from rankscope.aggregator import Store, ingest
 
     if not Path(a.spool).is_dir():
         raise NotFoundError(f"spool directory {a.spool} does not exist")
@@ -60,7 +60,7 @@ def _clickhouse_address(address: str) -> tuple[str, int | None]:
 
 
 def _check_store_options(a: argparse.Namespace) -> None:
-    from aggregator.schema import check_identifier
+    from rankscope.aggregator.schema import check_identifier
 
     check_identifier(a.database)
     if a.clickhouse_cluster and not a.clickhouse:
@@ -71,7 +71,7 @@ def _check_store_options(a: argparse.Namespace) -> None:
 
 def _open_store(a: argparse.Namespace, create: bool = True) -> Any:
     """The store the options name: ``--clickhouse`` (a server) or ``--store`` (embedded chDB)."""
-    from aggregator import Store
+    from rankscope.aggregator import Store
 
     _check_store_options(a)
     if a.clickhouse:
@@ -90,7 +90,7 @@ def _open_store(a: argparse.Namespace, create: bool = True) -> Any:
 
 def _kafka_settings(a: argparse.Namespace) -> Any:
     """The consumer's settings from the Kafka options, checked."""
-    from aggregator.consumer import KafkaSettings
+    from rankscope.aggregator.consumer import KafkaSettings
 
     kafka = KafkaSettings(
         bootstrap=a.kafka,
@@ -104,8 +104,8 @@ def _kafka_settings(a: argparse.Namespace) -> Any:
 
 
 def _aggregate(a: argparse.Namespace) -> int:
-    from aggregator.consumer import Aggregator, BatchSettings
-    from aggregator.metrics import Metrics
+    from rankscope.aggregator.consumer import Aggregator, BatchSettings
+    from rankscope.aggregator.metrics import Metrics
 
     # Everything the user gave is checked before anything is opened or served.
     if not a.kafka:
@@ -152,8 +152,8 @@ def _reading(a: argparse.Namespace) -> Any:
 
 
 def _diagnose(a: argparse.Namespace) -> int:
-    from diagnosis import diagnose, read_job
-    from renderers.text import print_diagnosis
+    from rankscope.diagnosis import diagnose, read_job
+    from rankscope.renderers.text import print_diagnosis
 
     with _reading(a) as store:  # open while it runs: it reads the culprits' functions
         d = diagnose(read_job(store, _pick_job(a, store)))
@@ -166,7 +166,7 @@ def _diagnose(a: argparse.Namespace) -> int:
 
 def _measured_runs(store: Any) -> list[Any]:
     """Every job of the store with steps, measured (``diagnosis.ettr.measure``): the fleet."""
-    from diagnosis.ettr import measure, read_run
+    from rankscope.diagnosis.ettr import measure, read_run
 
     runs = [read_run(store, str(j)) for j in store.jobs()["job"]]
     return [measure(r) for r in runs if not r.steps.empty]
@@ -185,9 +185,9 @@ def _preflight_report(path: str) -> dict[str, Any]:
 def _failing_hosts(a: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from diagnosis.ettr import failing_hosts, failures_by_class
-    from preflight.verdict import host_verdicts
-    from renderers.text import format_failing_hosts
+    from rankscope.diagnosis.ettr import failing_hosts, failures_by_class
+    from rankscope.preflight.verdict import host_verdicts
+    from rankscope.renderers.text import format_failing_hosts
 
     with _reading(a) as store:
         runs = _measured_runs(store)
@@ -207,8 +207,8 @@ def _failing_hosts(a: argparse.Namespace) -> int:
 
 
 def _reliability(a: argparse.Namespace) -> int:
-    from diagnosis.ettr import measure, observed_failure_rate, read_run
-    from renderers.text import format_reliability, printable
+    from rankscope.diagnosis.ettr import measure, observed_failure_rate, read_run
+    from rankscope.renderers.text import format_reliability, printable
 
     if a.fleet:
         return _failing_hosts(a)
@@ -237,8 +237,8 @@ def _reliability(a: argparse.Namespace) -> int:
 
 
 def _efficiency(a: argparse.Namespace) -> int:
-    from diagnosis.efficiency import read
-    from renderers.text import format_efficiency, format_fleet, printable
+    from rankscope.diagnosis.efficiency import read
+    from rankscope.renderers.text import format_efficiency, format_fleet, printable
 
     with _reading(a) as store:
         if not a.fleet:
@@ -253,8 +253,8 @@ def _efficiency(a: argparse.Namespace) -> int:
 
 
 def _preflight(a: argparse.Namespace) -> int:
-    from preflight.run import baseline_of, run
-    from renderers.text import format_preflight
+    from rankscope.preflight.run import baseline_of, run
+    from rankscope.renderers.text import format_preflight
 
     baseline = None
     if a.baseline:
@@ -293,10 +293,10 @@ def _serve(a: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from api import ServeSettings, Service, create_app
-    from api.auth import Tokens
-    from api.notify import Webhook
-    from api.tickets import Rules
+    from rankscope.api import ServeSettings, Service, create_app
+    from rankscope.api.auth import Tokens
+    from rankscope.api.notify import Webhook
+    from rankscope.api.tickets import Rules
 
     tokens = Tokens.load(a.tokens)
     try:
@@ -345,7 +345,7 @@ class TextFormatter(logging.Formatter):
         super().__init__("%(levelname)s %(name)s: %(message)s")
 
     def format(self, record: logging.LogRecord) -> str:
-        from renderers.text import printable
+        from rankscope.renderers.text import printable
 
         return "\n".join(printable(line) for line in super().format(record).split("\n"))
 
@@ -572,7 +572,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(a.func(a))
     except RankscopeError as exc:
-        from renderers.text import printable
+        from rankscope.renderers.text import printable
 
         print(f"rankscope {a.command}: {printable(one_line(str(exc)))}", file=sys.stderr, flush=True)
         return 2

@@ -32,10 +32,10 @@ def run_demo(
     factor: float = 2.0,
 ) -> dict:
     """Run the demo; returns the diagnosis as a dict (the shape of ``rankscope diagnose --json``)."""
-    from aggregator import Store, ingest
-    from diagnosis import diagnose, read_job
-    from renderers.html import write_report
-    from renderers.text import print_diagnosis
+    from rankscope.aggregator import Store, ingest
+    from rankscope.diagnosis import diagnose, read_job
+    from rankscope.renderers.html import write_report
+    from rankscope.renderers.text import print_diagnosis
 
     if not 0 <= rank < world_size:
         raise SystemExit(f"--rank must be between 0 and {world_size - 1}, got {rank}")

@@ -62,7 +62,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-import profiler_hook
+from rankscope import profiler_hook
 
 FAULTS = (
     "none",

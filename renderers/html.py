@@ -14,9 +14,9 @@ from typing import Any
 
 import pandas as pd
 
-from diagnosis import Diagnosis, Finding, JobData
-from diagnosis.efficiency import Efficiency, per_rank
-from diagnosis.ettr import Reliability
+from rankscope.diagnosis import Diagnosis, Finding, JobData
+from rankscope.diagnosis.efficiency import Efficiency, per_rank
+from rankscope.diagnosis.ettr import Reliability
 
 from .text import pct
 

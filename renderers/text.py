@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import TextIO
 
-from diagnosis import Diagnosis
-from diagnosis.efficiency import Efficiency
-from diagnosis.ettr import Attempt, FailingHost, FailureClass, Reliability
-from preflight.verdict import Report
+from rankscope.diagnosis import Diagnosis
+from rankscope.diagnosis.efficiency import Efficiency
+from rankscope.diagnosis.ettr import Attempt, FailingHost, FailureClass, Reliability
+from rankscope.preflight.verdict import Report
 
 _KEYS = (
     "rank_value_ms",

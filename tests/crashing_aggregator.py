@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import sys
 
-from aggregator import Batch, Store
+from rankscope.aggregator import Batch, Store
 from rankscope.cli import main
 
 _write_batch = Store.write_batch

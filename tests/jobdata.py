@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from diagnosis import Finding, JobData
-from diagnosis.data import STEP_FIELDS
+from rankscope.diagnosis import Finding, JobData
+from rankscope.diagnosis.data import STEP_FIELDS
 
 
 def synthetic(

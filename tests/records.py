@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from wire.records import (
+from rankscope.wire.records import (
     Checkpoint,
     Exit,
     FunctionPattern,
@@ -21,7 +21,7 @@ from wire.records import (
 )
 
 if TYPE_CHECKING:  # the torch releases' test environments have no server extras
-    from aggregator import Store
+    from rankscope.aggregator import Store
 
 
 class ListSink:
@@ -82,7 +82,7 @@ def synthetic_records(job: str, ranks: int = 6, batches: int = 10) -> list[Recor
 
 def expected_counts(records: Iterable[Record]) -> dict[str, int]:
     """Rows per table that ``records`` make, keyed as the store's tables deduplicate them."""
-    from aggregator.schema import JOB_TABLES
+    from rankscope.aggregator.schema import JOB_TABLES
 
     keys: dict[str, set[tuple[Any, ...]]] = {t: set() for t in JOB_TABLES}
     for r in records:

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from profiler_hook.budget import AFTER_STEPS, FIRST_COST_S, STACK_FACTOR, WindowBudget
-from profiler_hook.schedule import POLL_S, Schedule
+from rankscope.profiler_hook.budget import AFTER_STEPS, FIRST_COST_S, STACK_FACTOR, WindowBudget
+from rankscope.profiler_hook.schedule import POLL_S, Schedule
 
 
 def test_a_windows_cost_is_its_steps_extra_time_until_summarized_plus_the_summarizers_cpu() -> None:

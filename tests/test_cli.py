@@ -20,11 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from aggregator import Store
+from rankscope.aggregator import Store
+from rankscope.wire.records import Heartbeat, RankInfo, Record, StepBatch, StepRow, WindowSummary, encode
 from tests.commands import rankscope
 from tests.kafka_broker import FAST_GROUP, KafkaBroker, produce
 from tests.records import assert_stored_once, synthetic_records
-from wire.records import Heartbeat, RankInfo, Record, StepBatch, StepRow, WindowSummary, encode
 
 T0 = 1_700_000_000_000_000
 

@@ -10,9 +10,9 @@ import pandas as pd
 import pytest
 
 from benchmarks.cluster import FAULTS, ClusterSpec, generate, score, summarize
-from diagnosis import Finding, diagnose
-from diagnosis.data import FUNCTION_FIELDS, HEARTBEAT_FIELDS, STEP_FIELDS
-from diagnosis.topology import group as group_topology
+from rankscope.diagnosis import Finding, diagnose
+from rankscope.diagnosis.data import FUNCTION_FIELDS, HEARTBEAT_FIELDS, STEP_FIELDS
+from rankscope.diagnosis.topology import group as group_topology
 
 RANKS = 2000
 

@@ -16,13 +16,13 @@ import pytest
 import torch.multiprocessing as mp
 
 from benchmarks.workload import Fault, JobSpec, free_port, launch
-from diagnosis import JobData
-from diagnosis.detectors.hang import Settings as HangSettings
-from diagnosis.detectors.hang import locate
+from rankscope.diagnosis import JobData
+from rankscope.diagnosis.detectors.hang import Settings as HangSettings
+from rankscope.diagnosis.detectors.hang import locate
+from rankscope.wire.records import Heartbeat, RankInfo, StepBatch, WindowSummary, coverage_gaps
 from tests.commands import torchrun
 from tests.jobs import spawned
 from tests.records import spool_records
-from wire.records import Heartbeat, RankInfo, StepBatch, WindowSummary, coverage_gaps
 
 STEPS = 150
 

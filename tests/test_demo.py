@@ -23,9 +23,9 @@ def rankscope(*args: str, check: bool = True) -> subprocess.CompletedProcess[str
 def _machine_slowed(out: Path) -> bool:
     """The demo's steps took ``WORK_SLOWED`` x the CPU time by its end (``benchmarks.machine``:
     the demo has no harness watching the machine, only its own steps)."""
-    from aggregator import Store
     from benchmarks import machine
-    from diagnosis import read_job
+    from rankscope.aggregator import Store
+    from rankscope.diagnosis import read_job
 
     with Store.embedded(out / "store") as store:
         steps = read_job(store, store.jobs()["job"].iloc[0]).steps

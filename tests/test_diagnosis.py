@@ -14,8 +14,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from aggregator import Store, ingest
-from diagnosis import CAUSES, Finding, JobData, diagnose, read_job
+from rankscope.aggregator import Store, ingest
+from rankscope.diagnosis import CAUSES, Finding, JobData, diagnose, read_job
 from tests.jobdata import only, synthetic
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -111,7 +111,7 @@ def test_recorded_runs(recorded: dict[str, JobData], job: str) -> None:
 
 
 def test_what_some_ranks_hooks_do_not_see_is_said_in_one_line_with_the_ranks() -> None:
-    from renderers.text import format_diagnosis
+    from rankscope.renderers.text import format_diagnosis
 
     full = "torch.distributed calls (plain, FSDP, FSDP2, pipelining, DTensor): timed; DDP Net on world: timed per backward pass"
     untested = "backend mpi: untested (counts and waits as the CPU sees them)"
@@ -132,8 +132,8 @@ def test_what_some_ranks_hooks_do_not_see_is_said_in_one_line_with_the_ranks() -
 
 
 def test_records_that_never_reached_the_store_are_said_in_one_line_with_the_ranks(tmp_path: Path) -> None:
-    from renderers.html import write_report
-    from renderers.text import format_diagnosis
+    from rankscope.renderers.html import write_report
+    from rankscope.renderers.text import format_diagnosis
 
     missing = pd.DataFrame({"rank": [2, 5], "pid": [40, 41], "made": [1000, 200], "stored": [990, 199]})
     d = diagnose(JobData(job="j", missing=missing))

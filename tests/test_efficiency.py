@@ -5,8 +5,8 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from diagnosis.efficiency import measure
-from wire.errors import NotFoundError
+from rankscope.diagnosis.efficiency import measure
+from rankscope.wire.errors import NotFoundError
 
 
 def _steps(rank: int, n: int = 100, dur: float = 100_000, data: float = 10_000, comm: float = 30_000) -> list:

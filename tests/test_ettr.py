@@ -7,7 +7,7 @@ from dataclasses import replace
 import pandas as pd
 import pytest
 
-from diagnosis.ettr import (
+from rankscope.diagnosis.ettr import (
     CAUSES,
     RunRecords,
     failing_hosts,
@@ -15,9 +15,9 @@ from diagnosis.ettr import (
     measure,
     observed_failure_rate,
 )
-from preflight.verdict import host_verdicts, judge
-from renderers.text import format_failing_hosts
-from wire.errors import NotFoundError
+from rankscope.preflight.verdict import host_verdicts, judge
+from rankscope.renderers.text import format_failing_hosts
+from rankscope.wire.errors import NotFoundError
 
 S = 1_000_000  # µs
 

@@ -14,7 +14,7 @@ from benchmarks import scoring
 from benchmarks.injectors import Fabric, Unavailable
 from benchmarks.scenarios import ScenarioError, load, load_all
 from benchmarks.workload import Fault, JobSpec, _model, padding_rows
-from diagnosis.findings import Diagnosis, Finding
+from rankscope.diagnosis.findings import Diagnosis, Finding
 
 
 def _finding(cause: str, ranks: list[int], confidence: float = 0.8, scope: str = "rank") -> Finding:

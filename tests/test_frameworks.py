@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from rankscope.wire.records import STEP_COLUMNS
 from tests.commands import torchrun
-from wire.records import STEP_COLUMNS
 
 JOBS = Path(__file__).parent / "jobs"
 BENCH_JOBS = Path(__file__).parents[1] / "benchmarks" / "jobs"

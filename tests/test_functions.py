@@ -9,10 +9,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from diagnosis import JobData, diagnose
-from diagnosis.detectors.straggler.cause import ACROSS_OPERATORS, UNATTRIBUTED
+from rankscope.diagnosis import JobData, diagnose
+from rankscope.diagnosis.detectors.straggler.cause import ACROSS_OPERATORS, UNATTRIBUTED
+from rankscope.wire.records import sample_key
 from tests.jobdata import functions_frame, only, synthetic
-from wire.records import sample_key
 
 T0_US = 1_700_000_000_000_000
 

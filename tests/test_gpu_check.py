@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from benchmarks import gpu_check
+from rankscope.wire.records import Heartbeat
 from tests.commands import torchrun
-from wire.records import Heartbeat
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")

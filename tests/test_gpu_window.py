@@ -17,9 +17,9 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from diagnosis.detectors.straggler import functions as fn
-from profiler_hook import events
-from profiler_hook.summarize import summarize
+from rankscope.diagnosis.detectors.straggler import functions as fn
+from rankscope.profiler_hook import events
+from rankscope.profiler_hook.summarize import summarize
 
 pytestmark = pytest.mark.releases  # on every release's torch: its DeviceType, its event tree's tags
 

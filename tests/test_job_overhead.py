@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import job_overhead
-from wire.records import Heartbeat, RankInfo, WindowSummary, encode
+from rankscope.wire.records import Heartbeat, RankInfo, WindowSummary, encode
 
 
 def test_the_loop_figures_come_from_rank_0s_train_line_or_the_demo_jobs_done_line() -> None:

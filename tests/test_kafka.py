@@ -25,16 +25,20 @@ from kafka import KafkaConsumer
 from kafka.codec import gzip_encode
 from kafka.errors import KafkaConnectionError
 
-from aggregator import Store, StoreError
-from aggregator.consumer import AggregateStats, Aggregator, BatchSettings, KafkaSettings, use_isal_gzip
-from aggregator.metrics import Metrics
 from benchmarks.workload import JobSpec, free_port, launch
-from profiler_hook.config import Config, Identity
-from profiler_hook.gcpause import GcClock
-from profiler_hook.hook import Hook
-from tests.kafka_broker import FAST_GROUP, KafkaBroker, produce, read_topic
-from tests.records import assert_stored_once, expected_counts, synthetic_records
-from wire.records import (
+from rankscope.aggregator import Store, StoreError
+from rankscope.aggregator.consumer import (
+    AggregateStats,
+    Aggregator,
+    BatchSettings,
+    KafkaSettings,
+    use_isal_gzip,
+)
+from rankscope.aggregator.metrics import Metrics
+from rankscope.profiler_hook.config import Config, Identity
+from rankscope.profiler_hook.gcpause import GcClock
+from rankscope.profiler_hook.hook import Hook
+from rankscope.wire.records import (
     MAX_VALUE_BYTES,
     Heartbeat,
     Record,
@@ -42,6 +46,8 @@ from wire.records import (
     decode,
     encode,
 )
+from tests.kafka_broker import FAST_GROUP, KafkaBroker, produce, read_topic
+from tests.records import assert_stored_once, expected_counts, synthetic_records
 
 pytestmark = pytest.mark.kafka
 MAX_STEP_S = 0.25
@@ -504,7 +510,7 @@ def test_gzip_message_sets_are_inflated_by_isal_and_come_out_the_same() -> None:
 
 def test_serve_consumes_the_topic_and_opens_the_ticket(broker: KafkaBroker, tmp_path: Path) -> None:
     """``rankscope serve --kafka``: a recorded real run (rank 2 computes slower) arrives by Kafka."""
-    from api import ServeSettings, Service
+    from rankscope.api import ServeSettings, Service
 
     fixture = Path(__file__).parent / "fixtures" / "compute-r2"
     items = []

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from profiler_hook.config import Identity
+from rankscope.profiler_hook.config import Identity
 
 
 def test_topology_comes_from_kubernetes_node_labels_through_a_configured_mapping(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from profiler_hook.labels import topology
+    from rankscope.profiler_hook.labels import topology
 
     labels = tmp_path / "labels"  # as the downward API writes it
     labels.write_text(
@@ -27,14 +27,14 @@ def test_topology_comes_from_kubernetes_node_labels_through_a_configured_mapping
         "RANKSCOPE_LABELS_FILE": str(labels),
         "RANKSCOPE_TOPOLOGY": "switch=aiops.io/switch,spine=volcano.sh/spine",
     }
-    with caplog.at_level(logging.WARNING, logger="profiler_hook.labels"):
+    with caplog.at_level(logging.WARNING, logger="rankscope.profiler_hook.labels"):
         assert topology(env) == {"host": "node-7", "nic": "", "switch": "leaf3", "spine": "s1"}
     (warning,) = caplog.records  # every malformed entry in one warning, the rest used
     assert "not a label" in warning.message and "broken" in warning.message
     inline = {**env, "RANKSCOPE_LABELS": "aiops.io/switch=leaf9", "RANKSCOPE_SPINE": "s2"}
     assert topology(inline) == {"host": "node-7", "nic": "", "switch": "leaf9", "spine": "s2"}, "env wins"
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="profiler_hook.labels"):
+    with caplog.at_level(logging.WARNING, logger="rankscope.profiler_hook.labels"):
         assert (
             topology({"RANKSCOPE_LABELS_FILE": str(tmp_path / "none"), "RANKSCOPE_TOPOLOGY": "rack=x"})[
                 "switch"

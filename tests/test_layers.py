@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import graphlib
 import importlib.metadata
+import os
 import re
 import sys
 from pathlib import Path
@@ -26,12 +27,25 @@ MAY_IMPORT = {
 }
 
 
+def _package(name: str) -> str:
+    """The package of ours a module belongs to: ``rankscope.wire.records`` is ``wire``'s (the
+    packages are imported by their installed names, under ``rankscope``), ``rankscope.cli``
+    ``rankscope``'s."""
+    parts = name.split(".")
+    return parts[1] if parts[0] == "rankscope" and len(parts) > 1 and parts[1] in MAY_IMPORT else parts[0]
+
+
+def _canonical(name: str) -> str:
+    """A module's name as its file's path reads: ``rankscope.wire.records`` is ``wire/records.py``."""
+    return name.removeprefix("rankscope.") if _package(name) != "rankscope" else name
+
+
 def _imports(package: str) -> dict[str, set[str]]:
     """Each of our packages ``package`` imports, with the files that import it."""
     out: dict[str, set[str]] = {}
     for f in sorted((ROOT / package).rglob("*.py")):
         for name in _all_imports(f):
-            top = name.split(".")[0]
+            top = _package(name)
             if top in MAY_IMPORT and top != package:
                 out.setdefault(top, set()).add(str(f.relative_to(ROOT)))
     return out
@@ -47,6 +61,38 @@ def test_no_package_imports_one_downstream_of_it() -> None:
         for package, allowed in MAY_IMPORT.items()
     }
     assert not any(wrong.values()), wrong
+
+
+def test_the_packages_are_imported_by_their_installed_names_only() -> None:
+    """The wheel installs one name, ``rankscope``, with the packages under it; in a checkout they are
+    links to the top-level folders (``rankscope/wire -> ../wire``). A bare ``import wire`` would work
+    here and fail installed, or load a second copy of the module beside ``rankscope.wire``."""
+    links = {p.name: os.readlink(p) for p in (ROOT / "rankscope").iterdir() if p.is_symlink()}
+    assert links == {p: f"../{p}" for p in MAY_IMPORT if p != "rankscope"}
+    bare = {
+        str(f.relative_to(ROOT)): names
+        for package in (*MAY_IMPORT, "benchmarks", "tests")
+        for f in sorted((ROOT / package).rglob("*.py"))
+        if (names := sorted({n for n in _all_imports(f) if n.split(".")[0] in links}))
+    }
+    assert bare == {}, "import them as rankscope.<package>"
+
+
+def test_every_error_kind_is_in_the_one_error_tree() -> None:
+    """``wire/errors.py`` lists every kind of ``RankscopeError`` the product raises: none is
+    defined elsewhere, so the CLI's and the API's mappings of the tree see them all."""
+    from rankscope.wire import errors
+
+    tree = {name for name, v in vars(errors).items() if isinstance(v, type) and issubclass(v, Exception)}
+    elsewhere = {
+        f"{f.relative_to(ROOT)}: {node.name}"
+        for package in MAY_IMPORT
+        for f in sorted((ROOT / package).rglob("*.py"))
+        if f.relative_to(ROOT) != Path("wire/errors.py")
+        for node in ast.walk(ast.parse(f.read_text()))
+        if isinstance(node, ast.ClassDef) and {ast.unparse(b).split(".")[-1] for b in node.bases} & tree
+    }
+    assert elsewhere == set()
 
 
 def test_the_demo_offers_faults_its_script_has() -> None:
@@ -113,7 +159,7 @@ def _module_imports(f: Path) -> set[str]:
             for a in node.names:  # a name may be a submodule: ``from . import topology``
                 sub = f"{module}.{a.name}" if module else a.name
                 out.add(sub if _is_module(sub) else module)
-    return {m for m in out if _is_module(m)}
+    return {_canonical(m) for m in out if _is_module(m)}
 
 
 def _is_module(name: str) -> bool:
@@ -163,7 +209,7 @@ def test_the_declared_dependencies_are_those_the_product_imports() -> None:
         top
         for package in MAY_IMPORT
         for f in (ROOT / package).rglob("*.py")
-        for top in (m.split(".")[0] for m in _all_imports(f))
+        for top in (_package(m) for m in _all_imports(f))
         if top not in MAY_IMPORT and top not in sys.stdlib_module_names and top not in NOT_DECLARED
     }
     # A module's distribution as installed here (``kafka`` is kafka-python's), else its own name.

@@ -15,7 +15,7 @@ import pytest
 from benchmarks.scenarios import SCENARIO_DIR, ScenarioError, load, load_all
 from benchmarks.torchrun_job import SCRIPTS, commands
 from benchmarks.workload import JobSpec, free_port
-from wire.records import STEP_COLUMNS
+from rankscope.wire.records import STEP_COLUMNS
 
 
 def _records(spool: Path) -> list[dict]:
@@ -84,7 +84,7 @@ def test_lm_script_trains_under_torchrun_with_the_hook_at_its_defaults(tmp_path:
 def test_a_rank_killed_under_torchrun_restarts_the_job_and_reliability_measures_the_cost(
     tmp_path: Path,
 ) -> None:
-    from diagnosis.ettr import CAUSES
+    from rankscope.diagnosis.ettr import CAUSES
     from tests.commands import rankscope
 
     spool, ckpt = tmp_path / "spool", tmp_path / "ckpt"

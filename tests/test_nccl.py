@@ -21,12 +21,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from profiler_hook import hook as hook_module
-from profiler_hook import nccl
-from profiler_hook.collectives import CollectiveTracker
+from rankscope.profiler_hook import hook as hook_module
+from rankscope.profiler_hook import nccl
+from rankscope.profiler_hook.collectives import CollectiveTracker
+from rankscope.wire.records import RankInfo, StepBatch, coverage_gaps, decode
 from tests.hook.common import one_rank_hook
 from tests.records import ListSink
-from wire.records import RankInfo, StepBatch, coverage_gaps, decode
 
 
 class Group:

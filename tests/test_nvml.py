@@ -13,7 +13,7 @@ def test_nvml_samples_the_ranks_own_gpu_through_cuda_visible_devices(monkeypatch
     the samples; on a GPU the real one does (nothing here needs it)."""
     from types import SimpleNamespace
 
-    from profiler_hook.gpu import GpuSampler
+    from rankscope.profiler_hook.gpu import GpuSampler
 
     asked: list[tuple[str, object]] = []  # the device handles NVML is asked about
     fake = SimpleNamespace(
@@ -40,7 +40,7 @@ def test_nvml_tells_the_gpus_faults_since_attach_for_the_exit_record(monkeypatch
     the device's XID and double-bit ECC events until waited on, and its fault counters)."""
     from types import SimpleNamespace
 
-    from profiler_hook.gpu import GpuSampler
+    from rankscope.profiler_hook.gpu import GpuSampler
 
     class Timeout(Exception):  # pynvml.NVMLError_Timeout
         pass

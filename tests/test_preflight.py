@@ -13,7 +13,7 @@ import pytest
 
 from benchmarks.injectors import Fabric, Unavailable
 from benchmarks.workload import JobSpec, free_port
-from preflight import judge
+from rankscope.preflight import judge
 
 
 def _node(rank: int, send: float = 1.0, gflops: float = 30.0, gbps: float = 15.0, **extra: object) -> dict:

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from diagnosis.reliability import (
+from rankscope.diagnosis.reliability import (
     DAY_S,
     JobShape,
     expected_ettr,

@@ -9,8 +9,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from diagnosis import Diagnosis, Finding, JobData
-from renderers.html import MAX_POINTS, STEP_PARTS, TOP_FUNCTIONS, _short, write_report
+from rankscope.diagnosis import Diagnosis, Finding, JobData
+from rankscope.renderers.html import MAX_POINTS, STEP_PARTS, TOP_FUNCTIONS, _short, write_report
 
 RANKS = 4
 CULPRIT = 2

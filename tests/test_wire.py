@@ -8,9 +8,9 @@ import math
 
 import pytest
 
-from profiler_hook.shipper import Shipper
+from rankscope.profiler_hook.shipper import Shipper
+from rankscope.wire.records import Heartbeat, RecordError, StepBatch, StepRow, decode, encode
 from tests.records import ListSink
-from wire.records import Heartbeat, RecordError, StepBatch, StepRow, decode, encode
 
 
 def test_records_round_trip_and_bad_values_say_why() -> None:

@@ -7,9 +7,12 @@ how a caller answers them: the ``rankscope`` command maps the whole tree to exit
 
 - :class:`UsageError` — bad input: an option, a setting, a parameter that does not fit;
 - :class:`NotFoundError` — a job, ticket or directory that is not there;
-- :class:`UnavailableError` — a store, broker or port that cannot be used now
-  (``aggregator.StoreError`` and ``aggregator.SchemaError`` are its kinds);
-- :class:`RecordError` — a value that is not a valid record (kept as a dead letter with the reason).
+- :class:`UnavailableError` — a store, broker or port that cannot be used now; its kinds
+  :class:`StoreError` (the store could not be opened, written or read) and :class:`SchemaError`
+  (tables this version cannot use);
+- :class:`RecordError` — a value that is not a valid record (kept as a dead letter with the reason);
+- :class:`Unauthenticated` and :class:`Forbidden` — the API's tokens: none or unknown, or too small
+  a scope.
 """
 
 from __future__ import annotations
@@ -37,8 +40,24 @@ class UnavailableError(RankscopeError, RuntimeError):
     """A store, broker or port that cannot be used now; the message says which and why."""
 
 
+class StoreError(UnavailableError):
+    """The store could not be opened, written or read; the message says which and why."""
+
+
+class SchemaError(UnavailableError):
+    """The database holds tables this version cannot use, or its name is not a plain identifier."""
+
+
 class RecordError(RankscopeError, ValueError):
     """A value that is not a valid record; the message is the reason kept with the dead letter."""
+
+
+class Unauthenticated(RankscopeError):
+    """No token, or one that is not known (401)."""
+
+
+class Forbidden(RankscopeError):
+    """A token whose scope is too small for what it asked (403)."""
 
 
 def one_line(message: str, limit: int = 600) -> str:

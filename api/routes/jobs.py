@@ -6,10 +6,10 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query
 
-from diagnosis.efficiency import Efficiency
-from diagnosis.ettr import Reliability
-from renderers.html import MAX_POINTS, culprit_ranks, step_series
-from wire.errors import NotFoundError
+from rankscope.diagnosis.efficiency import Efficiency
+from rankscope.diagnosis.ettr import Reliability
+from rankscope.renderers.html import MAX_POINTS, culprit_ranks, step_series
+from rankscope.wire.errors import NotFoundError
 
 from ..auth import need_read
 from ..deps import Svc, known_job

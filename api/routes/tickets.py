@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Query
 
-from diagnosis import CAUSES
+from rankscope.diagnosis import CAUSES
 
 from ..auth import need_read, need_write
 from ..deps import Svc, known_ticket

@@ -49,7 +49,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
-import profiler_hook  # noqa: E402
+from rankscope import profiler_hook  # noqa: E402
 from rankscope.demo_job import GPT  # noqa: E402
 
 

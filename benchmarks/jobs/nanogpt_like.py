@@ -22,7 +22,7 @@ from torch.distributed import all_reduce, destroy_process_group, init_process_gr
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import profiler_hook
+from rankscope import profiler_hook
 from rankscope.demo_job import GPT
 
 ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

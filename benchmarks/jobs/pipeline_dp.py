@@ -44,7 +44,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-import profiler_hook
+from rankscope import profiler_hook
 
 
 def parse_args() -> argparse.Namespace:

@@ -46,7 +46,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-import profiler_hook
+from rankscope import profiler_hook
 
 
 def parse_args() -> argparse.Namespace:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from wire.records import WAIT_KIND, WAIT_PATTERN
+from rankscope.wire.records import WAIT_KIND, WAIT_PATTERN
 
 from .. import grid
 from ..data import JobData

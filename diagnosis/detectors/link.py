@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from wire.records import TRANSFER_PREFIX
+from rankscope.wire.records import TRANSFER_PREFIX
 
 from ..data import JobData
 from ..findings import LEVELS, Finding, effect

@@ -9,9 +9,9 @@ from typing import Any
 
 from fastapi.testclient import TestClient
 
-from aggregator import Store, ingest
-from api import ServeSettings, Service
-from api.tickets import Rules
+from rankscope.aggregator import Store, ingest
+from rankscope.api import ServeSettings, Service
+from rankscope.api.tickets import Rules
 
 FIXTURES = Path(__file__).parents[1] / "fixtures"
 JOBS = ("compute-r2", "healthy")

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from api import Service, create_app
-from api.auth import Tokens
-from api.notify import Webhook
 from benchmarks.serve_e2e import Receiver
+from rankscope.api import Service, create_app
+from rankscope.api.auth import Tokens
+from rankscope.api.notify import Webhook
 from tests.api.common import FIXTURES, JOBS, READ, WRITE, service_on
 
 

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from api.auth import Tokens
+from rankscope.api.auth import Tokens
 from rankscope.cli import main
+from rankscope.wire.errors import UsageError
 from tests.api.common import READ, WRITE
-from wire.errors import UsageError
 
 
 def test_serve_refuses_an_open_address_without_tokens(

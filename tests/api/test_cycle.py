@@ -9,13 +9,13 @@ from urllib.parse import quote
 
 from fastapi.testclient import TestClient
 
-from aggregator import Store
-from api import ServeSettings, Service
-from api.notify import Webhook
 from benchmarks.serve_e2e import Receiver
-from diagnosis import read_job
+from rankscope.aggregator import Store
+from rankscope.api import ServeSettings, Service
+from rankscope.api.notify import Webhook
+from rankscope.diagnosis import read_job
+from rankscope.wire.records import Exit, RankInfo, StepBatch, StepRow
 from tests.api.common import READ, get, last_us, running, service_on
-from wire.records import Exit, RankInfo, StepBatch, StepRow
 
 
 def test_a_running_replica_that_dies_has_its_jobs_taken_within_two_of_the_survivors_cycles(

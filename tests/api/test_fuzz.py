@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import response_schema_conformance
 
-from aggregator import Store, ingest
-from api import ServeSettings, Service, create_app
-from api.auth import Tokens
-from api.tickets import Rules
+from rankscope.aggregator import Store, ingest
+from rankscope.api import ServeSettings, Service, create_app
+from rankscope.api.auth import Tokens
+from rankscope.api.tickets import Rules
 from tests.api.common import JOBS, WRITE
 
 

@@ -13,12 +13,12 @@ import pytest
 import uvicorn
 from fastapi.testclient import TestClient
 
-from api import Service, create_app
-from api.auth import Tokens
-from api.notify import Webhook
-from api.tickets import Rules, fingerprint
 from benchmarks.serve_e2e import Receiver
 from benchmarks.workload import free_port
+from rankscope.api import Service, create_app
+from rankscope.api.auth import Tokens
+from rankscope.api.notify import Webhook
+from rankscope.api.tickets import Rules, fingerprint
 from tests.api.common import READ, WRITE, get, running, service_on
 
 

@@ -8,14 +8,13 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from aggregator import SchemaError, StoreError
-from api import ServeSettings, Service, create_app, storage
-from api.auth import Forbidden, Unauthenticated
-from api.service import VIEWS
-from diagnosis import diagnose, read_job
-from diagnosis.ettr import measure, read_run
+from rankscope.aggregator import SchemaError, StoreError
+from rankscope.api import ServeSettings, Service, create_app, storage
+from rankscope.api.service import VIEWS
+from rankscope.diagnosis import diagnose, read_job
+from rankscope.diagnosis.ettr import measure, read_run
+from rankscope.wire.errors import Forbidden, NotFoundError, RankscopeError, Unauthenticated, UsageError
 from tests.api.common import JOBS, READ, WRITE, get, running
-from wire.errors import NotFoundError, RankscopeError, UsageError
 
 
 def test_jobs_list_and_one_job(served: tuple[Service, TestClient]) -> None:

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from api.tickets import Rules, Ticket, fingerprint, reconcile
-from diagnosis import Finding
+from rankscope.api.tickets import Rules, Ticket, fingerprint, reconcile
+from rankscope.diagnosis import Finding
 
 
 def _finding(

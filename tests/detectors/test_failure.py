@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pandas as pd
 
-from diagnosis import JobData, diagnose
-from diagnosis.detectors import failure
+from rankscope.diagnosis import JobData, diagnose
+from rankscope.diagnosis.detectors import failure
 from tests.jobdata import only
 
 T = 1_800_000_000_000_000

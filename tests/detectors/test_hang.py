@@ -6,8 +6,8 @@ from dataclasses import replace
 
 import pandas as pd
 
-from diagnosis import JobData, diagnose
-from diagnosis.detectors import hang
+from rankscope.diagnosis import JobData, diagnose
+from rankscope.diagnosis.detectors import hang
 from tests.jobdata import only, synthetic
 
 

@@ -8,9 +8,9 @@ from dataclasses import replace
 import pandas as pd
 import pytest
 
-from api.tickets import lost_rank_s
-from diagnosis import JobData, diagnose
-from diagnosis.detectors import job_wide
+from rankscope.api.tickets import lost_rank_s
+from rankscope.diagnosis import JobData, diagnose
+from rankscope.diagnosis.detectors import job_wide
 from tests.jobdata import only, sched_windows, synthetic
 
 SETTINGS = job_wide.Settings()

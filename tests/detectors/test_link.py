@@ -6,8 +6,8 @@ from dataclasses import replace
 
 import pandas as pd
 
-from diagnosis import diagnose
-from diagnosis.detectors import link
+from rankscope.diagnosis import diagnose
+from rankscope.diagnosis.detectors import link
 from tests.jobdata import LINK_T0, only, ring_links, synthetic
 
 SETTINGS = link.Settings()

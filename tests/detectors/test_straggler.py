@@ -9,11 +9,11 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from diagnosis import JobData, Settings, diagnose, grid
-from diagnosis.detectors import straggler
-from diagnosis.detectors.straggler import cause, contention, rank, shift
-from diagnosis.detectors.straggler.peers import slower_than_peers
-from diagnosis.findings import effect
+from rankscope.diagnosis import JobData, Settings, diagnose, grid
+from rankscope.diagnosis.detectors import straggler
+from rankscope.diagnosis.detectors.straggler import cause, contention, rank, shift
+from rankscope.diagnosis.detectors.straggler.peers import slower_than_peers
+from rankscope.diagnosis.findings import effect
 from tests.jobdata import functions_frame, only, sched_windows, synthetic
 
 SETTINGS = straggler.Settings()

@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 
-from profiler_hook import threadstates
-from profiler_hook.config import Config, Identity
-from profiler_hook.hook import Hook
-from profiler_hook.sinks import Sink
+from rankscope.profiler_hook import threadstates
+from rankscope.profiler_hook.config import Config, Identity
+from rankscope.profiler_hook.hook import Hook
+from rankscope.profiler_hook.sinks import Sink
 from tests.records import ListSink
 
 

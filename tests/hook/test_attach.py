@@ -12,15 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
-import profiler_hook
-from profiler_hook.config import Config
-from tests.hook.common import one_rank_hook, run_steps
-from tests.records import ListSink
-from wire.errors import UsageError
-from wire.records import (
+from rankscope import profiler_hook
+from rankscope.profiler_hook.config import Config
+from rankscope.wire.errors import UsageError
+from rankscope.wire.records import (
     WindowSummary,
     decode,
 )
+from tests.hook.common import one_rank_hook, run_steps
+from tests.records import ListSink
 
 # Steps, windows and threads timed on the machine's clock: no other test beside them.
 pytestmark = pytest.mark.alone
@@ -110,10 +110,10 @@ class Probe:  # notes which thread imports torch._inductor
         return None
 
 sys.meta_path.insert(0, Probe())
-from profiler_hook.config import Config, Identity
-from profiler_hook import events, threadstates
-from profiler_hook.hook import Hook
-from wire.records import WindowSummary, decode
+from rankscope.profiler_hook.config import Config, Identity
+from rankscope.profiler_hook import events, threadstates
+from rankscope.profiler_hook.hook import Hook
+from rankscope.wire.records import WindowSummary, decode
 
 class Sink:
     got = []
@@ -151,7 +151,7 @@ def test_a_job_id_falling_back_to_none_is_warned_about_once(
     monkeypatch.delenv("RANKSCOPE_JOB", raising=False)
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
     monkeypatch.setattr(profiler_hook.config, "_warned_shared_job", False, raising=False)
-    with caplog.at_level(logging.WARNING, logger="profiler_hook.config"):
+    with caplog.at_level(logging.WARNING, logger="rankscope.profiler_hook.config"):
         assert [Config().job, Config().job] == ["none", "none"]
         Config(job="chosen")
     assert len(caplog.records) == 1 and "TORCHELASTIC_RUN_ID=none" in caplog.text
@@ -167,10 +167,10 @@ def test_a_job_id_falling_back_to_none_is_warned_about_once(
 def test_a_torch_outside_the_tested_releases_is_said_once_in_one_line(
     version: str, said: bool, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from profiler_hook import hook as hook_module
+    from rankscope.profiler_hook import hook as hook_module
 
     monkeypatch.setattr(torch, "__version__", version)
-    with caplog.at_level(logging.WARNING, logger="profiler_hook.hook"):
+    with caplog.at_level(logging.WARNING, logger="rankscope.profiler_hook.hook"):
         hook_module._check_release.__wrapped__()
     lines = [r.getMessage() for r in caplog.records]
     assert lines == (

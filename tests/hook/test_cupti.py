@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 
-from profiler_hook import cupti
+from rankscope.profiler_hook import cupti
 
 
 @pytest.fixture
@@ -27,7 +27,7 @@ def test_cupti_is_detached_between_windows_only_where_cuda_graphs_survive_it(
     no_teardown: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, cuda: str | None, detached: bool
 ) -> None:
     no_teardown.setattr(torch.version, "cuda", cuda)
-    with caplog.at_level(logging.INFO, logger="profiler_hook.cupti"):
+    with caplog.at_level(logging.INFO, logger="rankscope.profiler_hook.cupti"):
         assert cupti.ask_teardown() is detached
     assert os.environ.get(cupti.TEARDOWN) == ("1" if detached else None)
     assert ("stays attached" in caplog.text) is not detached

@@ -12,12 +12,12 @@ from collections.abc import Callable
 import pytest
 from torch.profiler import ProfilerActivity, profile
 
-from profiler_hook import events
-from tests.hook.common import SlowSink, one_rank_hook
-from wire.records import (
+from rankscope.profiler_hook import events
+from rankscope.wire.records import (
     Heartbeat,
     sample_key,
 )
+from tests.hook.common import SlowSink, one_rank_hook
 
 # Steps, windows and threads timed on the machine's clock: no other test beside them.
 pytestmark = pytest.mark.alone
@@ -75,7 +75,9 @@ def test_heartbeats_carry_the_function_of_the_jobs_code_each_stack_sample_found_
     assert len(profiled) == 1
     sleep_line = read_from_storage.__code__.co_firstlineno + 1
     assert beat.samples.get(sample_key(profiled.pop(), sleep_line), 0) >= 5, (beat.samples, profiled)
-    assert not [f for f in beat.samples if f.startswith(("torch/", "threading.py", "profiler_hook"))]
+    assert not [
+        f for f in beat.samples if f.startswith(("torch/", "threading.py", "rankscope/profiler_hook"))
+    ]
 
 
 def free_memory() -> None:
@@ -162,7 +164,7 @@ def _bulk_sender() -> tuple[socket.socket, socket.socket, Callable[[int], None],
 
 
 def test_heartbeats_carry_each_links_sends_from_a_real_bulk_transfer_and_not_idle_connections() -> None:
-    from profiler_hook.netstat import MIN_BYTES, LinkMeter, tcp_counters
+    from rankscope.profiler_hook.netstat import MIN_BYTES, LinkMeter, tcp_counters
 
     hook = one_rank_hook(SlowSink(), window_s=0, heartbeat_s=60)
     _, _, send, close = _bulk_sender()
@@ -186,7 +188,7 @@ def test_heartbeats_carry_each_links_sends_from_a_real_bulk_transfer_and_not_idl
 def test_a_process_with_many_descriptors_reads_its_bulk_connections_between_full_scans(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from profiler_hook import netstat
+    from rankscope.profiler_hook import netstat
 
     monkeypatch.setattr(netstat, "MAX_SCAN", 0)  # every process has "many"
     links = netstat.LinkMeter(loopback=True)

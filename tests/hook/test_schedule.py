@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from profiler_hook.config import Config
-from profiler_hook.schedule import LEAD_S, Schedule
+from rankscope.profiler_hook.config import Config
+from rankscope.profiler_hook.schedule import LEAD_S, Schedule
 from tests.hook.common import tcp_store
 
 # Steps, windows and threads timed on the machine's clock: no other test beside them.

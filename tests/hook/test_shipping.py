@@ -14,20 +14,20 @@ from pathlib import Path
 import pytest
 import torch
 
-import profiler_hook
 from benchmarks.workload import free_port
-from profiler_hook.config import Config, Identity
-from profiler_hook.hook import Hook
-from profiler_hook.shipper import Shipper
-from tests.hook.common import SlowSink, in_a_window, one_rank_hook, run_steps
-from tests.records import ListSink
-from wire.records import (
+from rankscope import profiler_hook
+from rankscope.profiler_hook.config import Config, Identity
+from rankscope.profiler_hook.hook import Hook
+from rankscope.profiler_hook.shipper import Shipper
+from rankscope.wire.records import (
     STEP_COLUMNS,
     Heartbeat,
     RankInfo,
     StepBatch,
     decode,
 )
+from tests.hook.common import SlowSink, in_a_window, one_rank_hook, run_steps
+from tests.records import ListSink
 
 # Steps, windows and threads timed on the machine's clock: no other test beside them.
 pytestmark = pytest.mark.alone
@@ -152,7 +152,7 @@ def test_the_shipper_numbers_what_it_ships_and_a_dropped_record_keeps_its_number
 _UNCLOSED = """
 import os, signal, sys, threading, time
 from datetime import timedelta
-import profiler_hook
+from rankscope import profiler_hook
 hook = profiler_hook.attach(job="exit", spool_dir=sys.argv[1], rank=0, world_size=1, window_s=0, flush_s=60)
 for step in range(30):
     with hook.step():

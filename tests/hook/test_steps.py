@@ -13,15 +13,15 @@ import time
 
 import pytest
 
-from profiler_hook.blocks import StepBlocks
-from profiler_hook.collectives import CollectiveTracker
-from profiler_hook.schedstat import ThreadWait
-from tests.hook.common import one_rank_hook
-from tests.records import ListSink
-from wire.records import (
+from rankscope.profiler_hook.blocks import StepBlocks
+from rankscope.profiler_hook.collectives import CollectiveTracker
+from rankscope.profiler_hook.schedstat import ThreadWait
+from rankscope.wire.records import (
     StepBatch,
     decode,
 )
+from tests.hook.common import one_rank_hook
+from tests.records import ListSink
 
 # Steps, windows and threads timed on the machine's clock: no other test beside them.
 pytestmark = pytest.mark.alone
@@ -201,7 +201,7 @@ def test_a_steps_garbage_collection_is_timed_in_the_block_of_the_steps_it_stoppe
 
 _WAIT_PROBE = """
 import json, os, sys, time
-from profiler_hook.schedstat import run_queue_wait, wait_pattern
+from rankscope.profiler_hook.schedstat import run_queue_wait, wait_pattern
 os.sched_setaffinity(0, {int(sys.argv[1])})
 sys.stdin.readline()  # the hogs run on this core now
 before, wall, cpu = run_queue_wait(), time.perf_counter(), time.thread_time()
@@ -214,7 +214,7 @@ print(json.dumps({"wait_s": p.total_us / 1e6, "wall_s": wall, "cpu_s": cpu, "pat
 
 
 def test_cpu_wait_is_the_time_a_thread_queued_behind_hogs_on_its_core() -> None:
-    from wire.records import WAIT_PATTERN
+    from rankscope.wire.records import WAIT_PATTERN
 
     core = max(os.sched_getaffinity(0))
     probe = subprocess.Popen(

@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import profiler_hook
 from benchmarks.workload import free_port
-from profiler_hook.summarize import library_frame, summarize
+from rankscope import profiler_hook
+from rankscope.profiler_hook.summarize import library_frame, summarize
 
 # Steps, windows and threads timed on the machine's clock: no other test beside them.
 pytestmark = pytest.mark.alone
@@ -117,7 +117,7 @@ def test_library_frames_are_told_from_the_jobs_own_code() -> None:
         "torch/nn/modules/module.py(1751): _call_impl",  # an installed package
         "enum.py(686): __call__",  # the standard library, as the profiler shortens its paths
         "<built-in method item of Tensor object>",
-        "profiler_hook/collectives.py(130): wrapper",  # the hook's own frames
+        "rankscope/profiler_hook/collectives.py(130): wrapper",  # the hook's own frames
         f"{os.path.dirname(profiler_hook.__file__)}/collectives.py(130): wrapper",  # an editable install's
         "/usr/lib/python3/dist-packages/yaml/__init__.py(10): load",
         "nn.Module: Linear_1",  # torch's module class
@@ -128,6 +128,7 @@ def test_library_frames_are_told_from_the_jobs_own_code() -> None:
     for name in (
         "train.py(12): train_step",
         "test_hook.py(50): audit",
+        "rankscope/demo_job.py(317): main",  # the demo's training script, in a checkout
         "/home/u/job/model.py(3): forward",
         "nn.Module: CausalSelfAttention_0",  # the job's own module class
     ):

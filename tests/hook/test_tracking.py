@@ -11,14 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import profiler_hook
 from benchmarks.workload import JobSpec, free_port, launch
-from profiler_hook import threadstates
-from profiler_hook.config import Config, Identity
-from profiler_hook.hook import Hook
-from tests.hook.common import STASHES, one_rank_hook, tcp_store
-from tests.records import ListSink, spool_records
-from wire.records import (
+from rankscope import profiler_hook
+from rankscope.profiler_hook import threadstates
+from rankscope.profiler_hook.config import Config, Identity
+from rankscope.profiler_hook.hook import Hook
+from rankscope.wire.records import (
     Heartbeat,
     RankInfo,
     StepBatch,
@@ -26,6 +24,8 @@ from wire.records import (
     coverage_gaps,
     decode,
 )
+from tests.hook.common import STASHES, one_rank_hook, tcp_store
+from tests.records import ListSink, spool_records
 
 # Steps, windows and threads timed on the machine's clock: no other test beside them.
 pytestmark = pytest.mark.alone
@@ -88,11 +88,11 @@ def test_an_untested_backend_is_said_once_in_the_log_and_in_the_rank_record() ->
     script = """
 import logging, torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
-from profiler_hook.config import Config, Identity
-from profiler_hook import events, threadstates
-from profiler_hook.hook import Hook
+from rankscope.profiler_hook.config import Config, Identity
+from rankscope.profiler_hook import events, threadstates
+from rankscope.profiler_hook.hook import Hook
 from tests.records import ListSink
-from wire.records import RankInfo, decode
+from rankscope.wire.records import RankInfo, decode
 logging.basicConfig(level=logging.WARNING, format="%(message)s")
 dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
 sink = ListSink()

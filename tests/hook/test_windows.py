@@ -12,14 +12,14 @@ from typing import Any
 import pytest
 import torch
 
-from profiler_hook import threadstates
-from profiler_hook.summarize import summarize
-from tests.hook.common import STASHES, in_a_window, one_rank_hook, tcp_store
-from tests.records import ListSink, spool_records
-from wire.records import (
+from rankscope.profiler_hook import threadstates
+from rankscope.profiler_hook.summarize import summarize
+from rankscope.wire.records import (
     WindowSummary,
     decode,
 )
+from tests.hook.common import STASHES, in_a_window, one_rank_hook, tcp_store
+from tests.records import ListSink, spool_records
 
 # Steps, windows and threads timed on the machine's clock: no other test beside them.
 pytestmark = pytest.mark.alone
@@ -30,10 +30,10 @@ def test_a_window_writes_nothing_to_the_training_scripts_stderr(tmp_path: Path) 
     """torch's kineto prints a line at every profiler start and stop; a window must not (a fresh
     process: the quieting applies before kineto's first use)."""
     script = f"""
-from profiler_hook.config import Config, Identity
-from profiler_hook import events, threadstates
-from profiler_hook.hook import Hook
-from profiler_hook.sinks import SpoolSink
+from rankscope.profiler_hook.config import Config, Identity
+from rankscope.profiler_hook import events, threadstates
+from rankscope.profiler_hook.hook import Hook
+from rankscope.profiler_hook.sinks import SpoolSink
 ident = Identity(rank=0, local_rank=0, world_size=1, host="h")
 cfg = Config(job="quiet", spool_dir={str(tmp_path)!r}, heartbeat_s=60)
 hook = Hook(cfg, ident, SpoolSink(cfg.spool_dir, cfg.job, ident))
@@ -114,10 +114,10 @@ def test_a_window_starts_only_once_the_last_one_is_summarized(monkeypatch: pytes
         finally:
             summarized.append(time.time_ns())
 
-    monkeypatch.setattr("profiler_hook.summarize.summarize", slow)
+    monkeypatch.setattr("rankscope.profiler_hook.summarize.summarize", slow)
     started = []
     for planned, wait_s in ((1, 5.0), (4, 5.0), (7, 0.05)):
-        monkeypatch.setattr("profiler_hook.hook.SUMMARIZE_WAIT_S", wait_s)
+        monkeypatch.setattr("rankscope.profiler_hook.hook.SUMMARIZE_WAIT_S", wait_s)
         hook.schedule.planned = planned
         while hook.step_num < planned + 2:
             with hook.step():
@@ -149,7 +149,7 @@ def test_a_window_waits_for_a_collective_in_flight_but_not_for_a_context_a_live_
     may be dropped by a collective's thread at any moment: the window planned then is skipped."""
     import torch.distributed as dist
 
-    monkeypatch.setattr("profiler_hook.hook.SETTLE_S", 0.02)
+    monkeypatch.setattr("rankscope.profiler_hook.hook.SETTLE_S", 0.02)
     dist.init_process_group("gloo", store=tcp_store(), rank=0, world_size=1)
     try:
         sink = ListSink()

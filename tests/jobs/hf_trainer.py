@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from transformers import Trainer, TrainingArguments
 
-from profiler_hook.hf import RankscopeCallback
+from rankscope.profiler_hook.hf import RankscopeCallback
 
 
 class Regressor(nn.Module):

@@ -14,7 +14,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from profiler_hook.lightning import RankscopeCallback
+from rankscope.profiler_hook.lightning import RankscopeCallback
 
 
 class Regressor(LightningModule):

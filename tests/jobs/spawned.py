@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import profiler_hook
+from rankscope import profiler_hook
 
 
 def user_hook_job(rank: int, port: int, spool: str, out: str) -> None:

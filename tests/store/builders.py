@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from aggregator import Store
-from aggregator.spool import file_id
-from wire.records import (
+from rankscope.aggregator import Store
+from rankscope.aggregator.spool import file_id
+from rankscope.wire.records import (
     Checkpoint,
     Exit,
     FunctionPattern,

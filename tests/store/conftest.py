@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from aggregator import Store
+from rankscope.aggregator import Store
 
 _db_ids = itertools.count()
 

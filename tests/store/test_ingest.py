@@ -16,11 +16,21 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from aggregator import Batch, Store, StoreError, ingest
-from aggregator.batch import RAW_PREFIX_BYTES, _implied
-from aggregator.schema import FUNCTIONS, HEARTBEATS, JOB_TABLES, STEPS, WINDOWS, Table
-from aggregator.spool import MAX_LINE_BYTES
-from diagnosis import diagnose, read_job
+from rankscope.aggregator import Batch, Store, StoreError, ingest
+from rankscope.aggregator.batch import RAW_PREFIX_BYTES, _implied
+from rankscope.aggregator.schema import FUNCTIONS, HEARTBEATS, JOB_TABLES, STEPS, WINDOWS, Table
+from rankscope.aggregator.spool import MAX_LINE_BYTES
+from rankscope.diagnosis import diagnose, read_job
+from rankscope.wire.records import (
+    MAX_VALUE_BYTES,
+    FunctionPattern,
+    Heartbeat,
+    Record,
+    RecordError,
+    StepBatch,
+    WindowSummary,
+    encode,
+)
 from tests.store.builders import (
     JOB,
     T0,
@@ -33,16 +43,6 @@ from tests.store.builders import (
     steps,
     window,
     write_spool,
-)
-from wire.records import (
-    MAX_VALUE_BYTES,
-    FunctionPattern,
-    Heartbeat,
-    Record,
-    RecordError,
-    StepBatch,
-    WindowSummary,
-    encode,
 )
 
 # --- torn lines, shrinking files, failures ---------------------------------------------------------
@@ -79,7 +79,7 @@ def test_a_file_that_shrank_is_read_again_from_the_start(
     # Truncated in place, the same first line (so the same file), then written again: shorter.
     path.write_bytes(b"".join(encode(r)[1] + b"\n" for r in (rank_info(0), steps(0, 5, 6))))
 
-    with caplog.at_level(logging.WARNING, logger="aggregator.spool"):
+    with caplog.at_level(logging.WARNING, logger="rankscope.aggregator.spool"):
         stats = ingest(tmp_path, store)
 
     assert stats.records == 2
@@ -387,7 +387,7 @@ def test_links_out_of_the_spool_are_not_followed(
     (spool / "job-b").symlink_to(tmp_path, target_is_directory=True)
     (tmp_path / "outside.jsonl").write_bytes(encode(rank_info(1))[1] + b"\n")
 
-    with caplog.at_level(logging.WARNING, logger="aggregator.spool"):
+    with caplog.at_level(logging.WARNING, logger="rankscope.aggregator.spool"):
         stats = ingest(spool, store)
 
     assert (stats.records, stats.dead_letters, stats.skipped) == (1, 0, 1)
@@ -598,7 +598,7 @@ def test_any_json_value_is_stored_exactly_as_sent_or_dead_lettered(
 
 
 def test_nvml_samples_in_heartbeats_give_each_ranks_gpu_use(store: Store) -> None:
-    from diagnosis.efficiency import measure
+    from rankscope.diagnosis.efficiency import measure
 
     sampled = [replace(heartbeat(0, T0 + i * 1_000_000, i), gpu_util=u, gpu_mem_mb=m) for i, (u, m) in
                enumerate([(80.0, 1000.0), (90.0, 3000.0)])]  # fmt: skip
@@ -611,8 +611,8 @@ def test_nvml_samples_in_heartbeats_give_each_ranks_gpu_use(store: Store) -> Non
 
 
 def test_what_a_ranks_windows_cost_is_read_from_its_heartbeats_as_a_share_of_its_run(store: Store) -> None:
-    from diagnosis.efficiency import measure
-    from renderers.text import format_efficiency
+    from rankscope.diagnosis.efficiency import measure
+    from rankscope.renderers.text import format_efficiency
 
     beats = [
         replace(heartbeat(0, T0 + i * 10_000_000, i), windows=n, window_cost_us=c)

@@ -6,12 +6,18 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from aggregator import IngestStats, Store, ensure_schema, ingest
-from aggregator.reads import STEP_COLUMNS, SpoolOffset
-from aggregator.schema import ARRIVALS_BY_PROCESS_OBJECTS, JOB_TABLES, LATEST_HEARTBEATS_OBJECTS, TABLES
-from aggregator.spool import file_id
-from diagnosis import diagnose, read_job
-from diagnosis.data import RecentJob
+from rankscope.aggregator import IngestStats, Store, ensure_schema, ingest
+from rankscope.aggregator.reads import STEP_COLUMNS, SpoolOffset
+from rankscope.aggregator.schema import (
+    ARRIVALS_BY_PROCESS_OBJECTS,
+    JOB_TABLES,
+    LATEST_HEARTBEATS_OBJECTS,
+    TABLES,
+)
+from rankscope.aggregator.spool import file_id
+from rankscope.diagnosis import diagnose, read_job
+from rankscope.diagnosis.data import RecentJob
+from rankscope.wire.records import FunctionPattern
 from tests.store.builders import (
     EXPECTED_COUNTS,
     JOB,
@@ -26,7 +32,6 @@ from tests.store.builders import (
     steps,
     write_spool,
 )
-from wire.records import FunctionPattern
 
 
 def test_every_record_type_round_trips_through_the_spool(store: Store, tmp_path: Path) -> None:

@@ -11,9 +11,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from aggregator import STORE_VERSION, SchemaError, Store, StoreError, ensure_schema
-from aggregator.reads import STEP_COLUMNS
-from aggregator.schema import (
+from rankscope.aggregator import STORE_VERSION, SchemaError, Store, StoreError, ensure_schema
+from rankscope.aggregator.reads import STEP_COLUMNS
+from rankscope.aggregator.schema import (
     ARRIVALS_BY_PROCESS_OBJECTS,
     ARRIVALS_BY_PROCESS_TABLE,
     FUNCTIONS,
@@ -23,9 +23,10 @@ from aggregator.schema import (
     WINDOW_INPUT_OBJECTS,
     cluster_ddl,
 )
-from diagnosis import diagnose, read_job
-from diagnosis.data import LOOKBACK_STEPS, STEP_FIELDS, RecentJob
-from diagnosis.diagnose import Settings as diagnose_settings
+from rankscope.diagnosis import diagnose, read_job
+from rankscope.diagnosis.data import LOOKBACK_STEPS, STEP_FIELDS, RecentJob
+from rankscope.diagnosis.diagnose import Settings as diagnose_settings
+from rankscope.wire.records import StepBatch, StepRow
 from tests.jobdata import only
 from tests.store.builders import (
     EXPECTED_COUNTS,
@@ -38,7 +39,6 @@ from tests.store.builders import (
     steps,
     window,
 )
-from wire.records import StepBatch, StepRow
 
 
 def test_schema_creation_twice_is_harmless(store: Store) -> None:
@@ -308,19 +308,19 @@ def test_a_large_jobs_steps_are_read_in_buckets_summed_up_by_the_store(
     asked = store.steps(JOB, width=8, since_step=16, columns=["cpu_us"])
     assert list(asked.columns) == ["rank", "step", "start_us", "cpu_us", "width"]
     assert asked.equals(got[asked.columns])
-    monkeypatch.setattr("diagnosis.data.MAX_STEP_CELLS", 8 * 1024 // 3)
+    monkeypatch.setattr("rankscope.diagnosis.data.MAX_STEP_CELLS", 8 * 1024 // 3)
     data = read_job(store, JOB)
     assert data.steps["width"].eq(4).all() and len(data.steps) == 8 * 1024 // 4
     # Buckets of 2 would keep under this, but half of them would hold no row (a block begins
     # every 4 steps): a bucket is as wide as a stored row at least.
-    monkeypatch.setattr("diagnosis.data.MAX_STEP_CELLS", 8 * 1024 // 2)
+    monkeypatch.setattr("rankscope.diagnosis.data.MAX_STEP_CELLS", 8 * 1024 // 2)
     in_order = lambda df: df.sort_values(["rank", "step"], ignore_index=True)  # noqa: E731
     assert in_order(read_job(store, JOB).steps).equals(in_order(data.steps))
     f, g = only(diagnose(data).findings), only(diagnose(whole).findings)
     assert (f.cause, f.ranks) == (g.cause, g.ranks) == ("compute", [2])
     assert f.evidence["ratio"] == pytest.approx(g.evidence["ratio"], rel=0.01)
     # Fewer buckets allowed than steps one by one (``MAX_BUCKETS``): wider buckets, under it.
-    monkeypatch.setattr("diagnosis.data.MAX_BUCKETS", 8 * 1024 // 8)
+    monkeypatch.setattr("rankscope.diagnosis.data.MAX_BUCKETS", 8 * 1024 // 8)
     wide = read_job(store, JOB).steps
     assert wide["width"].eq(8).all() and len(wide) == 8 * 1024 // 8
     assert only(diagnose(replace(data, steps=wide)).findings).ranks == [2]
@@ -333,7 +333,7 @@ def test_a_recent_large_job_is_held_in_buckets_each_ranks_last_read_again(
     ``read_job`` reads, though an update reads only each rank's last bucket again (it gained rows)
     and those after it; as the job grows into wider buckets, it reads afresh."""
     for limit in ("MAX_STEP_CELLS", "MAX_BUCKETS"):  # 8 ranks: 1 a bucket to 16 steps … 8 past 64
-        monkeypatch.setattr(f"diagnosis.data.{limit}", 8 * 64 // 4)
+        monkeypatch.setattr(f"rankscope.diagnosis.data.{limit}", 8 * 64 // 4)
     recent, reads = RecentJob(JOB, recent_s=3600.0), []
     real_steps = store.steps
 

@@ -22,7 +22,7 @@ from typing import Literal
 import numpy as np
 import pandas as pd
 
-from wire.records import WAIT_KIND, WAIT_PATTERN
+from rankscope.wire.records import WAIT_KIND, WAIT_PATTERN
 
 from ... import grid
 from ...robust import evenly, needed, spread

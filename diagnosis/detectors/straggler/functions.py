@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from wire import records
-from wire.records import WAIT_KIND
+from rankscope.wire import records
+from rankscope.wire.records import WAIT_KIND
 
 from ...robust import evenly
 
