@@ -77,7 +77,7 @@ class _OnsetWatch(threading.Thread):
 
 def run_job(sc: Scenario, spec: JobSpec, markers: Path) -> tuple[dict[str, Any] | None, str, list[str]]:
     """Run the job with its external fault; returns (onset marker, error, cleanup errors)."""
-    if sc.script:  # a user-style training script under torchrun; it injects its fault itself
+    if sc.script and not sc.network:  # a user-style script under torchrun; it injects its fault itself
         return torchrun_job.run(sc, spec, markers, START_S)
     injector: Fabric | CpuHog | None = None
     kind = sc.fault.kind
@@ -87,24 +87,29 @@ def run_job(sc: Scenario, spec: JobSpec, markers: Path) -> tuple[dict[str, Any] 
         injector = CpuHog(hog_core(), sc.hogs, max_s=sc.seconds + START_S)
     watch = _OnsetWatch(markers, injector)
     job: RunningJob | None = None
+    onset: dict[str, Any] | None = None
     error = ""
     try:
         if isinstance(injector, Fabric):
             spec = replace(spec, **injector.setup())
         elif isinstance(injector, CpuHog):
             spec = replace(spec, **injector.setup(sc.fault.rank, spec))
-        job = RunningJob(spec)
-        watch.start()
-        deadline = time.monotonic() + sc.seconds + START_S
-        while True:
-            stats = job.wait(1.0)
-            if stats is not None:
-                break
-            if sc.observe_s and watch.onset and time.time() >= watch.onset["time"] + sc.observe_s:
-                break  # a hung job: stop it once it has been watched long enough
-            if time.monotonic() >= deadline:
-                error = f"job still running {sc.seconds + START_S:.0f} s after start: stopped"
-                break
+        if sc.script:  # its torchrun agents on the fabric: the script marks the onset, the watch slows it
+            watch.start()
+            onset, error, _ = torchrun_job.run(sc, spec, markers, START_S)
+        else:
+            job = RunningJob(spec)
+            watch.start()
+            deadline = time.monotonic() + sc.seconds + START_S
+            while True:
+                stats = job.wait(1.0)
+                if stats is not None:
+                    break
+                if sc.observe_s and watch.onset and time.time() >= watch.onset["time"] + sc.observe_s:
+                    break  # a hung job: stop it once it has been watched long enough
+                if time.monotonic() >= deadline:
+                    error = f"job still running {sc.seconds + START_S:.0f} s after start: stopped"
+                    break
     except Unavailable:
         raise
     except Exception as exc:
@@ -114,7 +119,7 @@ def run_job(sc: Scenario, spec: JobSpec, markers: Path) -> tuple[dict[str, Any] 
         if job is not None:
             job.stop()
         cleanup = injector.cleanup() if injector is not None else []
-    return watch.onset, error or watch.error, cleanup
+    return onset or watch.onset, error or watch.error, cleanup
 
 
 def run_scenario(sc: Scenario, store: Store, workdir: Path, probe_s: float = PROBE_S) -> dict[str, Any]:

@@ -53,7 +53,9 @@ def network_unavailable() -> str:
 
 class Fabric:
     """Hosts, switches and links for a job's ranks; with a ``nic`` or ``switch`` fault one NIC or
-    one uplink is rate-limited at onset (any other ``kind``: a healthy network)."""
+    one uplink is rate-limited at onset, with a ``link`` fault the traffic between two hosts only,
+    both ways (the hosts of ``ranks``' first two), each host's other traffic as fast as before (any
+    other ``kind``: a healthy network)."""
 
     def __init__(self, spec: JobSpec, kind: str, ranks: tuple[int, ...], rate_mbit: float) -> None:
         why = network_unavailable()
@@ -80,7 +82,14 @@ class Fabric:
         faulty = {host[r] for r in ranks}
         self.slow: list[tuple[str, str]] = []
         """The veth pairs limited at onset: the faulty hosts' NICs or their switches' uplinks."""
-        if kind == "nic":
+        self.pair: tuple[int, int] | None = None
+        """A ``link`` fault's two hosts: what each sends to the other is limited at onset."""
+        if kind == "link":
+            ends = sorted({host[r] for r in ranks}, key=[host[r] for r in ranks].index)
+            if len(ends) != 2:
+                raise ValueError("a link fault needs ranks on exactly two hosts (fault.rank and fault.ranks)")
+            self.pair = (ends[0], ends[1])
+        elif kind == "nic":
             self.slow = [self.nic[h] for h in sorted(faulty)]
         elif kind == "switch":
             self.slow = [self.uplink[k] for k in sorted({self.switch_of_host[h] for h in faulty})]
@@ -136,6 +145,43 @@ class Fabric:
             for end in pair:
                 where = ("ip", "netns", "exec", inner_ns[end]) if end in inner_ns else ()
                 _run(*where, "tc", "qdisc", "add", "dev", end, *args)
+        if self.pair is not None:  # htb: a slow class for the one peer, the rest unlimited
+            for a, b in (self.pair, self.pair[::-1]):
+                tc = ("ip", "netns", "exec", self.netns[a], "tc")
+                dev = self.nic[a][1]
+                _run(*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "10")
+                _run(
+                    *tc,
+                    "class",
+                    "add",
+                    "dev",
+                    dev,
+                    "parent",
+                    "1:",
+                    "classid",
+                    "1:10",
+                    "htb",
+                    "rate",
+                    "100gbit",
+                )
+                _run(
+                    *tc,
+                    "class",
+                    "add",
+                    "dev",
+                    dev,
+                    "parent",
+                    "1:",
+                    "classid",
+                    "1:20",
+                    "htb",
+                    "rate",
+                    rate,
+                    "ceil",
+                    rate,
+                )
+                match = ("u32", "match", "ip", "dst", f"{self.ip[b]}/32", "flowid", "1:20")
+                _run(*tc, "filter", "add", "dev", dev, "protocol", "ip", "parent", "1:", "prio", "1", *match)
 
     def cleanup(self) -> list[str]:
         """Remove the links (and their qdiscs), bridges and namespaces; returns what could not be removed."""

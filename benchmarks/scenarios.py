@@ -18,7 +18,7 @@ Example (``compute-2x-r2.yaml``)::
       cause: compute
       ranks: [2]
 
-Runner-only fault fields: ``rate_mbit`` (``nic``/``switch``: the rate-limited link), ``hogs`` (``host``:
+Runner-only fault fields: ``rate_mbit`` (``nic``/``switch``/``link``: the rate-limited link), ``hogs`` (``host``:
 CPU-hog processes sharing the rank's core), ``observe_s`` (stop the job this long after onset: hangs).
 
 ``script: demo_job`` runs a user-style training script under torchrun instead (``rankscope/demo_job.py``,
@@ -34,7 +34,7 @@ from typing import Any
 
 import yaml
 
-from benchmarks.workload import ATTACH, LOOPS, Fault
+from benchmarks.workload import ATTACH, LOOPS, NETWORK_FAULTS, Fault
 
 from .scoring import GroundTruth
 from .torchrun_job import ScriptFault, parse_fault
@@ -75,7 +75,8 @@ class Scenario:
     switches: int = 0
     network: bool = False
     """Run the ranks on a simulated cluster network (a namespace per host, bridges per switch);
-    ``nic`` and ``switch`` faults always do."""
+    ``nic``, ``switch`` and ``link`` faults always do (a script's job too: a torchrun agent per host,
+    each in its host's namespace)."""
     seconds: float = 40.0
     fault: Fault = field(default_factory=Fault)
     rate_mbit: float = 0.0
@@ -149,7 +150,12 @@ def load(path: str | Path) -> Scenario:
     script = str(raw.get("script") or "")
     script_fault: ScriptFault | None = None
     try:
-        if script:
+        if script and fault_raw.get("kind") in NETWORK_FAULTS:  # the suite's; the script marks its onset
+            fault = Fault(**fault_raw)
+            script_fault = parse_fault(
+                script, {"kind": "network", "rank": fault.rank, "onset_s": fault_raw.get("onset_s", 10.0)}
+            )
+        elif script:
             script_fault = parse_fault(script, fault_raw)
             fault = script_fault.suite_fault()
         else:
@@ -157,7 +163,7 @@ def load(path: str | Path) -> Scenario:
     except (TypeError, ValueError) as exc:
         raise ScenarioError(f"{path}: fault: {exc}") from exc
     exp = dict(raw.get("expect") or {})
-    kind = script_fault.report_kind if script_fault else kind_of(fault)
+    kind = script_fault.report_kind if script_fault and script_fault.kind != "network" else kind_of(fault)
     try:
         truth = GroundTruth(
             kind=kind,
@@ -175,7 +181,7 @@ def load(path: str | Path) -> Scenario:
             world_size=int(raw.get("world_size", 4)),
             hosts=int(raw.get("hosts", 2)),
             switches=int(raw.get("switches", 0)),
-            network=bool(raw.get("network", False)) or fault.kind in ("nic", "switch"),
+            network=bool(raw.get("network", False)) or fault.kind in NETWORK_FAULTS,
             seconds=float(raw.get("seconds", 40.0)),
             fault=fault,
             rate_mbit=float(runner.get("rate_mbit", 0.0)),
@@ -230,15 +236,15 @@ def _check(path: Path, sc: Scenario) -> None:
         raise ScenarioError(f"{path}: loop must be one of {', '.join(LOOPS)}, got {sc.loop!r}")
     if sc.loop == "fsdp2" and sc.fault.kind in ("compute", "job_wide"):
         raise ScenarioError(f"{path}: the fsdp2 loop has no {sc.fault.kind} fault")
-    if sc.fault.kind in ("nic", "switch"):
+    if sc.fault.kind in NETWORK_FAULTS:
         if sc.rate_mbit <= 0:
             raise ScenarioError(f"{path}: fault.rate_mbit must be > 0 for a {sc.fault.kind} fault")
         if 0 in sc.faulty_ranks:
             raise ScenarioError(f"{path}: rank 0 hosts the rendezvous and cannot sit behind the slow link")
     if sc.fault.kind == "hang" and sc.observe_s <= 0:
         raise ScenarioError(f"{path}: a hang needs fault.observe_s > 0 (when to stop the hung job)")
-    if sc.script and (sc.hook or sc.network or sc.loop != "ddp"):
-        raise ScenarioError(f"{path}: a script runs at the hook's defaults: no hook, network or loop")
+    if sc.script and (sc.hook or sc.loop != "ddp"):
+        raise ScenarioError(f"{path}: a script runs at the hook's defaults: no hook or loop")
     if sc.script_args and not sc.script:
         raise ScenarioError(f"{path}: script_args are a script's flags: give script too")
     if sc.script and sc.world_size % max(1, sc.hosts):

@@ -30,7 +30,7 @@ from typing import Any
 
 from rankscope.diagnosis.findings import CAUSES, Diagnosis, Finding
 
-SCOPES = ("rank", "host", "switch", "spine", "job")
+SCOPES = ("rank", "link", "host", "switch", "spine", "job")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -17,6 +17,9 @@ script's faults::
       onset_s: 12
     expect: {cause: dataloader, ranks: [2]}
 
+On a simulated network (a ``nic``, ``switch`` or ``link`` fault, or ``network: true``) each agent
+runs in its host's network namespace (``ip netns exec``), its ranks' gloo on that host's NIC.
+
 Each simulated host is one ``torchrun`` agent (a static rendezvous with ``--nnodes hosts
 --node-rank N``, as a multi-node job is launched), started with ``RANKSCOPE_HOST=node<N>``, so its
 ranks (``N * ranks_per_host + LOCAL_RANK``) are named as the suite's workload names them. The job id
@@ -62,7 +65,10 @@ LM_FAULTS: dict[str, tuple[str, str]] = {
 FAULTS = {
     "demo_job": LM_FAULTS,
     "nanogpt_like": {"none": ("none", "healthy"), "stall": ("code_path", "code_path")},
-    "pipeline_dp": {k: v for k, v in LM_FAULTS.items() if k != "slow_data"},
+    "pipeline_dp": {
+        **{k: v for k, v in LM_FAULTS.items() if k != "slow_data"},
+        "network": ("none", "network"),
+    },
     "tp_dp": {k: v for k, v in LM_FAULTS.items() if k != "slow_data"},
 }
 """Per script, its faults (as ``LM_FAULTS``)."""
@@ -198,7 +204,12 @@ def commands(sc: Scenario, spec: JobSpec) -> list[tuple[list[str], dict[str, str
         }
         if spec.switches:
             env["RANKSCOPE_SWITCH"] = switch_of(node * per_host, spec)
+        # On the suite's simulated network the agent and its ranks run in their host's namespace.
+        netns = spec.netns.get(node * per_host, "")
+        if netns:
+            env["GLOO_SOCKET_IFNAME"] = spec.ifname[node * per_host]
         cmd = [
+            *(["ip", "netns", "exec", netns] if netns else []),
             sys.executable,
             "-m",
             "torch.distributed.run",

@@ -26,8 +26,8 @@ More, for the fault suite (``benchmarks/faults.py``):
                 stops the job afterwards.
 
 ``Fault.also`` adds a second rank-local fault on another rank (two faults at once).
-``host`` ``nic`` ``switch``  applied from outside the job (a CPU hog on the rank's core, a
-                rate-limited network link); in the ranks they only mark the onset.
+``host`` ``nic`` ``switch`` ``link``  applied from outside the job (a CPU hog on the rank's core, a
+                rate-limited NIC, uplink or link between two hosts); in the ranks they only mark the onset.
 
 Every fault starts at ``onset_step`` or, with ``onset_s`` >= 0, at the first step after rank 0 has
 trained that many seconds (rank 0 tells the others through the all-reduce, so all ranks agree on
@@ -49,9 +49,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+NETWORK_FAULTS = ("nic", "switch", "link")
+"""Applied to the simulated network (``benchmarks.injectors.Fabric``): a NIC, a switch's uplink, the link between two hosts."""
 _LOCAL_FAULTS = ("compute", "dataloader", "code_path", "callback", "grad_hook", "gc")
 """Faults that live inside one rank's code, any two of which can run at once on two ranks ."""
-SUITE_FAULTS = ("none", *_LOCAL_FAULTS, "job_wide", "hang", "host", "nic", "switch")
+SUITE_FAULTS = ("none", *_LOCAL_FAULTS, "job_wide", "hang", "host", *NETWORK_FAULTS)
 """Every fault kind; the last three are applied from outside the ranks (see the fault suite)."""
 HANG_SITES = ("collective", "dataloader", "python", "checkpoint")
 ATTACH = ("start", "loop")

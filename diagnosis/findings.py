@@ -39,7 +39,8 @@ class Finding:
     evidence: dict[str, Any] = field(default_factory=dict)
     """Numbers a person can check: the culprit's value, the peer median, the ratio, windows flagged."""
     scope: str = "rank"
-    """``rank``, one of ``LEVELS`` or ``job``: what the culprits have in common."""
+    """``rank``, ``link`` (the link between two ranks: ``ranks`` its two ends, neither slow on its
+    other links), one of ``LEVELS`` or ``job``: what the culprits have in common."""
 
     def __post_init__(self) -> None:
         if self.cause not in CAUSES:

@@ -396,6 +396,23 @@ def test_the_fabric_limits_only_the_faulty_switch_uplink_and_leaves_nothing_behi
     assert not [n for n in fabric.netns.values() if n in namespaces]
 
 
+def test_a_link_fault_limits_the_two_hosts_traffic_with_each_other_and_no_other() -> None:
+    # Four hosts, a rank each; the link between hosts 2 and 3 limited to 16 Mbit/s (2 MB/s) both ways.
+    spec = JobSpec(job="fabric", world_size=4, hosts=4)
+    try:
+        fabric = Fabric(spec, "link", (2, 3), 16)
+    except Unavailable as exc:
+        pytest.skip(str(exc))
+    try:
+        fabric.setup()
+        assert _transfer_s(fabric, 2, 3) < 1.0  # fast before onset
+        fabric.start()
+        assert _transfer_s(fabric, 2, 3) > 1.2 and _transfer_s(fabric, 3, 2) > 1.2  # 4 MB at 2 MB/s
+        assert _transfer_s(fabric, 2, 0) < 1.0 and _transfer_s(fabric, 1, 3) < 1.0  # each end's others
+    finally:
+        assert fabric.cleanup() == []
+
+
 def test_fault_settings_are_validated() -> None:
     with pytest.raises(ValueError, match="unknown fault"):
         Fault(kind="cosmic-ray")

@@ -18,7 +18,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-FAULTS = ("none", "slow_backward", "metrics_block", "hang_checkpoint")
+FAULTS = ("none", "slow_backward", "metrics_block", "hang_checkpoint", "network")
+"""``network``: the fault suite changes the network under the job at onset; the script only marks it."""
 
 
 def arguments(description: str, **defaults: int) -> argparse.ArgumentParser:

@@ -21,6 +21,7 @@ for the training loop alone.
 Faults, for rankscope's fault suite, as ``rankscope/demo_job.py`` has them (only on
 ``--fault-rank``, from ``--onset-s`` seconds into training; rank 0 says when through the small
 all-reduce that already tells every rank when to stop; ``--marker-dir`` gets ``onset-r<rank>``):
+``network`` (nothing in the script: the suite slows a link at onset, the rank marks when),
 ``slow_backward`` (the rank's stage does ``--fault-factor`` times the work: its microbatches padded
 with copies of their rows, sliced off again), ``metrics_block`` (``upload_metrics()`` blocks
 ``--fault-ms`` every step) and ``hang_checkpoint`` (``save_checkpoint()`` never returns).

@@ -22,7 +22,10 @@ slow NIC slows every link through it, in both directions, and no other. Ranks th
 *into* the slow NIC have one slow link among healthy ones. So per window the slow links are found,
 and the smallest group of ranks — the ranks behind one address, a NIC, a host, a switch — whose
 links to the rest of the job carry most of their extra send time, most of its links being slow,
-is the culprit.
+is the culprit. Where no such group explains a window's slow links but one link does — the link
+between two addresses, slow one way or both, each end's other links healthy (a pipeline's stage-
+to-stage link, a bad cable or port between two hosts) — that link is the culprit, named by its two
+ends.
 """
 
 from __future__ import annotations
@@ -79,6 +82,9 @@ class SlowLink:
     windows: int
     span_s: float = 0.0
     """The windows are spans of this many seconds of heartbeats (0: profiling windows)."""
+    peer: int = -1
+    """The rank at the link's other end where the culprit is one link between two ranks (-1: the
+    rank's own NIC, host or switch)."""
 
 
 def _per_call_us(f: pd.DataFrame) -> pd.Series:
@@ -272,7 +278,7 @@ def _tomography(
     for g, ws in flagged.items():
         for w in ws:
             smallest[w] = min(smallest.get(w, len(g)), len(g))
-    out = []
+    out = _one_link(d, s, src, dst, extra, explained=set(smallest), span_s=span_s)
     for g, ws in flagged.items():
         mine = [w for w in ws if len(g) == smallest[w]]
         if not mine:
@@ -300,20 +306,96 @@ def _tomography(
     return out
 
 
+def _one_link(
+    d: pd.DataFrame,
+    s: Settings,
+    src: np.ndarray,
+    dst: np.ndarray,
+    extra: np.ndarray,
+    explained: set[int],
+    span_s: float,
+) -> list[SlowLink]:
+    """The links that are culprits on their own: in the windows no group of ranks explains, the
+    pair of ends whose links (either way) carry ``coverage`` of the window's extra send time, in
+    most windows since the first (of those where the pair carried bulk traffic)."""
+    windows, slow = d["window"].to_numpy(), d["slow"].to_numpy()
+    lo, hi = np.minimum(src, dst), np.maximum(src, dst)
+    known = dst >= 0
+    flagged: dict[tuple[int, int], list[int]] = {}
+    for w in np.unique(windows[slow & known]):
+        if int(w) in explained:
+            continue
+        slow_w = slow & (windows == w)
+        for a, b in {(int(x), int(y)) for x, y in zip(lo[slow_w & known], hi[slow_w & known], strict=True)}:
+            on = slow_w & (lo == a) & (hi == b)
+            if extra[on].sum() >= s.coverage * extra[slow_w].sum():
+                flagged.setdefault((a, b), []).append(int(w))
+    out = []
+    for (a, b), ws in flagged.items():
+        on = known & (lo == a) & (hi == b)
+        since = [w for w in np.unique(windows[on]) if w >= ws[0]]
+        if len(ws) < needed(len(since), s.persistence):
+            continue
+        rows = d[on & slow & np.isin(windows, ws)]
+        t, base = float(rows["t"].median()), float(rows["base"].median())
+        out.append(
+            SlowLink(
+                rank=a,
+                peer=b,
+                pattern=TRANSFER_PREFIX + "tcp",
+                ratio=t / max(base, 1e-30),
+                gbps=1e-3 / max(t, 1e-12),
+                peer_gbps=1e-3 / max(base, 1e-12),
+                windows_flagged=len(ws),
+                windows=len(since),
+                span_s=span_s,
+            )
+        )
+    return out
+
+
 def find(data: JobData, s: Settings) -> list[Finding]:
     """One finding per rank whose link is slow."""
     links = slow_links(data.functions, s, data.ranks, data.links)
-    hosts = data.hosts_of(link.rank for link in links)
-    return [_finding(link, hosts) for link in links]
+    hosts = data.hosts_of(r for link in links for r in (link.rank, link.peer) if r >= 0)
+    return [_finding(link, hosts) if link.peer < 0 else _link_finding(link, hosts) for link in links]
+
+
+def _held(link: SlowLink) -> dict[str, object]:
+    if link.span_s:
+        return {"spans_flagged": f"{link.windows_flagged}/{link.windows}", "span_s": round(link.span_s, 1)}
+    return {"windows_flagged": f"{link.windows_flagged}/{link.windows}"}
+
+
+def _link_finding(link: SlowLink, hosts: dict[int, str]) -> Finding:
+    ends = [(r, hosts.get(r, "")) for r in (link.rank, link.peer)]
+    named = " and ".join(f"rank {r}{f' ({h})' if h else ''}" for r, h in ends)
+    return Finding(
+        cause="communication",
+        ranks=[link.rank, link.peer],
+        hosts=sorted({h for _, h in ends if h}),
+        function=link.pattern,
+        confidence=round(effect(link.ratio) * link.windows_flagged / max(link.windows, 1), 3),
+        summary=(
+            f"the link between {named} is slow — it moves {link.gbps:.3g} GB/s where the job's other "
+            f"links move {link.peer_gbps:.3g} GB/s ({link.ratio:.2f}x the time per byte), while each "
+            "end sends at its peers' speed on its other links: look at the path between the two "
+            "(a cable, a port, a route), not at either host"
+        ),
+        evidence={
+            "metric": "network send time per byte on the link, both ways, without the wait for peers",
+            "link_gbps": round(link.gbps, 3),
+            "peer_median_gbps": round(link.peer_gbps, 3),
+            "ratio": round(link.ratio, 3),
+            **_held(link),
+        },
+        scope="link",
+    )
 
 
 def _finding(link: SlowLink, hosts: dict[int, str]) -> Finding:
     host = hosts.get(link.rank, "")
-    held = (
-        {"spans_flagged": f"{link.windows_flagged}/{link.windows}", "span_s": round(link.span_s, 1)}
-        if link.span_s
-        else {"windows_flagged": f"{link.windows_flagged}/{link.windows}"}
-    )
+    held = _held(link)
     return Finding(
         cause="communication",
         ranks=[link.rank],

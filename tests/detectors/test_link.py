@@ -67,3 +67,34 @@ def test_a_slow_switch_uplink_is_the_switch_whose_links_to_the_rest_are_slow() -
     ranks = data.ranks.assign(switch=[f"sw{r // 2}" for r in range(6)])
     f = only(diagnose(replace(data, ranks=ranks, links=links)).findings)
     assert (f.cause, f.scope, f.ranks, f.evidence["switch"]) == ("communication", "switch", [2, 3], "sw1")
+
+
+def pipeline_links(slow_ms_per_mb: dict[tuple[int, int], float], spans: int = 6) -> pd.DataFrame:
+    """Heartbeats' link sends of a (dp=2, pp=2) job on four hosts (one rank each, 10.0.0.<rank>):
+    each data-parallel pair (0-2, 1-3) moves 40 MB of gradients each way per 5 s at ~1 ms per MB;
+    each pipeline's stages (0-1, 2-3) 6 MB of activations and their gradients, small messages that
+    read ~60 ms per MB (measured on a healthy pipeline_dp job: their latency, not the link's rate);
+    ``slow_ms_per_mb[(src, dst)]`` instead where given."""
+    rows = []
+    for span in range(spans):
+        t = LINK_T0 + (span + 1) * 5_000_000
+        for src, dst, mb, ms in [
+            *((a, b, 40, 1.0 + 0.03 * ((a + span) % 3)) for a, b in ((0, 2), (2, 0), (1, 3), (3, 1))),
+            *((a, b, 6, 60.0 + 5.0 * ((a + span) % 3)) for a, b in ((0, 1), (1, 0), (2, 3), (3, 2))),
+        ]:
+            ms = slow_ms_per_mb.get((src, dst), ms)
+            rows.append(
+                {"rank": src, "time_us": t + src * 1_000, "link": f"10.0.0.{src}>10.0.0.{dst}",
+                 "nbytes": mb << 20, "send_us": int(mb * ms * 1000)}
+            )  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def test_a_slow_link_between_two_stages_is_named_as_the_link_not_either_end() -> None:
+    data = synthetic(ranks=4, hosts_of=4)
+    assert link.find(replace(data, links=pipeline_links({})), SETTINGS) == [], "a healthy pipeline"
+    for slow in ({(2, 3): 300.0, (3, 2): 300.0}, {(2, 3): 300.0}):  # both ways, or one
+        f = only(link.find(replace(data, links=pipeline_links(slow)), SETTINGS))
+        assert (f.cause, f.scope, f.ranks, f.hosts) == ("communication", "link", [2, 3], ["node2", "node3"])
+        assert f.summary.startswith("the link between rank 2 (node2) and rank 3 (node3) is slow"), f.summary
+        assert f.evidence["spans_flagged"] == "6/6" and f.evidence["ratio"] > 4
