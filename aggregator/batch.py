@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 
 # --- checking a dead letter's values against its columns ----------------------------------------
 #
-# A record's rows need no such check: see ``_implied`` below.
+# A record's rows need no such check: see ``implied`` below.
 
 
 def _int64(v: Any) -> Any:
@@ -115,7 +115,7 @@ def _wire_types() -> dict[str, set[str]]:
     return out
 
 
-def _implied(column: str, type_: str, wire: set[str]) -> bool:
+def implied(column: str, type_: str, wire: set[str]) -> bool:
     """Whether every value wire.records lets through for a field of these types fits the column."""
     if wire == {"int"}:
         lo, hi = INT_RANGES.get(column, INT64)
@@ -133,7 +133,7 @@ _MADE_HERE = {(WINDOWS.name, "n_functions"), (ARRIVALS.name, "type")}
 _WIRE = _wire_types()
 for _table in (STEPS, HEARTBEATS, RANKS, ATTEMPTS, CHECKPOINTS, EXITS, WINDOWS, FUNCTIONS, ARRIVALS):
     for _name, _type in zip(_table.column_names, _table.column_types, strict=True):
-        if (_table.name, _name) not in _MADE_HERE and not _implied(_name, _type, _WIRE.get(_name, set())):
+        if (_table.name, _name) not in _MADE_HERE and not implied(_name, _type, _WIRE.get(_name, set())):
             raise ImportError(f"{_table.name}.{_name} ({_type}) may get values wire.records lets through")
 
 

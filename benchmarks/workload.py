@@ -254,7 +254,7 @@ HANG_S = 3600.0
 """A hang lasts this long unless the job is stopped first."""
 
 
-def _model(hidden: int) -> Any:
+def model_of(hidden: int) -> Any:
     import torch
 
     torch.manual_seed(0)
@@ -493,7 +493,7 @@ def _train(rank: int, spec: JobSpec, attach: Callable[[], Any], fault: str) -> d
     )
     sampler: DistributedSampler = DistributedSampler(data, num_replicas=spec.world_size, rank=rank, seed=0)  # type: ignore[arg-type]
     loader: DataLoader = DataLoader(data, batch_size=spec.batch_size, sampler=sampler)  # type: ignore[arg-type]
-    model = plain = _model(spec.hidden)
+    model = plain = model_of(spec.hidden)
     if spec.loop == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 

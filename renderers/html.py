@@ -212,7 +212,7 @@ def _columns(wide: pd.DataFrame, forced: set[str]) -> list[_Column]:
     return sorted(kept, key=lambda c: -total[c[0]])
 
 
-def _short(name: str, limit: int = 34) -> str:
+def short(name: str, limit: int = 34) -> str:
     """A column label: ``path/file.py(96): func`` -> ``func · file.py:96``; long names cut in the middle."""
     if m := re.fullmatch(r"(?:.*/)?([^/]+)\((\d+)\): (.+)", name):
         name = f"{m[3]} · {m[1]}:{m[2]}"
@@ -302,7 +302,7 @@ def _heatmap_svg(
     for j, ((kind, name), alias) in enumerate(cols):
         tip = "\n".join([f"{name} ({kind})", *(["same time as:", *alias] if alias else [])])
         mark = {"fill": "#b2182b", "font_weight": "700"} if name in named else {}
-        label = _el("title", _e(tip)) + ("▼ " if mark else "") + _e(_short(name))
+        label = _el("title", _e(tip)) + ("▼ " if mark else "") + _e(short(name))
         at = f"translate({lw + cw * j + cw / 2:.0f},{top - 6}) rotate(-45)"
         svg.append(_el("text", label, transform=at, **{"class": "col", **mark}))
     for i, (_, label, bad) in enumerate(rows):

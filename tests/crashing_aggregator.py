@@ -1,6 +1,6 @@
 """``rankscope aggregate`` that dies right after its first batch insert, before committing offsets.
 
-For tests/test_kafka.py: the process ends with ``os._exit(9)`` (no cleanup, no commit), as a
+For tests/kafka/: the process ends with ``os._exit(9)`` (no cleanup, no commit), as a
 killed aggregator would. Usage: ``python -m tests.crashing_aggregator aggregate --kafka ...``.
 """
 

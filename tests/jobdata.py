@@ -150,3 +150,10 @@ def ring_links(hosts: int, slow_ms_per_mb: dict[tuple[int, int], float], spans: 
                 {"rank": r, "time_us": t, "link": f"10.0.0.{r}>10.0.0.{prev}", "nbytes": 100 << 10, "send_us": 300_000},
             ]  # fmt: skip
     return pd.DataFrame(rows)
+
+
+def samples_frame(per_rank: dict[int, dict[str, int]]) -> pd.DataFrame:
+    """The heartbeats' stack samples as ``JobData.samples`` holds them: per rank, a count per key
+    (``wire.records.sample_key``)."""
+    rows = [(r, key, n) for r, keys in per_rank.items() for key, n in keys.items()]
+    return pd.DataFrame(rows, columns=["rank", "function", "samples"])

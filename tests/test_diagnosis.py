@@ -1,6 +1,6 @@
 """The diagnosis as a whole: a healthy job, stragglers rolled up by host, switch and spine, the
 findings' contract, what the records do not say, and recorded real runs. Each detector's rules are
-tested in ``tests/detectors/``, how a straggler's function is named in ``tests/test_functions.py``."""
+tested in ``tests/detectors/``, how a straggler's function is named in ``tests/detectors/straggler/``."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ import pytest
 from benchmarks import scoring
 from benchmarks.injectors import Fabric, Unavailable
 from benchmarks.scenarios import ScenarioError, load, load_all
-from benchmarks.workload import Fault, JobSpec, _model, padding_rows
+from benchmarks.workload import Fault, JobSpec, model_of, padding_rows
 from rankscope.diagnosis.findings import Diagnosis, Finding
 
 
@@ -288,7 +288,7 @@ def test_a_slow_device_pads_more_rows_the_slower_it_is_and_leaves_no_gradients()
     import torch
 
     torch.manual_seed(0)
-    model, x = _model(256), torch.randn(32, 128)
+    model, x = model_of(256), torch.randn(32, 128)
     assert padding_rows(model, x, 1.0) == 0
     mild, heavy = padding_rows(model, x, 1.5), padding_rows(model, x, 3.0)
     assert 1 <= mild < heavy, (mild, heavy)

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from rankscope.diagnosis import Diagnosis, Finding, JobData
-from rankscope.renderers.html import MAX_POINTS, STEP_PARTS, TOP_FUNCTIONS, _short, write_report
+from rankscope.renderers.html import MAX_POINTS, STEP_PARTS, TOP_FUNCTIONS, short, write_report
 
 RANKS = 4
 CULPRIT = 2
@@ -208,5 +208,5 @@ def test_a_job_without_records(tmp_path: Path) -> None:
     ],
 )
 def test_short_column_labels(name: str, label: str) -> None:
-    assert _short(name) == label
-    assert len(_short("x" * 100)) <= 34
+    assert short(name) == label
+    assert len(short("x" * 100)) <= 34
