@@ -36,6 +36,7 @@ from typing import Any
 
 from rankscope.wire.errors import StoreError, UsageError
 from rankscope.wire.kafka import api_version_kwargs
+from rankscope.wire.settings import check_numbers
 
 from .batch import Batch
 from .metrics import Metrics
@@ -49,12 +50,20 @@ class KafkaSettings:
     bootstrap: str
     """Comma-separated ``host:port`` list."""
     topic: str = "rankscope"
+    """The topic the hooks produce to."""
     group: str = "rankscope-aggregator"
+    """The consumer group: aggregators of one group share the topic's partitions."""
     client_id: str = "rankscope-aggregator"
+    """This client's name in the broker's logs."""
     api_version: str = ""
     """E.g. ``"0.9"`` for the test broker; leave empty in production (the client probes)."""
     options: dict[str, Any] = field(default_factory=dict)
     """Passed through to ``KafkaConsumer`` (SASL/SSL settings, fetch sizes…); see :meth:`check`."""
+
+    def __post_init__(self) -> None:
+        for name in ("bootstrap", "topic", "group"):
+            if not getattr(self, name):
+                raise UsageError(f"KafkaSettings.{name} must not be empty")
 
     def check(self) -> None:
         """Refuse (:class:`~aggregator.errors.UsageError`) an option ``KafkaConsumer`` does not know,
@@ -138,8 +147,15 @@ class BatchSettings:
     retry_s: float = 0.5
     """First wait before retrying a failed insert; doubles up to ``retry_max_s``."""
     retry_max_s: float = 30.0
+    """The longest wait between retries."""
     writers: int = 2
     """Batches written at once, each through its own connection (one more parses while one waits)."""
+
+    def __post_init__(self) -> None:
+        check_numbers(self)
+        for name in ("records", "bytes", "writers"):
+            if getattr(self, name) < 1:
+                raise UsageError(f"BatchSettings.{name} must be >= 1, got {getattr(self, name)}")
 
 
 @dataclass(slots=True)

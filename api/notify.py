@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Literal
@@ -98,7 +98,7 @@ class Notifier:
 
     def __init__(
         self,
-        webhooks: list[Webhook],
+        webhooks: Sequence[Webhook],
         record: Callable[[str, int, str, str, int, str], None],
         *,
         attempts: int = 6,

@@ -19,7 +19,7 @@ from rankscope.renderers.html import efficiency_section, page, reliability_secti
 
 from .auth import need_read
 from .deps import Svc, known_job, known_ticket
-from .tickets import Rules, Ticket, culprit, fingerprint, open_after_s
+from .tickets import Ticket, TicketSettings, culprit, fingerprint, open_after_s
 
 router = APIRouter(tags=["pages"], include_in_schema=False, dependencies=[Depends(need_read)])
 REFRESH_S = 5
@@ -58,8 +58,8 @@ def _ticket_rows(tickets: list[Ticket]) -> str:
     return f'<table class="list">{head}<th>lost rank-s</th><th>opened</th></tr>{rows}</table>'
 
 
-def _watched(d: Diagnosis, pending: dict[str, int], now_us: int, rules: Rules) -> str:
-    """The findings not yet sure enough to ticket (``Rules.open_after_s``): shown, paging no one."""
+def _watched(d: Diagnosis, pending: dict[str, int], now_us: int, rules: TicketSettings) -> str:
+    """The findings not yet sure enough to ticket (``TicketSettings.open_after_s``): shown, paging no one."""
     rows = [
         f"<li>{_e(f.cause)} on {_e(culprit(f))} (confidence {f.confidence:.2f}), seen for "
         f"{(now_us - pending[fp]) / 1e6:.0f} s of the {open_after_s(f, rules):g} s it must hold</li>"
@@ -105,7 +105,7 @@ def job_page(job: str, svc: Svc) -> HTMLResponse:
     extra = (
         f'<p class="meta">state <span class="st {state}">{state}</span> · step {js.step} · '
         f'{js.steps_per_s:.2f} steps/s · diagnosed {_time(js.diagnosed_us)} · <a href="/">all jobs</a></p>'
-        f"<h2>Tickets</h2>{_ticket_rows(tickets)}" + _watched(d, js.pending, svc.now_us, svc.settings.rules)
+        f"<h2>Tickets</h2>{_ticket_rows(tickets)}" + _watched(d, js.pending, svc.now_us, svc.settings.tickets)
     )
     if (e := svc.efficiency(job)) is not None:
         extra += efficiency_section(e)

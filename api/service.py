@@ -37,16 +37,20 @@ from rankscope.diagnosis.efficiency import Efficiency
 from rankscope.diagnosis.efficiency import read as read_efficiency
 from rankscope.diagnosis.ettr import Reliability, measure, read_run
 from rankscope.renderers.html import MAX_POINTS, culprit_ranks, heatmap_data, per_step, pictures, step_series
+from rankscope.wire.errors import UsageError
+from rankscope.wire.settings import check_numbers
 
 from . import storage
 from .notify import Notifier, Webhook
-from .tickets import Event, Rules, Ticket, reconcile
+from .tickets import Event, Ticket, TicketSettings, reconcile
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ServeSettings:
+    """What ``rankscope serve`` runs with (its command's options)."""
+
     spool: str | None = None
     """Spool directory the hooks write, watched every cycle (None: the store is filled otherwise)."""
     kafka: KafkaSettings | None = None
@@ -62,8 +66,10 @@ class ServeSettings:
     """A job whose page or pictures were asked for in the last this-many seconds has them drawn
     after each of its diagnoses, so that a page refresh finds them ready; the others' are drawn when
     asked for. At 1,000 ranks of 100 ms steps drawing takes ~2 s, as long as the diagnosis."""
-    rules: Rules = field(default_factory=Rules)
-    webhooks: list[Webhook] = field(default_factory=list)
+    tickets: TicketSettings = field(default_factory=TicketSettings)
+    """When tickets open and resolve."""
+    webhooks: tuple[Webhook, ...] = ()
+    """Notified of each ticket opened and resolved."""
     base_url: str = "http://127.0.0.1:8080"
     """Where people reach this service: links in notifications."""
     replica: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
@@ -74,6 +80,11 @@ class ServeSettings:
     alive every half interval on a connection of its own, whatever its cycles take; where cycles
     are driven one by one (:meth:`Service.cycle`), each notes it, for two ``interval_s`` and two
     of its last cycle's duration (a large job's cycle is no death)."""
+
+    def __post_init__(self) -> None:
+        check_numbers(self)
+        if self.interval_s <= 0:
+            raise UsageError(f"ServeSettings.interval_s must be > 0, got {self.interval_s}")
 
 
 @dataclass(slots=True)
@@ -94,7 +105,7 @@ class JobState:
     recent: RecentJob | None = None
     """Its recent data, brought up to date each time it is diagnosed (what the pictures show)."""
     pending: dict[str, int] = field(default_factory=dict)
-    """Its findings not yet ticketed: fingerprint -> first seen (``Rules.open_after_s``). Held in
+    """Its findings not yet ticketed: fingerprint -> first seen (``TicketSettings.open_after_s``). Held in
     memory: a replica that takes the job over, or a restarted service, watches them afresh."""
 
     def adopt(self, stored: dict[str, Any]) -> None:
@@ -315,7 +326,7 @@ class Service:
         with self.lock:  # the API's ticket actions change tickets too
             self._refresh_tickets(js.job)
             changes = reconcile(
-                self.tickets, js.job, findings, now_us, world, self.settings.rules, ended, js.pending
+                self.tickets, js.job, findings, now_us, world, self.settings.tickets, ended, js.pending
             )
             if not changes:
                 return

@@ -28,6 +28,7 @@ from typing import Any, Literal
 from rankscope.diagnosis import Finding
 from rankscope.diagnosis.detectors.failure import HARDWARE
 from rankscope.diagnosis.findings import LEVELS
+from rankscope.wire.settings import check_numbers
 
 State = Literal["open", "acknowledged", "resolved"]
 STATES: tuple[State, ...] = ("open", "acknowledged", "resolved")
@@ -144,8 +145,10 @@ def lost_rank_s(f: Finding, world_size: int) -> float:
     return max(extra_ms, 0.0) / 1e3 * float(held) * max(world_size - len(f.ranks), 1)
 
 
-@dataclass(frozen=True, slots=True)
-class Rules:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TicketSettings:
+    """When a finding's ticket opens and resolves."""
+
     resolve_after_s: float = 60.0
     """A ticket resolves once its finding has been absent this long (Alertmanager's resolve_timeout)."""
     open_after_s: float = 15.0
@@ -160,12 +163,15 @@ class Rules:
     and a shared machine or cluster slows every rank of a healthy job alike for tens of seconds at a
     time; until then the job page shows it as watched."""
 
+    def __post_init__(self) -> None:
+        check_numbers(self)
+
 
 URGENT = ("hang", "failure")
 """Causes whose ticket opens at the first diagnosis that finds them."""
 
 
-def open_after_s(f: Finding, rules: Rules) -> float:
+def open_after_s(f: Finding, rules: TicketSettings) -> float:
     """How long a slowdown's finding must hold before its ticket opens."""
     return rules.open_after_job_wide_s if f.cause == "job_wide" else rules.open_after_s
 
@@ -185,7 +191,7 @@ def reconcile(
     findings: list[Finding],
     now_us: int,
     world_size: int,
-    rules: Rules = Rules(),
+    rules: TicketSettings = TicketSettings(),
     ended: bool = False,
     pending: dict[str, int] | None = None,
 ) -> list[Change]:

@@ -34,7 +34,7 @@ import pandas as pd
 
 from benchmarks.workload import JobSpec, RunningJob, first_onset, free_port
 from rankscope.aggregator import Store, ingest
-from rankscope.api.tickets import Rules, Ticket, fingerprint, reconcile
+from rankscope.api.tickets import Ticket, TicketSettings, fingerprint, reconcile
 from rankscope.diagnosis import Finding, diagnose, read_job
 
 from . import machine, scoring, torchrun_job
@@ -262,7 +262,9 @@ def _tickets(job: str, probes: list[scoring.Probe], world_size: int) -> list[tup
     opened = []
     for p in probes:
         now_us = int(p.after_s * 1e6)
-        for c in reconcile(tickets, job, p.diagnosis.findings, now_us, world_size, Rules(), pending=pending):
+        for c in reconcile(
+            tickets, job, p.diagnosis.findings, now_us, world_size, TicketSettings(), pending=pending
+        ):
             if c.kind == "opened":
                 f = next(f for f in p.diagnosis.findings if fingerprint(job, f) == c.ticket.fingerprint)
                 opened.append((p.after_s, f))

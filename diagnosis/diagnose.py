@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from rankscope.wire import records
+from rankscope.wire.errors import UsageError
+from rankscope.wire.settings import check_numbers
 
 from . import topology
 from .data import JobData
@@ -21,12 +23,22 @@ class Settings:
     """Each detector's settings, under its name (``detectors.DETECTORS``)."""
 
     failure: failure.Settings = field(default_factory=failure.Settings)
+    """Why the job's attempts died (``detectors.failure``)."""
     hang: hang.Settings = field(default_factory=hang.Settings)
+    """When the job is hung, and on whom it waits (``detectors.hang``)."""
     straggler: straggler.Settings = field(default_factory=straggler.Settings)
+    """The ranks that hold the job back (``detectors.straggler``)."""
     link: link.Settings = field(default_factory=link.Settings)
+    """Slow network links (``detectors.link``)."""
     job_wide: job_wide.Settings = field(default_factory=job_wide.Settings)
+    """Every rank slower than the job's own start (``detectors.job_wide``)."""
     min_confidence: float = 0.3
     """Findings below this confidence are not reported."""
+
+    def __post_init__(self) -> None:
+        check_numbers(self)
+        if self.min_confidence > 1:
+            raise UsageError(f"Settings.min_confidence must be <= 1, got {self.min_confidence}")
 
 
 def coverage_gaps(ranks: pd.DataFrame) -> list[str]:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rankscope.wire.errors import UsageError
+from rankscope.wire.settings import check_numbers
 
 from .labels import topology
 
@@ -16,7 +17,7 @@ log = logging.getLogger(__name__)
 _warned_shared_job = False
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Config:
     """Settings of the in-rank hook. Every field has a default that is safe for production."""
 
@@ -89,6 +90,7 @@ class Config:
     """Passed to kafka-python's KafkaProducer as is: security_protocol, sasl_*, ssl_*, ..."""
 
     def __post_init__(self) -> None:
+        check_numbers(self)
         for name in ("queue_size", "window_steps", "max_functions"):
             if getattr(self, name) < 1:
                 raise UsageError(f"Config.{name} must be >= 1, got {getattr(self, name)}")
@@ -106,14 +108,19 @@ class Config:
         if self.sink not in ("spool", "kafka", "none"):
             raise UsageError(f"Config.sink must be 'spool', 'kafka' or 'none', got {self.sink!r}")
         if os.environ.get("RANKSCOPE_ENABLE", "1").strip().lower() in ("0", "false", "no", "off"):
-            self.enable = False
+            object.__setattr__(self, "enable", False)  # frozen: set once, here
         if not self.job and not os.environ.get("RANKSCOPE_JOB"):
             _warn_shared_job(os.environ.get("TORCHELASTIC_RUN_ID", ""))
-        self.job = (
+        job = (
             self.job or os.environ.get("RANKSCOPE_JOB") or os.environ.get("TORCHELASTIC_RUN_ID") or "default"
         )
-        self.spool_dir = self.spool_dir or os.environ.get("RANKSCOPE_SPOOL", "rankscope-spool")
-        self.kafka_bootstrap = self.kafka_bootstrap or os.environ.get("RANKSCOPE_KAFKA", "")
+        object.__setattr__(self, "job", job)
+        object.__setattr__(
+            self, "spool_dir", self.spool_dir or os.environ.get("RANKSCOPE_SPOOL", "rankscope-spool")
+        )
+        object.__setattr__(
+            self, "kafka_bootstrap", self.kafka_bootstrap or os.environ.get("RANKSCOPE_KAFKA", "")
+        )
         if self.sink == "kafka" and not self.kafka_bootstrap:
             raise UsageError("Config.kafka_bootstrap (or $RANKSCOPE_KAFKA) is required with sink='kafka'")
 

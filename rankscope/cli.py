@@ -296,7 +296,7 @@ def _serve(a: argparse.Namespace) -> int:
     from rankscope.api import ServeSettings, Service, create_app
     from rankscope.api.auth import Tokens
     from rankscope.api.notify import Webhook
-    from rankscope.api.tickets import Rules
+    from rankscope.api.tickets import TicketSettings
 
     tokens = Tokens.load(a.tokens)
     try:
@@ -316,12 +316,12 @@ def _serve(a: argparse.Namespace) -> int:
         kafka=kafka,
         interval_s=a.interval,
         ended_after_s=a.ended_after,
-        rules=Rules(
+        tickets=TicketSettings(
             resolve_after_s=a.resolve_after,
             **({} if a.open_after is None else {"open_after_s": a.open_after}),
             **({} if a.open_after_job_wide is None else {"open_after_job_wide_s": a.open_after_job_wide}),
         ),
-        webhooks=[Webhook(u) for u in a.webhook] + [Webhook(u, "slack") for u in a.slack_webhook],
+        webhooks=(*(Webhook(u) for u in a.webhook), *(Webhook(u, "slack") for u in a.slack_webhook)),
         base_url=a.base_url or f"http://{a.host}:{a.port}",
         **({"replica": a.replica} if a.replica else {}),
     )

@@ -176,10 +176,12 @@ def test_a_healthy_jobs_steps_needing_more_cpu_time_mean_its_machine_slowed() ->
 
     from benchmarks import machine
 
-    def steps(late: float) -> pd.DataFrame:  # 4 ranks x 60 steps; the last 20 take ``late`` x the CPU time
+    def steps(
+        late: float, from_step: int = 40
+    ) -> pd.DataFrame:  # 4 ranks x 60 steps; ``late`` x the CPU time
         return pd.DataFrame(
             [
-                {"rank": r, "step": i, "cpu_us": 6000 * (late if i >= 40 else 1.0) + 10 * (i % 3)}
+                {"rank": r, "step": i, "cpu_us": 6000 * (late if i >= from_step else 1.0) + 10 * (i % 3)}
                 for r in range(4)
                 for i in range(60)
             ]
@@ -191,6 +193,8 @@ def test_a_healthy_jobs_steps_needing_more_cpu_time_mean_its_machine_slowed() ->
     assert machine.work(steps(1.2)) == pytest.approx(1.2, abs=0.01)
     assert machine.slowed({**steady, "work": machine.work(steps(1.2))})
     assert machine.work(steps(1.2).query("step < 20")) is None, "too few steps a rank to tell"
+    # Slower from a quarter into the run on: the job's start against its end, as job_wide reads it.
+    assert machine.work(steps(1.2, from_step=15)) == pytest.approx(1.2, abs=0.01)
 
 
 def test_two_faults_and_the_function_named() -> None:

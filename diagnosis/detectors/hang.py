@@ -17,6 +17,8 @@ from typing import Any
 
 import pandas as pd
 
+from rankscope.wire.settings import check_numbers
+
 from ..data import JobData
 from ..findings import Finding
 from ..gpu_faults import gpu_faults
@@ -31,6 +33,9 @@ class Settings:
     """The job is hung when some rank made no progress for this long."""
     silent_s: float = 30.0
     """A rank whose latest heartbeat is this much older than the newest one is silent."""
+
+    def __post_init__(self) -> None:
+        check_numbers(self)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from rankscope.wire.records import WAIT_KIND, WAIT_PATTERN
+from rankscope.wire.settings import check_numbers
 
 from .. import grid
 from ..data import JobData
@@ -20,10 +21,11 @@ class Settings:
     ratio: float = 1.3
     """All ranks' step time grew by this factor from the first to the last chunks: job-wide..."""
     own_ratio: float = 1.2
+    """...or all ranks' own time grew by this factor..."""
     step_ratio: float = 1.05
-    """...or all ranks' own time grew by ``own_ratio`` while step time grew by ``step_ratio`` at
-    least (where collectives dominate the step, waiting absorbs part of everybody's slower work: a
-    1.8x slower compute on shared cores raises own time ~1.3x, step time ~1.13x). On healthy jobs
+    """...while step time grew by this factor at least (where collectives dominate the step,
+    waiting absorbs part of everybody's slower work: a 1.8x slower compute on shared cores raises
+    own time ~1.3x, step time ~1.13x). On healthy jobs
     there own time less the run-queue wait stays within 0.86-1.05x of its start (with the wait in
     it, it drifts up to ~1.3x)."""
     steps: int = 3000
@@ -34,8 +36,12 @@ class Settings:
     background threads, allocator and cache warm-up, the first profiling windows) are no baseline.
     6-14 s into a healthy job, they read as a 1.3-1.4x job-wide slowdown."""
     warmup_steps: int = 10
+    """The first steps left out..."""
     chunks: int = 6
-    """The first steps left out, and the chunks the rest is cut into (first against last)."""
+    """...and the chunks the rest is cut into (first against last)."""
+
+    def __post_init__(self) -> None:
+        check_numbers(self)
 
 
 def find(data: JobData, s: Settings) -> list[Finding]:

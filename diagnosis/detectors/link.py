@@ -36,6 +36,7 @@ import numpy as np
 import pandas as pd
 
 from rankscope.wire.records import TRANSFER_PREFIX
+from rankscope.wire.settings import check_numbers
 
 from ..data import JobData
 from ..findings import LEVELS, Finding, effect
@@ -49,6 +50,8 @@ class Settings:
     min_z: float = 5.0
     """...and by this many robust standard deviations (from ``z_min_ranks`` ranks on)."""
     z_min_ranks: int = 8
+    """Below this many links (or ranks) in a window the deviation test is left out: their spread
+    says too little."""
     mad_floor: float = 0.03
     """The robust deviation is never taken below this fraction of the median."""
     persistence: float = 0.5
@@ -67,6 +70,9 @@ class Settings:
     span_s: float = 5.0
     """The heartbeats' link sends are compared across ranks per span of this many seconds (at least
     the ranks' heartbeat period): each span is a window of the comparison."""
+
+    def __post_init__(self) -> None:
+        check_numbers(self)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

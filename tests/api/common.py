@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 
 from rankscope.aggregator import Store, ingest
 from rankscope.api import ServeSettings, Service
-from rankscope.api.tickets import Rules
+from rankscope.api.tickets import TicketSettings
 
 FIXTURES = Path(__file__).parents[1] / "fixtures"
 JOBS = ("compute-r2", "healthy")
@@ -25,8 +25,8 @@ def service_on(store_dir: Path, spool: Path, **settings: Any) -> tuple[Store, Se
     ingest(spool, store)
     settings.setdefault("ended_after_s", 3600.0)  # the two recorded jobs ran a minute apart
     # A recorded job is diagnosed once (it does not grow): its tickets open at that diagnosis. The
-    # pending rule (Rules.open_after_s) has its own tests.
-    settings.setdefault("rules", Rules(open_after_s=0))
+    # pending rule (TicketSettings.open_after_s) has its own tests.
+    settings.setdefault("tickets", TicketSettings(open_after_s=0))
     return store, Service(store, ServeSettings(spool=str(spool), **settings))
 
 

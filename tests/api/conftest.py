@@ -41,7 +41,7 @@ def receiver() -> Iterator[Receiver]:
 
 @pytest.fixture
 def served(store_dir: Path, spool: Path, receiver: Receiver) -> Iterator[tuple[Service, TestClient]]:
-    store, svc = service_on(store_dir, spool, webhooks=[Webhook(receiver.url)])
+    store, svc = service_on(store_dir, spool, webhooks=(Webhook(receiver.url),))
     yield svc, TestClient(create_app(svc, Tokens({READ: "read", WRITE: "write"})))
     svc.stop()
     store.close()

@@ -4,6 +4,7 @@ webhooks it calls, replicas sharing the jobs."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 from urllib.parse import quote
 
@@ -147,7 +148,7 @@ def test_a_fault_that_stopped_resolves_its_ticket_while_the_job_runs(
     now = running(svc)
     (t,) = get(client, "/api/v1/tickets")
     # The job goes on healthy: its recent records (here: its last 0.5 s) show no straggler.
-    svc.settings.recent_s = 0.5
+    svc.settings = replace(svc.settings, recent_s=0.5)
     svc.jobs["compute-r2"].data_last_us = -1  # as if new records had come
     svc.cycle(now_us=now + 30_000_000)
     assert get(client, f"/api/v1/tickets/{t['id']}")["state"] == "open"  # absent 30 s: not yet
@@ -218,7 +219,7 @@ def test_a_restarted_service_keeps_its_tickets_and_opens_none_twice(
 
 def test_a_dead_webhook_is_retried_with_backoff_and_every_attempt_kept(store_dir: Path, spool: Path) -> None:
     flaky = Receiver(codes=(500, 503))
-    store, svc = service_on(store_dir, spool, webhooks=[Webhook(flaky.url)])
+    store, svc = service_on(store_dir, spool, webhooks=(Webhook(flaky.url),))
     svc.notifier.backoff_s = 0.05
     try:
         running(svc)

@@ -21,7 +21,7 @@ from schemathesis.specs.openapi.checks import response_schema_conformance
 from rankscope.aggregator import Store, ingest
 from rankscope.api import ServeSettings, Service, create_app
 from rankscope.api.auth import Tokens
-from rankscope.api.tickets import Rules
+from rankscope.api.tickets import TicketSettings
 from tests.api.common import JOBS, WRITE
 
 
@@ -32,7 +32,9 @@ def api_schema(spool: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         svc = Service(store, ServeSettings(spool=str(spool), ended_after_s=1e9))
         now = int(store.jobs()["last_us"].max()) + 1_000_000
         svc.cycle(now_us=now)
-        svc.cycle(now_us=now + int(Rules().open_after_s * 1e6))  # the slow rank's finding held: a ticket
+        svc.cycle(
+            now_us=now + int(TicketSettings().open_after_s * 1e6)
+        )  # the slow rank's finding held: a ticket
         assert svc.tickets  # the ticket routes have something to act on
         app = create_app(svc, Tokens({WRITE: "write"}))
         yield schemathesis.openapi.from_asgi("/openapi.json", app)

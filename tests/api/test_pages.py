@@ -18,7 +18,7 @@ from benchmarks.workload import free_port
 from rankscope.api import Service, create_app
 from rankscope.api.auth import Tokens
 from rankscope.api.notify import Webhook
-from rankscope.api.tickets import Rules, fingerprint
+from rankscope.api.tickets import TicketSettings, fingerprint
 from tests.api.common import READ, WRITE, get, running, service_on
 
 
@@ -44,7 +44,7 @@ def test_a_finding_not_yet_held_is_watched_on_the_job_page_and_pages_no_one(
 ) -> None:
     """At the defaults a user gets, the slow rank's first diagnosis opens no ticket and sends no
     webhook; the job page and the API say it is watched."""
-    store, svc = service_on(store_dir, spool, webhooks=[Webhook(receiver.url)], rules=Rules())
+    store, svc = service_on(store_dir, spool, webhooks=(Webhook(receiver.url),), tickets=TicketSettings())
     try:
         now = running(svc)
         client = TestClient(create_app(svc, Tokens({READ: "read", WRITE: "write"})))
@@ -55,10 +55,10 @@ def test_a_finding_not_yet_held_is_watched_on_the_job_page_and_pages_no_one(
         client.cookies.set("rankscope_token", READ)
         page = client.get("/jobs/compute-r2").text
         assert "Watching, not yet a ticket" in page and "compute on ranks 2" in page
-        assert f"of the {Rules().open_after_s:g} s it must hold" in page
+        assert f"of the {TicketSettings().open_after_s:g} s it must hold" in page
         assert receiver.wait_for(1, timeout_s=1.0) == []
         # Held on for open_after_s: the job sent nothing new, its diagnosis stands, it opens.
-        svc.cycle(now_us=now + int(Rules().open_after_s * 1e6))
+        svc.cycle(now_us=now + int(TicketSettings().open_after_s * 1e6))
         assert [(t.job, t.cause, t.ranks) for t in svc.tickets.values()] == [("compute-r2", "compute", [2])]
         assert receiver.wait_for(1)[0]["alerts"][0]["status"] == "firing"
     finally:

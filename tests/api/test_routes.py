@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -54,7 +55,9 @@ def test_replicas_share_the_jobs_keep_one_ticket_and_take_over_a_dead_ones_jobs(
     try:
         now = running(svc)  # alone so far: it diagnoses both jobs
         (tid,) = (t.id for t in svc.tickets.values() if t.job == "compute-r2")
-        svc.settings.lease_s = 10.0  # by default also twice the last cycle's time: here, the clock's
+        svc.settings = replace(
+            svc.settings, lease_s=10.0
+        )  # by default also twice the last cycle's time: here, the clock's
         other = Service(other_store, ServeSettings(ended_after_s=3600.0, replica="other", lease_s=10.0))
         other.cycle(now_us=now + 100_000)
         svc.cycle(now_us=now + 200_000)

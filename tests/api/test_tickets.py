@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from rankscope.api.tickets import Rules, Ticket, fingerprint, reconcile
+from rankscope.api.tickets import Ticket, TicketSettings, fingerprint, reconcile
 from rankscope.diagnosis import Finding
 
 
@@ -21,7 +21,7 @@ def _finding(
 
 def test_a_fault_that_returns_after_resolving_is_a_new_linked_occurrence() -> None:
     tickets: dict[str, Ticket] = {}
-    rules, s = Rules(resolve_after_s=30), 1_000_000
+    rules, s = TicketSettings(resolve_after_s=30), 1_000_000
     assert [c.kind for c in reconcile(tickets, "j", [_finding()], 0, 8, rules)] == ["opened"]
     assert [c.kind for c in reconcile(tickets, "j", [_finding()], 10 * s, 8, rules)] == ["updated"]
     assert reconcile(tickets, "j", [], 20 * s, 8, rules) == []  # absent 10 s: not yet
@@ -38,7 +38,7 @@ def test_a_slowdown_opens_its_ticket_once_it_held_and_one_that_comes_and_goes_op
     it; one missing diagnosis starts it over. A hang opens its ticket at once."""
     tickets: dict[str, Ticket] = {}
     pending: dict[str, int] = {}
-    rules, s = Rules(open_after_s=15), 1_000_000
+    rules, s = TicketSettings(open_after_s=15), 1_000_000
 
     def cycle(at_s: float, *findings: Finding) -> list[str]:
         return [
@@ -65,7 +65,7 @@ def test_a_job_wide_slowdown_pages_only_once_it_held_for_minutes() -> None:
     until it held ``open_after_job_wide_s``; a rank's slowdown beside it opens as before."""
     tickets: dict[str, Ticket] = {}
     pending: dict[str, int] = {}
-    rules, s = Rules(), 1_000_000
+    rules, s = TicketSettings(), 1_000_000
     wide = _finding(cause="job_wide", ranks=(0, 1, 2, 3), scope="job")
 
     def cycle(at_s: float, *findings: Finding) -> list[str]:

@@ -21,11 +21,12 @@ def test_serve_consumes_the_topic_and_opens_the_ticket(broker: KafkaBroker, tmp_
     """``rankscope serve --kafka``: a recorded real run (rank 2 computes slower) arrives by Kafka."""
     from rankscope.api import ServeSettings, Service
 
-    fixture = Path(__file__).parent / "fixtures" / "compute-r2"
+    fixture = Path(__file__).parents[1] / "fixtures" / "compute-r2"
     items = []
     for gz in sorted(fixture.glob("*.jsonl.gz")):
         key = f"compute-r2/{gz.name.split('rank')[1].split('.')[0]}".encode()
         items += [(key, line) for line in gzip.decompress(gz.read_bytes()).splitlines()]
+    assert items, f"no recorded run under {fixture}"
     produce(broker, "serve", items)
     with Store.embedded(tmp_path / "db") as store:
         svc = Service(

@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from rankscope.wire.settings import check_numbers
+
 from ...data import JobData
 from ...findings import Finding, effect, ms
 from ...robust import evenly
@@ -32,6 +34,9 @@ class Settings:
     """Who is slow, against its peers and against its own past (``stragglers``)."""
     contention: contention.ContentionSettings = field(default_factory=contention.ContentionSettings)
     """Whose threads wait for a CPU (``contention``), and whom the job waits for."""
+
+    def __post_init__(self) -> None:
+        check_numbers(self)
 
 
 def find(data: JobData, s: Settings) -> list[Finding]:

@@ -23,6 +23,7 @@ import numpy as np
 import pandas as pd
 
 from rankscope.wire.records import WAIT_KIND, WAIT_PATTERN
+from rankscope.wire.settings import check_numbers
 
 from ... import grid
 from ...robust import evenly, needed, spread
@@ -40,6 +41,7 @@ class ContentionSettings:
     min_z: float = 5.0
     """...and by this many robust standard deviations (from ``z_min_ranks`` ranks on)."""
     z_min_ranks: int = 8
+    """Below this many ranks in a window the deviation test is left out: their spread says too little."""
     mad_floor: float = 0.05
     """The robust deviation is never taken below this fraction of the median."""
     peel_ratio: float = 1.5
@@ -66,6 +68,9 @@ class ContentionSettings:
     waited_for: float = 1.1
     """A contended rank that is no straggler is left out when a straggler's collective wait per step
     is under its own by this factor: the job waits for that straggler, not for it."""
+
+    def __post_init__(self) -> None:
+        check_numbers(self)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

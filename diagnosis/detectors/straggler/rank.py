@@ -8,6 +8,8 @@ from typing import Any
 
 import numpy as np
 
+from rankscope.wire.settings import check_numbers
+
 from ...findings import effect
 from ...grid import nanmedian
 from ...robust import evenly
@@ -32,7 +34,7 @@ class StragglerSettings:
     job too young to compare its ranks: in its first seconds a healthy rank's own time can read
     1.15x its peers' for 1-5 s (imports still running on background threads, allocator and cache
     warm-up, the first profiling window). A fault from the first step is found this much later;
-    a ticket waits 15 s anyway (``api.tickets.Rules.open_after_s``)."""
+    a ticket waits 15 s anyway (``api.tickets.TicketSettings.open_after_s``)."""
     min_ratio: float = 1.10
     """A rank's mean own time (per step, relative to the step's median) must exceed the ranks' median
     by this factor to count as slow in a chunk."""
@@ -56,6 +58,7 @@ class StragglerSettings:
     the whole range such a rank's CPU time is barely above its peers' (~1.06x), in the fine chunks
     of a burst plainly so (1.13-1.23x)."""
     burst_min_chunk_steps: int = 20
+    """The fewest steps a fine chunk holds (fewer chunks where the range is short)."""
     burst_cpu_ratio: float = 1.10
     """A rank is slow in a fine chunk when its CPU time per step is this many times the chunk's
     median over the ranks..."""
@@ -116,6 +119,9 @@ class StragglerSettings:
     """...and its CPU time, relative to its peers', must have risen by this much (healthy ranks:
     0.026 at most; a 1.15x slower device: ~0.05, at a t of ~9, where its own time rises as surely
     but can fall a hair short of ``shift_min_rise``)."""
+
+    def __post_init__(self) -> None:
+        check_numbers(self)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
