@@ -73,7 +73,7 @@ class Config:
     standing out from its peers triggers, with their follow-ups, and every window while a rank
     stands out. Other windows record operators only:
     stacks took ~35 of the 45-75 ms a window cost a 2-rank DDP job at ~110 ms a step
-    (``benchmarks.hook_overhead``)."""
+    (``benchmarks.overhead.hook``)."""
     max_functions: int = 300
     """At most this many function patterns per window (the largest by total time are kept), and
     one more (``left_out@window``) that says how many were left out and the largest one's time."""

@@ -16,7 +16,7 @@ def rankscope(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[s
 def torchrun(nproc: int) -> list[str]:
     """``torchrun`` of this interpreter for ``nproc`` local processes, on a free port; the script
     and its arguments follow."""
-    from benchmarks.workload import free_port
+    from benchmarks.procs import free_port
 
     return [
         sys.executable,

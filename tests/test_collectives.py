@@ -15,7 +15,9 @@ import pandas as pd
 import pytest
 import torch.multiprocessing as mp
 
-from benchmarks.workload import Fault, JobSpec, free_port, launch
+from benchmarks.faults.catalogue import Fault, JobSpec
+from benchmarks.faults.launch import launch
+from benchmarks.procs import free_port
 from rankscope.diagnosis import JobData
 from rankscope.diagnosis.detectors.hang import Settings as HangSettings
 from rankscope.diagnosis.detectors.hang import locate

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import scoring
-from benchmarks.injectors import Fabric, Unavailable
-from benchmarks.scenarios import ScenarioError, load, load_all
-from benchmarks.workload import Fault, JobSpec, model_of, padding_rows
+from benchmarks.faults import scoring
+from benchmarks.faults.catalogue import Fault, JobSpec
+from benchmarks.faults.injectors import Fabric, Unavailable
+from benchmarks.faults.scenarios import ScenarioError, load, load_all
+from benchmarks.faults.workload import model_of, padding_rows
 from rankscope.diagnosis.findings import Diagnosis, Finding
 
 
@@ -303,7 +304,7 @@ def test_a_slow_device_pads_more_rows_the_slower_it_is_and_leaves_no_gradients()
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_reduced_suite_on_real_jobs(tmp_path: Path) -> None:
-    from benchmarks.faults import report, run_suite
+    from benchmarks.faults.suite import report, run_suite
 
     out = run_suite(load_all("ci"), tmp_path)
     print(report(out["scenarios"]))

@@ -1,4 +1,4 @@
-"""``benchmarks.job_overhead``: what it reads from a job's output and spool, and its figures, on
+"""``benchmarks.overhead.job``: what it reads from a job's output and spool, and its figures, on
 made-up runs (its real runs take minutes a job)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import job_overhead
+from benchmarks.overhead import job as job_overhead
 from rankscope.wire.records import Heartbeat, RankInfo, WindowSummary, encode
 
 

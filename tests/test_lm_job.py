@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.scenarios import SCENARIO_DIR, ScenarioError, load, load_all
-from benchmarks.torchrun_job import SCRIPTS, commands
-from benchmarks.workload import JobSpec, free_port
+from benchmarks.faults.catalogue import JobSpec
+from benchmarks.faults.scenarios import SCENARIO_DIR, ScenarioError, load, load_all
+from benchmarks.faults.torchrun_job import SCRIPTS, commands
+from benchmarks.procs import free_port
 from rankscope.wire.records import STEP_COLUMNS
 
 

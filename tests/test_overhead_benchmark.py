@@ -1,4 +1,4 @@
-"""``benchmarks.hook_overhead``: its analysis, and one short run of the real 2-rank DDP job."""
+"""``benchmarks.overhead.hook``: its analysis, and one short run of the real 2-rank DDP job."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import hook_overhead
+from benchmarks.overhead import hook as hook_overhead
 
 
 def test_a_windows_cost_is_its_busy_steps_and_the_two_after_less_the_usual_working_step() -> None:

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.injectors import Fabric, Unavailable
-from benchmarks.workload import JobSpec, free_port
+from benchmarks.faults.catalogue import JobSpec
+from benchmarks.faults.injectors import Fabric, Unavailable
+from benchmarks.procs import free_port
 from rankscope.preflight import judge
 
 

@@ -1,11 +1,11 @@
-"""``benchmarks.scale``: one small size end to end, in a process of its own as the benchmark runs each."""
+"""``benchmarks.scale.pipeline``: one small size end to end, in a process of its own as the benchmark runs each."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from benchmarks import scale
+from benchmarks.scale import pipeline as scale
 
 
 def test_a_small_job_goes_through_the_whole_pipeline_and_its_straggler_is_named(tmp_path: Path) -> None:

@@ -117,7 +117,7 @@ WAIT_PATTERN = "cpu_wait@sched"
 (``profiler_hook.schedstat``; read by ``diagnosis.detectors.straggler.contention``)."""
 TRANSFER_PREFIX = "net_send@"
 """The collective patterns that time a network transfer alone (``net_send@<group>``: what an NCCL
-net plugin reports per proxy step; ``benchmarks.cluster`` records them so)."""
+net plugin reports per proxy step; ``benchmarks.scale.cluster`` records them so)."""
 CUT_KIND = "cut"
 """The kind of a window's pattern that stands for the functions it left out (see ``kind``)."""
 

@@ -210,7 +210,7 @@ TABLES: dict[str, tuple[str, list[str], Callable[[dict[str, Any]], list[str]]]] 
         _faults,
     ),
     "serve_e2e": (
-        "`rankscope serve` end to end (`python -m benchmarks.serve_e2e`): live jobs into its spool",
+        "`rankscope serve` end to end (`python -m benchmarks.faults.serve_e2e`): live jobs into its spool",
         [
             "jobs",
             "right ticket",
@@ -223,7 +223,7 @@ TABLES: dict[str, tuple[str, list[str], Callable[[dict[str, Any]], list[str]]]] 
         _serve,
     ),
     "job_overhead": (
-        "Users' jobs with and without the hook (`python -m benchmarks.job_overhead`): separate runs, "
+        "Users' jobs with and without the hook (`python -m benchmarks.overhead.job`): separate runs, "
         "interleaved",
         [
             "jobs",
@@ -239,7 +239,7 @@ TABLES: dict[str, tuple[str, list[str], Callable[[dict[str, Any]], list[str]]]] 
         _jobs,
     ),
     "hook_overhead": (
-        "Hook overhead (`python -m benchmarks.hook_overhead`): in-run A/B, working vs. paused",
+        "Hook overhead (`python -m benchmarks.overhead.hook`): in-run A/B, working vs. paused",
         [
             "loop",
             "pairs",
@@ -266,7 +266,7 @@ TABLES: dict[str, tuple[str, list[str], Callable[[dict[str, Any]], list[str]]]] 
         _gpu,
     ),
     "scale": (
-        "Scale (`python -m benchmarks.scale`): one job through spool, ingest, diagnose and serve, per size",
+        "Scale (`python -m benchmarks.scale.pipeline`): one job through spool, ingest, diagnose and serve, per size",
         [
             "ranks × minutes of records",
             "ingest records/s",
@@ -280,7 +280,7 @@ TABLES: dict[str, tuple[str, list[str], Callable[[dict[str, Any]], list[str]]]] 
         _scale,
     ),
     "ingest": (
-        "Ingest through Kafka (`python -m benchmarks.ingest`): one aggregator process, the broker on the same cores",
+        "Ingest through Kafka (`python -m benchmarks.scale.ingest`): one aggregator process, the broker on the same cores",
         ["records", "produced", "stored", "bare consumer (ceiling)"],
         _ingest,
     ),

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from benchmarks.serve_e2e import Receiver
+from benchmarks.faults.serve_e2e import Receiver
 from rankscope.api import Service, create_app
 from rankscope.api.auth import Tokens
 from rankscope.api.notify import Webhook

@@ -10,7 +10,7 @@ from urllib.parse import quote
 
 from fastapi.testclient import TestClient
 
-from benchmarks.serve_e2e import Receiver
+from benchmarks.faults.serve_e2e import Receiver
 from rankscope.aggregator import Store
 from rankscope.api import ServeSettings, Service
 from rankscope.api.notify import Webhook

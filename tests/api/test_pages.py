@@ -13,8 +13,8 @@ import pytest
 import uvicorn
 from fastapi.testclient import TestClient
 
-from benchmarks.serve_e2e import Receiver
-from benchmarks.workload import free_port
+from benchmarks.faults.serve_e2e import Receiver
+from benchmarks.procs import free_port
 from rankscope.api import Service, create_app
 from rankscope.api.auth import Tokens
 from rankscope.api.notify import Webhook

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.workload import free_port
+from benchmarks.procs import free_port
 from rankscope import profiler_hook
 from rankscope.profiler_hook.config import Config, Identity
 from rankscope.profiler_hook.hook import Hook
@@ -181,7 +181,7 @@ elif sys.argv[2] == "sigterm-while-closing":  # the peer died: its collective ra
 def test_a_hook_never_closed_ships_its_last_steps_when_the_process_ends(tmp_path: Path, end: str) -> None:
     """torchrun stops a failed attempt's surviving workers with SIGTERM (perhaps stuck in a
     collective: they must still die at once, as without the hook); scripts forget close()."""
-    from benchmarks.workload import free_port
+    from benchmarks.procs import free_port
 
     t0 = time.monotonic()
     run = subprocess.run(

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.workload import free_port
+from benchmarks.procs import free_port
 from rankscope import profiler_hook
 from rankscope.profiler_hook.summarize import library_frame, summarize
 

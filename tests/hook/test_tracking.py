@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.workload import JobSpec, free_port, launch
+from benchmarks.faults.catalogue import JobSpec
+from benchmarks.faults.launch import launch
+from benchmarks.procs import free_port
 from rankscope import profiler_hook
 from rankscope.profiler_hook import threadstates
 from rankscope.profiler_hook.config import Config, Identity

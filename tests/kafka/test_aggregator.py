@@ -21,7 +21,7 @@ from kafka import KafkaConsumer
 from kafka.codec import gzip_encode
 from kafka.errors import KafkaConnectionError
 
-from benchmarks.workload import free_port
+from benchmarks.procs import free_port
 from rankscope.aggregator import Store, StoreError
 from rankscope.aggregator.consumer import (
     Aggregator,

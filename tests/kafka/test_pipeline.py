@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.workload import JobSpec, free_port, launch
+from benchmarks.faults.catalogue import JobSpec
+from benchmarks.faults.launch import launch
+from benchmarks.procs import free_port
 from rankscope.aggregator import Store
 from tests.kafka.common import (
     MAX_STEP_S,

@@ -49,8 +49,8 @@ def test_serve_consumes_the_topic_and_opens_the_ticket(broker: KafkaBroker, tmp_
 def test_the_ingest_benchmark_stores_every_record_the_hooks_ship_at_their_defaults(
     broker: KafkaBroker, tmp_path: Path
 ) -> None:
-    """``benchmarks.ingest --ranks``: the records of ranks' hooks at their defaults, through Kafka."""
-    from benchmarks import ingest
+    """``benchmarks.scale.ingest --ranks``: the records of ranks' hooks at their defaults, through Kafka."""
+    from benchmarks.scale import ingest
 
     out = tmp_path / "ingest.json"
     argv = ["--ranks", "8", "--minutes", "1", "--functions", "20", "--kafka", broker.bootstrap]

@@ -8,12 +8,12 @@ goes (cProfile of the aggregator).
 
 With ``--ranks N``: instead, everything ``N`` ranks' hooks ship at their defaults over
 ``--minutes`` (a step record every 2 s, a heartbeat every 5 s, a window every 30 s: the mix
-``benchmarks.scale`` ingests from a spool), and prints records/s (target: ≥ 10,000 per process).
+``benchmarks.scale.pipeline`` ingests from a spool), and prints records/s (target: ≥ 10,000 per process).
 
 Starts its own Kafka 0.9 broker (``./dev test`` installs it) unless ``--kafka`` names one.
 
-    python -m benchmarks.ingest [--summaries 20000] [--functions 300] [--json PATH] [--profile]
-    python -m benchmarks.ingest --ranks 1000 [--minutes 2] [--functions 300] [--json PATH]
+    python -m benchmarks.scale.ingest [--summaries 20000] [--functions 300] [--json PATH] [--profile]
+    python -m benchmarks.scale.ingest --ranks 1000 [--minutes 2] [--functions 300] [--json PATH]
 """
 
 from __future__ import annotations
@@ -88,8 +88,8 @@ def summaries(
 
 
 def hooks_records(ranks: int, minutes: float, functions: int) -> Iterator[Record]:
-    """What ``ranks`` hooks ship at their defaults over ``minutes`` (``benchmarks.scale``'s mix)."""
-    from benchmarks.serve_scale import STEP_US, rank_records
+    """What ``ranks`` hooks ship at their defaults over ``minutes`` (``benchmarks.scale.pipeline``'s mix)."""
+    from benchmarks.scale.serve import STEP_US, rank_records
 
     steps = int(minutes * 60e6 / STEP_US)
     for r in range(ranks):
@@ -184,7 +184,9 @@ def _cpu_s() -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.ingest", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.scale.ingest", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--summaries", type=int, default=20_000, help="window summaries to ingest (default 20000)")
     p.add_argument("--functions", type=int, default=300, help="function patterns per summary (default 300)")
     p.add_argument("--batch", type=int, default=5000, help="aggregator batch size in messages (default 5000)")

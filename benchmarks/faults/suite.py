@@ -3,7 +3,7 @@
     python -m benchmarks.faults [--suite full|ci|validation|soak] [--only NAME ...] [--json PATH] [--keep DIR]
     python -m benchmarks.faults --rescore DIR [--only NAME ...] [--json PATH]   # kept runs, scored again
 
-For each scenario in ``benchmarks/scenarios/`` (see :mod:`benchmarks.scenarios`) it trains the
+For each scenario in ``benchmarks/faults/scenarios/`` (see :mod:`benchmarks.faults.scenarios`) it trains the
 CPU/gloo workload of ``rankscope demo`` with the hook writing to a spool, injects the fault from
 its onset on, ingests the spool into one embedded ClickHouse store (one job id per scenario), and
 runs ``diagnosis.diagnose`` as a user would. The final diagnosis is scored against the scenario's
@@ -32,12 +32,15 @@ from typing import Any
 
 import pandas as pd
 
-from benchmarks.workload import JobSpec, RunningJob, first_onset, free_port
+from benchmarks.faults.catalogue import JobSpec, first_onset
+from benchmarks.faults.launch import RunningJob
+from benchmarks.procs import free_port
 from rankscope.aggregator import Store, ingest
 from rankscope.api.tickets import Ticket, TicketSettings, fingerprint, reconcile
 from rankscope.diagnosis import Finding, diagnose, read_job
 
-from . import machine, scoring, torchrun_job
+from .. import machine
+from . import scoring, torchrun_job
 from .injectors import CpuHog, Fabric, Unavailable, hog_core
 from .scenarios import SUITES, Scenario, load_all
 from .timeline import Timeline
@@ -471,7 +474,3 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps(out, indent=2, default=str))
         print(f"wrote {args.json}")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

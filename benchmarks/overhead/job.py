@@ -1,6 +1,6 @@
 """What the hook costs the jobs users run: separate runs of each job with the hook and without.
 
-    python -m benchmarks.job_overhead [--jobs demo_job,nanogpt,pipeline,hf_trainer] [--pairs 5]
+    python -m benchmarks.overhead.job [--jobs demo_job,nanogpt,pipeline,hf_trainer] [--pairs 5]
                                       [--flags JOB=FLAGS ...] [--json PATH]
 
 Each job is a real training script launched as a user launches it: a fresh ``torchrun`` of 4 CPU
@@ -23,7 +23,7 @@ over the time from its first record to its last).
 Per job: ``off_ms_per_step`` and ``on_ms_per_step`` are the medians over runs; ``ratio_pct`` is
 the ratio of those medians (in %) with ``ratio_ci95_pct`` its 95% bootstrap interval over pairs;
 ``median_pair_pct`` is the median of each pair's ratio, with ``median_ci95_pct`` (as
-``benchmarks.hook_overhead`` computes them). The hook holds its windows to their budget from its
+``benchmarks.overhead.hook`` computes them). The hook holds its windows to their budget from its
 start on (``profiler_hook.budget``), so a short run is held to it as a long one is; a run's
 first minute still pays for the hook's start-up (``attach`` imports what the profiler needs).
 """
@@ -46,11 +46,11 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks.hook_overhead import _figures, _table
-from benchmarks.workload import free_port
+from benchmarks.overhead.hook import _figures, _table
+from benchmarks.procs import free_port
 from rankscope.wire.records import RecordError, WindowSummary, decode
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 WORLD = 4
 JOBS: dict[str, tuple[str, str]] = {
     "demo_job": ("rankscope/demo_job.py", "--seconds 40"),

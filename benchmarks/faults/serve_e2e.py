@@ -1,6 +1,6 @@
 """``rankscope serve`` end to end: from a fault's onset to a ticket, to a webhook, to its resolution.
 
-    python -m benchmarks.serve_e2e [--scenarios compute-2x-r2,...] [--json PATH]
+    python -m benchmarks.faults.serve_e2e [--scenarios compute-2x-r2,...] [--json PATH]
 
 Starts ``rankscope serve`` (its defaults; a local webhook receiver) on an empty store, watching one
 spool. Runs fault-suite scenarios one after another as real multi-rank jobs writing to that spool,
@@ -27,12 +27,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from benchmarks.workload import JobSpec, free_port
+from benchmarks.faults.catalogue import JobSpec
+from benchmarks.procs import free_port
 from rankscope.diagnosis import Finding
 
-from .faults import HOOK, START_S, run_job
 from .scenarios import load_all
 from .scoring import false_ticket
+from .suite import HOOK, START_S, run_job
 
 DEFAULT = (
     "healthy-4r,healthy-8r,lm-healthy-4r,pp-healthy-4r,compute-2x-r2,dataloader-15ms-r1,"

@@ -1,6 +1,6 @@
 """``rankscope serve`` at scale: one cycle and the API's latency on a 1,000-rank job.
 
-    python -m benchmarks.serve_scale [--ranks 1000] [--minutes 10] [--cycles 5] [--requests 40] [--json PATH]
+    python -m benchmarks.scale.serve [--ranks 1000] [--minutes 10] [--cycles 5] [--requests 40] [--json PATH]
 
 Fills an embedded store with a synthetic job's records, as ``--ranks`` hooks at their defaults
 would ship them over ``--minutes``: a ``rank`` record each, step blocks of ~2 s (100 ms steps),

@@ -1,4 +1,4 @@
-"""Fault scenarios: one readable YAML file each under ``benchmarks/scenarios/``.
+"""Fault scenarios: one readable YAML file each under ``benchmarks/faults/scenarios/``.
 
 Example (``compute-2x-r2.yaml``)::
 
@@ -9,7 +9,7 @@ Example (``compute-2x-r2.yaml``)::
     seconds: 40              # rank 0 ends the job after this long
     loop: ddp                # ddp (default), manual (a hand-written all-reduce) or fsdp2
     attach: start            # start (default: before the model) or loop (after DDP, at the loop)
-    fault:                   # benchmarks.workload.Fault fields, plus the runner's own:
+    fault:                   # benchmarks.faults.catalogue.Fault fields, plus the runner's own:
       kind: compute
       rank: 2
       factor: 2.0
@@ -22,7 +22,7 @@ Runner-only fault fields: ``rate_mbit`` (``nic``/``switch``/``link``: the rate-l
 CPU-hog processes sharing the rank's core), ``observe_s`` (stop the job this long after onset: hangs).
 
 ``script: demo_job`` runs a user-style training script under torchrun instead (``rankscope/demo_job.py``,
-``benchmarks/torchrun_job.py``); its ``fault:`` block then names the script's own faults.
+``benchmarks/faults/torchrun_job.py``); its ``fault:`` block then names the script's own faults.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Any
 
 import yaml
 
-from benchmarks.workload import ATTACH, LOOPS, NETWORK_FAULTS, Fault
+from benchmarks.faults.catalogue import ATTACH, LOOPS, NETWORK_FAULTS, Fault
 
 from .scoring import GroundTruth
 from .torchrun_job import ScriptFault, parse_fault
@@ -85,16 +85,16 @@ class Scenario:
     hook: dict[str, Any] = field(default_factory=dict)
     """Hook settings on top of the suite's."""
     loop: str = "ddp"
-    """How the job averages gradients (``benchmarks.workload.LOOPS``): DDP, as most users' jobs do."""
+    """How the job averages gradients (``benchmarks.faults.catalogue.LOOPS``): DDP, as most users' jobs do."""
     attach: str = "start"
-    """Where the script attaches the hook (``benchmarks.workload.ATTACH``): ``loop`` is after the
+    """Where the script attaches the hook (``benchmarks.faults.catalogue.ATTACH``): ``loop`` is after the
     model is wrapped, where people add a hook to a script they have."""
     rank0_duties: bool = False
     """Rank 0 logs, evaluates and checkpoints as most scripts have it do (``JobSpec.rank0_duties``)."""
     truth: GroundTruth = field(default_factory=lambda: GroundTruth(kind="none"))
     script: str = ""
     """A user-style script run under torchrun instead of the suite's workload
-    (``benchmarks.torchrun_job``); it injects ``script_fault`` itself, ``fault`` is the same family's."""
+    (``benchmarks.faults.torchrun_job``); it injects ``script_fault`` itself, ``fault`` is the same family's."""
     script_fault: ScriptFault | None = None
     script_args: tuple[str, ...] = ()
     """More of the script's own flags (``--schedule gpipe``): the variant of the job it runs."""

@@ -1,9 +1,9 @@
 """Hook overhead at the defaults a user gets: an in-run A/B inside a real multi-rank DDP job.
 
-    python -m benchmarks.hook_overhead [--pairs 240] [--block-s 0.5] [--start-s 25] [--width 3072]
+    python -m benchmarks.overhead.hook [--pairs 240] [--block-s 0.5] [--start-s 25] [--width 3072]
                                        [--loops ddp,manual] [--volume-s 60] [--json PATH]
                                        [--hook KEY=VALUE ...]
-    python -m benchmarks.hook_overhead --pool RUN.json [RUN.json ...]
+    python -m benchmarks.overhead.hook --pool RUN.json [RUN.json ...]
 
 Each loop shape runs as one 2-rank gloo job on this machine's cores, each rank on its own core
 where there are enough (the hook's threads then share their rank's core: the worst case for the
@@ -60,7 +60,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks.workload import free_port
+from benchmarks.procs import free_port
 from rankscope.diagnosis.detectors.straggler.functions import PYTHON_KINDS
 from rankscope.profiler_hook.config import Config, Identity
 from rankscope.profiler_hook.hook import Hook

@@ -40,14 +40,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from benchmarks.workload import Fault, JobSpec, first_onset, host_of, switch_of
+from benchmarks.faults.catalogue import Fault, JobSpec, first_onset, host_of, switch_of
 
 if TYPE_CHECKING:
     from .scenarios import Scenario
 
-JOBS_DIR = Path(__file__).parent / "jobs"
+JOBS_DIR = Path(__file__).parents[1] / "jobs"
 SCRIPTS = {
-    "demo_job": Path(__file__).parents[1] / "rankscope" / "demo_job.py",
+    "demo_job": Path(__file__).parents[2] / "rankscope" / "demo_job.py",
     "nanogpt_like": JOBS_DIR / "nanogpt_like.py",
     "pipeline_dp": JOBS_DIR / "pipeline_dp.py",
     "tp_dp": JOBS_DIR / "tp_dp.py",

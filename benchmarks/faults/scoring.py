@@ -1,7 +1,7 @@
 """Score a diagnosis against the ground truth of an injected fault: right culprit, right cause, how fast.
 
 Pure functions over :class:`diagnosis.Diagnosis`, shared by the real-job fault suite
-(``benchmarks/faults.py``) and any synthetic benchmark::
+(``benchmarks/faults/suite.py``) and any synthetic benchmark::
 
     truth = GroundTruth(kind="compute", cause="compute", ranks=(2,))
     s = score(truth, diagnose(data), name="compute-2x-r2")

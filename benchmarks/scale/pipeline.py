@@ -1,6 +1,6 @@
 """One job of 1,000 to 100,000 ranks through the whole pipeline, measured per size.
 
-    python -m benchmarks.scale [--ranks 1000,10000,100000] [--minutes 10] [--functions 300] [--repeat N]
+    python -m benchmarks.scale.pipeline [--ranks 1000,10000,100000] [--minutes 10] [--functions 300] [--repeat N]
                                [--json PATH]
 
 Each size runs in a process of its own (its peak memory is its own). The records ``--ranks`` hooks
@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.serve_scale import STEP_US, rank_records
+from benchmarks.scale.serve import STEP_US, rank_records
 from rankscope.profiler_hook.config import Identity
 from rankscope.profiler_hook.sinks import SpoolSink
 from rankscope.wire.records import RankInfo, encode
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         return []
     results = []
     for ranks in (int(r) for r in a.ranks.split(",")):
-        cmd = [sys.executable, "-m", "benchmarks.scale", "--one", "--ranks", str(ranks)]
+        cmd = [sys.executable, "-m", "benchmarks.scale.pipeline", "--one", "--ranks", str(ranks)]
         cmd += ["--minutes", str(a.minutes), "--functions", str(a.functions), "--repeat", str(a.repeat)]
         run = subprocess.run(cmd, capture_output=True, text=True)
         if run.returncode == 0:

@@ -23,7 +23,7 @@ import sys
 import time
 from typing import Any
 
-from benchmarks.workload import JobSpec, host_of, switch_of
+from benchmarks.faults.catalogue import JobSpec, host_of, switch_of
 from rankscope.wire.errors import UnavailableError
 
 _SEQ = itertools.count()

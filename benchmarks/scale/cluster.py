@@ -1,6 +1,6 @@
 """A synthetic cluster: one job's records for 1,000 to 100,000 ranks, with one injected fault.
 
-    python -m benchmarks.cluster [--ranks 1000,10000,100000] [--faults all] [--seeds 1] [--json PATH]
+    python -m benchmarks.scale.cluster [--ranks 1000,10000,100000] [--faults all] [--seeds 1] [--json PATH]
 
 For each size and fault the script generates the frames the store returns (``diagnosis.JobData``),
 runs ``diagnosis.diagnose`` on them, scores the top finding against the ground truth and times the
