@@ -150,36 +150,8 @@ class Fabric:
                 tc = ("ip", "netns", "exec", self.netns[a], "tc")
                 dev = self.nic[a][1]
                 _run(*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "10")
-                _run(
-                    *tc,
-                    "class",
-                    "add",
-                    "dev",
-                    dev,
-                    "parent",
-                    "1:",
-                    "classid",
-                    "1:10",
-                    "htb",
-                    "rate",
-                    "100gbit",
-                )
-                _run(
-                    *tc,
-                    "class",
-                    "add",
-                    "dev",
-                    dev,
-                    "parent",
-                    "1:",
-                    "classid",
-                    "1:20",
-                    "htb",
-                    "rate",
-                    rate,
-                    "ceil",
-                    rate,
-                )
+                for classid, limit in (("1:10", ("rate", "100gbit")), ("1:20", ("rate", rate, "ceil", rate))):
+                    _run(*tc, "class", "add", "dev", dev, "parent", "1:", "classid", classid, "htb", *limit)
                 match = ("u32", "match", "ip", "dst", f"{self.ip[b]}/32", "flowid", "1:20")
                 _run(*tc, "filter", "add", "dev", dev, "protocol", "ip", "parent", "1:", "prio", "1", *match)
 

@@ -284,7 +284,8 @@ def _tomography(
     for g, ws in flagged.items():
         for w in ws:
             smallest[w] = min(smallest.get(w, len(g)), len(g))
-    out = _one_link(d, s, src, dst, extra, explained=set(smallest), span_s=span_s)
+    pattern = str(f["name"].iloc[0])
+    out = _one_link(d, s, src, dst, extra, explained=set(smallest), pattern=pattern, span_s=span_s)
     for g, ws in flagged.items():
         mine = [w for w in ws if len(g) == smallest[w]]
         if not mine:
@@ -295,21 +296,26 @@ def _tomography(
         if len(mine) < needed(len(since), s.persistence):
             continue
         rows = d[np.isin(windows, mine) & slow & crossing[g]]
-        t, base = float(rows["t"].median()), float(rows["base"].median())
-        out += [
-            SlowLink(
-                rank=r,
-                pattern=str(f["name"].iloc[0]),
-                ratio=t / max(base, 1e-30),
-                gbps=1e-3 / max(t, 1e-12),
-                peer_gbps=1e-3 / max(base, 1e-12),
-                windows_flagged=len(mine),
-                windows=len(since),
-                span_s=span_s,
-            )
-            for r in sorted(g)
-        ]
+        out += [_slow_link(rows, pattern, r, len(mine), len(since), span_s) for r in sorted(g)]
     return out
+
+
+def _slow_link(
+    rows: pd.DataFrame, pattern: str, rank: int, flagged: int, windows: int, span_s: float, peer: int = -1
+) -> SlowLink:
+    """A culprit from its slow links' rows (``t``, ``base``: time per byte, the healthy links')."""
+    t, base = float(rows["t"].median()), float(rows["base"].median())
+    return SlowLink(
+        rank=rank,
+        peer=peer,
+        pattern=pattern,
+        ratio=t / max(base, 1e-30),
+        gbps=1e-3 / max(t, 1e-12),
+        peer_gbps=1e-3 / max(base, 1e-12),
+        windows_flagged=flagged,
+        windows=windows,
+        span_s=span_s,
+    )
 
 
 def _one_link(
@@ -319,6 +325,7 @@ def _one_link(
     dst: np.ndarray,
     extra: np.ndarray,
     explained: set[int],
+    pattern: str,
     span_s: float,
 ) -> list[SlowLink]:
     """The links that are culprits on their own: in the windows no group of ranks explains, the
@@ -343,20 +350,7 @@ def _one_link(
         if len(ws) < needed(len(since), s.persistence):
             continue
         rows = d[on & slow & np.isin(windows, ws)]
-        t, base = float(rows["t"].median()), float(rows["base"].median())
-        out.append(
-            SlowLink(
-                rank=a,
-                peer=b,
-                pattern=TRANSFER_PREFIX + "tcp",
-                ratio=t / max(base, 1e-30),
-                gbps=1e-3 / max(t, 1e-12),
-                peer_gbps=1e-3 / max(base, 1e-12),
-                windows_flagged=len(ws),
-                windows=len(since),
-                span_s=span_s,
-            )
-        )
+        out.append(_slow_link(rows, pattern, a, len(ws), len(since), span_s, peer=b))
     return out
 
 
