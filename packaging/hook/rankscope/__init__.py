@@ -1,0 +1,1 @@
+../../../rankscope/__init__.py
