@@ -37,7 +37,7 @@ def test_the_demo_names_its_default_fault_and_the_store_answers_the_other_comman
     tmp_path: Path,
 ) -> None:
     """The demo as the README runs it: its default fault, a slower device on rank 2. Its other
-    faults run on the same workload in the CI fault suite (tests/test_faults.py: a healthy job, a
+    faults run on the same workload in the CI fault suite (tests/faults/test_scenarios.py: a healthy job, a
     data loader's, a hang) or as recorded runs (tests/test_diagnosis.py: its code path), not twice."""
     out = tmp_path / "demo"
     run = rankscope("demo", "--seconds", "25", "--out", str(out))

@@ -1,5 +1,5 @@
 """What the store reads out of the ranks' heartbeats: each rank's GPU use, and what its windows
-cost as a share of its run."""
+cost as a share of its run, the stack samples and the links' sends it carries, each heartbeat once."""
 
 from __future__ import annotations
 
@@ -50,3 +50,32 @@ def test_what_a_ranks_windows_cost_is_read_from_its_heartbeats_as_a_share_of_its
     assert [(r.rank, r.window_cost) for r in e.ranks] == [(0, 0.00125), (1, None)]  # 50 ms in 40 s
     assert " 0.12%" in format_efficiency(e)
     assert diagnose(read_job(store, JOB)).analyzed["window_cost"] == 0.00125
+
+
+def test_stack_samples_are_summed_per_rank_and_function_each_heartbeat_once(store: Store) -> None:
+    beats = [heartbeat(0, T0, 4), heartbeat(0, T0 + 5_000_000, 9), heartbeat(1, T0 + 5_000_000, 9)]
+    store.write([*beats, beats[1]])  # a heartbeat ingested twice (at-least-once) counts once
+    got = store.stack_samples(JOB)
+    assert got.values.tolist() == [
+        [0, "", 2],
+        [0, "train.py(40): step", 13],
+        [1, "", 1],
+        [1, "train.py(40): step", 9],
+    ]
+    assert store.stack_samples(JOB, since_us=T0 + 1)["samples"].tolist() == [1, 9, 1, 9]
+    assert read_job(store, JOB).samples.equals(got)
+    empty = store.stack_samples("nope")
+    assert empty.empty and list(empty.columns) == ["rank", "function", "samples"]
+
+
+def test_link_sends_are_read_per_heartbeat_and_link_each_heartbeat_once(store: Store) -> None:
+    beats = [heartbeat(0, T0, 0), heartbeat(0, T0 + 5_000_000, 9), heartbeat(1, T0 + 5_000_000, 4)]
+    store.write([*beats, beats[1]])  # a heartbeat ingested twice (at-least-once) is read once
+    got = store.link_sends(JOB)
+    assert got.values.tolist() == [  # the first heartbeat sent nothing yet: no row
+        [0, T0 + 5_000_000, "10.0.0.1>10.0.0.2", 9 << 20, 9_000],
+        [1, T0 + 5_000_000, "10.0.0.1>10.0.0.2", 4 << 20, 4_000],
+    ]
+    assert store.link_sends(JOB, since_us=T0 + 5_000_001).empty
+    assert read_job(store, JOB).links.equals(got)
+    assert list(store.link_sends("nope").columns) == ["rank", "time_us", "link", "nbytes", "send_us"]
