@@ -85,8 +85,16 @@ FUNCTIONAL = (
 skipped): each launches one collective and returns a tensor that ``wait_tensor`` waits on, at its
 first use (DTensor) or at once."""
 _FUNCOL = "torch.distributed._functional_collectives"
-_STAGE = "torch.distributed.pipelining.stage"
-"""Where ``torch.distributed.pipelining``'s stages are defined: a stage says its index."""
+STAGE_RUNNERS = (
+    ("torch.distributed.pipelining.stage", "_PipelineStageBase", "forward_one_chunk", "stage_index"),
+    ("deepspeed.runtime.pipe.engine", "PipelineEngine", "train_batch", "stage_id"),
+    ("deepspeed.runtime.pipe.engine", "PipelineEngine", "eval_batch", "stage_id"),
+)
+"""Where a pipeline says which stage a rank runs where no device mesh does: (module, class, a
+method called once per microbatch or step, the attribute of its object that holds the stage's
+index). ``torch.distributed.pipelining``'s stages; DeepSpeed's ``PipelineEngine``, whose
+``PipelineModule`` makes its own process groups."""
+_STAGE_KEYS = {f"{m}.{c}.{f}": (m, c, f) for m, c, f, _ in STAGE_RUNNERS}
 MAX_AWAITED = 4096
 """Calls kept until the thread waits on them (``isend``/``irecv`` works, functional collectives'
 tensors); the oldest go first (a job that never waits)."""
@@ -244,6 +252,18 @@ def _arg(args: tuple, kwargs: dict, name: str, pos: int) -> Any:
     if name in kwargs:
         return kwargs[name]
     return args[pos] if 0 <= pos < len(args) else None
+
+
+def _noting_stage(run: Any, attribute: str, stages: set[int]) -> Any:
+    """``run`` (a pipeline stage's or engine's method), first adding its object's stage index
+    (``attribute``) to ``stages``."""
+
+    @functools.wraps(run)
+    def noting(stage: Any, *args: Any, **kwargs: Any) -> Any:
+        stages.add(getattr(stage, attribute, -1))
+        return run(stage, *args, **kwargs)
+
+    return noting
 
 
 @dataclass(slots=True)
@@ -535,26 +555,21 @@ class CollectiveTracker:
 
     def _watch_stages(self) -> None:
         """Note the index of each pipeline stage this rank runs (``stages``), once the job has
-        imported ``torch.distributed.pipelining`` (importing it here would cost every other job its
-        start-up): a job that builds its pipeline without a device mesh, as PyTorch's own
-        pipelining docs do (``PipelineStage(module, stage_index, num_stages, device)``), says
-        where each rank sits only there. The stages' base class's ``forward_one_chunk`` (one call
-        per microbatch, on 2.8 to 2.15) is wrapped, so stages made before the hook attached are
-        seen too. At :meth:`patch` and at each :meth:`catch_up` after it. Idempotent."""
-        if _STAGE in self._originals:  # wrapped: the call at each step block ends here
-            return
-        base = getattr(sys.modules.get(_STAGE), "_PipelineStageBase", None)
-        if base is None or not hasattr(base, "forward_one_chunk"):
-            return
-        self._originals[_STAGE] = forward = base.forward_one_chunk
-        stages = self.stages
-
-        @functools.wraps(forward)
-        def forward_one_chunk(stage: Any, *args: Any, **kwargs: Any) -> Any:
-            stages.add(getattr(stage, "stage_index", -1))
-            return forward(stage, *args, **kwargs)
-
-        setattr(base, "forward_one_chunk", forward_one_chunk)  # noqa: B010
+        imported a pipeline's module (``STAGE_RUNNERS``; importing it here would cost every other
+        job its start-up): a job that builds its pipeline without a device mesh, as PyTorch's own
+        pipelining docs do (``PipelineStage(module, stage_index, num_stages, device)``) and as
+        DeepSpeed's ``PipelineModule`` does, says where each rank sits only there. The method is
+        wrapped on the class (``forward_one_chunk`` on torch 2.8 to 2.15, DeepSpeed's
+        ``train_batch``), so stages made before the hook attached are seen too. At :meth:`patch`
+        and at each :meth:`catch_up` after it. Idempotent."""
+        for module, name, method, attribute in STAGE_RUNNERS:
+            key = f"{module}.{name}.{method}"
+            cls = getattr(sys.modules.get(module), name, None)
+            original = getattr(cls, method, None)
+            if key in self._originals or original is None:
+                continue
+            self._originals[key] = original
+            setattr(cls, method, _noting_stage(original, attribute, self.stages))
 
     def unpatch(self) -> None:
         import torch.distributed as dist
@@ -565,8 +580,9 @@ class CollectiveTracker:
         for op, original in self._originals.items():
             if op == "Work.wait":
                 setattr(dist.Work, "wait", original)  # noqa: B010
-            elif op == _STAGE:
-                setattr(sys.modules[_STAGE]._PipelineStageBase, "forward_one_chunk", original)  # noqa: B010
+            elif op in _STAGE_KEYS:
+                module, name, method = _STAGE_KEYS[op]
+                setattr(getattr(sys.modules[module], name), method, original)
             elif op.startswith(_FUNCOL):
                 setattr(funcol, op.removeprefix(_FUNCOL + "."), original)
             else:

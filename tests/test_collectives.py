@@ -194,18 +194,29 @@ def test_a_pipeline_made_without_a_device_mesh_gives_each_rank_its_stage(tmp_pat
     assert JobData(job="pipeline", ranks=ranks).roles() == [[0, 2], [1, 3]]
 
 
+MESHES = {
+    "pipeline_dp": {r: {"dp": r // 2, "pp": r % 2} for r in range(4)},
+    "tp_dp": {r: {"dp": r // 2, "tp": r % 2} for r in range(4)},
+    "deepspeed_pipe": {r: {"pp": r // 2} for r in range(4)},  # pipe-major; no mesh, no named groups
+}
+"""Each 2-D job's ranks' places in its parallelism."""
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("script, model_dim", [("pipeline_dp", "pp"), ("tp_dp", "tp")])
+@pytest.mark.parametrize("script", list(MESHES))
 def test_a_rank_that_waits_for_its_pipeline_or_tensor_parallel_peer_waits_in_communication_not_in_its_own_time(
-    tmp_path: Path, script: str, model_dim: str
+    tmp_path: Path, script: str
 ) -> None:
-    """Two 2-D jobs written as torchtitan writes them, rank 0 blocking 60 ms in a metrics upload
-    every step from 8 s in. (dp=2, pp=2), FSDP2 over dp, 1F1B over pp: its next stage (rank 1)
-    waits for its activations in ``recv``, the other pipeline in FSDP's collectives with it.
-    (dp=2, tp=2), tensor parallelism by ``parallelize_module``, FSDP2 over dp: its tensor-parallel
-    peer (rank 1) waits in the collectives DTensor launches in every block (functional
-    collectives, waited on in ``wait_tensor``), the other replica in FSDP's. Only rank 0's own
-    time grows; each rank's record carries its place in the mesh."""
+    """Three 2-D jobs, rank 0 blocking 60 ms in a metrics upload every step from 8 s in. Two
+    written as torchtitan writes them: (dp=2, pp=2), FSDP2 over dp, 1F1B over pp: its next stage
+    (rank 1) waits for its activations in ``recv``, the other pipeline in FSDP's collectives with
+    it; (dp=2, tp=2), tensor parallelism by ``parallelize_module``, FSDP2 over dp: its
+    tensor-parallel peer (rank 1) waits in the collectives DTensor launches in every block
+    (functional collectives, waited on in ``wait_tensor``), the other replica in FSDP's. And
+    DeepSpeed's ``PipelineModule`` over 2 stages and 2 replicas, as its docs write one: its next
+    stage (rank 2) waits in ``recv``, its replica (rank 1) in the gradients' all-reduce. Only rank
+    0's own time grows; each rank's record carries its place in the job's parallelism (DeepSpeed's
+    from the stage its engine runs)."""
     env = {**os.environ, "RANKSCOPE_SPOOL": str(tmp_path / "spool"), "RANKSCOPE_JOB": script}
     path = Path(__file__).parents[1] / "benchmarks" / "jobs" / f"{script}.py"
     # By time, not steps: on a slower machine 70 steps once ended right after the 8-s onset.
@@ -218,7 +229,7 @@ def test_a_rank_that_waits_for_its_pipeline_or_tensor_parallel_peer_waits_in_com
     onset = json.loads((tmp_path / "onset-r0").read_text())["step"]
     recs = spool_records(tmp_path / "spool", script)
     infos = {r: [x for x in rs if isinstance(x, RankInfo)][-1] for r, rs in recs.items()}
-    assert {r: i.mesh for r, i in infos.items()} == {r: {"dp": r // 2, model_dim: r % 2} for r in range(4)}
+    assert {r: i.mesh for r, i in infos.items()} == MESHES[script]
     # The mesh's groups, made without a backend named, are gloo's: no "untested backend" said.
     assert all(coverage_gaps(i.coverage) == [] for i in infos.values()), infos[0].coverage
 
@@ -237,7 +248,7 @@ def test_a_rank_that_waits_for_its_pipeline_or_tensor_parallel_peer_waits_in_com
         r: tuple(a - b for a, b in zip(per_step_ms(r, True), per_step_ms(r, False), strict=True))
         for r in range(4)
     }
-    if model_dim == "tp":  # a window's DTensor collectives and their waits are communication, not compute
+    if script == "tp_dp":  # a window's DTensor collectives and their waits are communication, not compute
         dtensor = [
             f
             for x in recs[1]

@@ -3,7 +3,10 @@
 A scenario with ``script: demo_job`` runs ``rankscope/demo_job.py`` (the job ``rankscope demo`` runs)
 instead of the suite's workload; ``script: nanogpt_like`` runs ``benchmarks/jobs/nanogpt_like.py``,
 ``script: pipeline_dp`` ``benchmarks/jobs/pipeline_dp.py`` (data x pipeline parallel, ``attach: loop``),
-``script: tp_dp`` ``benchmarks/jobs/tp_dp.py`` (data x tensor parallel, ``attach: loop``).
+``script: tp_dp`` ``benchmarks/jobs/tp_dp.py`` (data x tensor parallel, ``attach: loop``),
+``script: deepspeed_pipe`` ``benchmarks/jobs/deepspeed_pipe.py`` (DeepSpeed's pipeline engine over
+data x pipeline parallel ranks, ``attach: loop``), ``script: pp_tp_dp``
+``benchmarks/jobs/pp_tp_dp.py`` (pipeline x data x tensor parallel, 8 ranks, ``attach: loop``).
 The script injects its faults itself (command-line flags); its ``fault:`` block names one of the
 script's faults::
 
@@ -51,6 +54,8 @@ SCRIPTS = {
     "nanogpt_like": JOBS_DIR / "nanogpt_like.py",
     "pipeline_dp": JOBS_DIR / "pipeline_dp.py",
     "tp_dp": JOBS_DIR / "tp_dp.py",
+    "deepspeed_pipe": JOBS_DIR / "deepspeed_pipe.py",
+    "pp_tp_dp": JOBS_DIR / "pp_tp_dp.py",
 }
 """Scenario ``script:`` name -> the training script."""
 
@@ -70,6 +75,8 @@ FAULTS = {
         "network": ("none", "network"),
     },
     "tp_dp": {k: v for k, v in LM_FAULTS.items() if k != "slow_data"},
+    "deepspeed_pipe": {k: v for k, v in LM_FAULTS.items() if k != "slow_data"},
+    "pp_tp_dp": {k: v for k, v in LM_FAULTS.items() if k != "slow_data"},
 }
 """Per script, its faults (as ``LM_FAULTS``)."""
 _FAULT_FIELDS = {"kind", "rank", "onset_s", "delay_ms", "factor"}
