@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -48,7 +49,9 @@ def run_demo(
         f"fault: {fault}{where}"
     )
     t0 = time.perf_counter()
-    done = _train(job, spool, logs, world_size, seconds, FAULTS[fault], rank, factor)
+    ckpt = out / "checkpoints" / job  # the script's, not a temporary one a killed rank would leave
+    done = _train(job, spool, logs, ckpt, world_size, seconds, FAULTS[fault], rank, factor)
+    shutil.rmtree(ckpt, ignore_errors=True)
     print(f"      {done} in {time.perf_counter() - t0:.0f} s; logs in {logs}")
 
     print(f"[2/4] ingesting {spool} into embedded ClickHouse at {store_dir}")
@@ -70,7 +73,15 @@ def run_demo(
 
 
 def _train(
-    job: str, spool: Path, logs: Path, world_size: int, seconds: float, fault: str, rank: int, factor: float
+    job: str,
+    spool: Path,
+    logs: Path,
+    ckpt: Path,
+    world_size: int,
+    seconds: float,
+    fault: str,
+    rank: int,
+    factor: float,
 ) -> str:
     """Run ``demo_job.py`` under torchrun, as a user runs a script; its last line (steps, time)."""
     logs.mkdir(parents=True, exist_ok=True)
@@ -86,7 +97,7 @@ def _train(
         str(Path(__file__).with_name("demo_job.py")),
         *("--seconds", str(seconds), "--job", job, "--spool-dir", str(spool)),
         *("--fault", fault, "--fault-rank", str(rank), "--onset-s", str(ONSET_S)),
-        *("--fault-factor", str(factor)),
+        *("--fault-factor", str(factor), "--ckpt-dir", str(ckpt)),
     ]
     # One thread per rank, as torchrun sets it where it starts more than one rank on a machine.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -40,6 +40,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
@@ -123,26 +124,28 @@ class Transformer(nn.Module):
         return self.output(self.norm(h))
 
 
-def apply_tp(model: Transformer, tp_mesh: object) -> None:
+def block_plan() -> dict[str, ParallelStyle]:
     """torchtitan's plan for each block: the projections into attention and the feed-forward
-    column-wise, the ones out of them row-wise, the norms sequence parallel in between."""
+    column-wise, the ones out of them row-wise, the norms sequence parallel in between. A block
+    takes and gives the sequence sharded over tp, as local tensors."""
+    return {
+        "attention_norm": SequenceParallel(),
+        "attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+
+
+def apply_tp(model: Transformer, tp_mesh: object) -> None:
     for block in model.layers.values():
-        plan = {
-            "attention_norm": SequenceParallel(),
-            "attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-            "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-            ),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-            "feed_forward.w3": ColwiseParallel(),
-        }
-        parallelize_module(block, tp_mesh, plan)  # type: ignore[arg-type]
+        parallelize_module(block, tp_mesh, block_plan())  # type: ignore[arg-type]
     # The blocks take and give the sequence sharded over tp; the embeddings and the head stay whole.
     parallelize_module(
         model,
