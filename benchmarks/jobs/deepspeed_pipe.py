@@ -24,15 +24,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
-import threading
 from collections.abc import Iterator
 
 import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.pipe import LayerSpec, PipelineModule
-from job_parts import Clock, arguments, loss_fn, save_checkpoint, token_batches, upload_metrics, write_marker
+from job_parts import Clock, Fault, arguments, loss_fn, token_batches
 from pipeline_dp import TransformerBlock
 from torch import nn
 
@@ -113,25 +111,16 @@ def main() -> None:
             yield get_batch()
 
     data = microbatches()
-    fault = args.fault if rank == args.fault_rank else "none"
-    stuck_storage = threading.Event()  # never set: the faulty rank's checkpoint write never completes
-    ckpt = os.path.join(args.ckpt_dir or tempfile.gettempdir(), f"deepspeed-stage{stage}-dp{dp_rank}.pt")
     hook = profiler_hook.attach(job=args.job)
     step, clock = 0, Clock(args)
+    fault = Fault(args, clock, f"deepspeed-stage{stage}-dp{dp_rank}.pt")
     while step < args.steps or args.steps <= 0:
         with hook.step(step):
-            faulty = fault != "none" and 0 <= clock.onset_step <= step
-            if faulty and step == clock.onset_step:
-                for block in engine.module.modules():
-                    if isinstance(block, Block) and fault == "slow_backward":
-                        block.work_factor = args.fault_factor
-                if args.marker_dir:
-                    write_marker(args.marker_dir, rank, step, fault)
+            if fault.begins(step) and fault.kind == "slow_backward":
+                for block in (m for m in engine.module.modules() if isinstance(m, Block)):
+                    block.work_factor = args.fault_factor
             loss = engine.train_batch(data_iter=data)
-            if faulty and fault == "metrics_block":
-                upload_metrics({"step": step}, args.fault_ms / 1e3)
-            if faulty and fault == "hang_checkpoint":
-                save_checkpoint(engine.module, ckpt, stuck_storage)
+            fault.after_step(step, engine.module)
         step += 1
         if rank == 0 and step % 50 == 0:
             print(f"step {step:5d}  loss {loss.item():.3f}", flush=True)

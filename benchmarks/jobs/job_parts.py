@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -115,3 +116,38 @@ class Clock:
             print(
                 f"train: {steps} steps in {took:.2f} s ({1e3 * took / max(steps, 1):.2f} ms/step)", flush=True
             )
+
+
+class Fault:
+    """This rank's fault (``none`` unless it is ``--fault-rank``), from the step rank 0's clock
+    says: :meth:`begins` at that step (writing the onset marker), then :meth:`after_step` blocks in
+    the metrics upload or the checkpoint write (``ckpt_name`` in ``--ckpt-dir``) each step."""
+
+    def __init__(self, args: argparse.Namespace, clock: Clock, ckpt_name: str) -> None:
+        self.args, self.clock = args, clock
+        self.kind = args.fault if clock.rank == args.fault_rank else "none"
+        self.ckpt = os.path.join(args.ckpt_dir or tempfile.gettempdir(), ckpt_name)
+        self._storage = threading.Event()  # never set: the checkpoint write never completes
+
+    def on(self, step: int) -> bool:
+        """Whether the fault is on at ``step``."""
+        return self.kind != "none" and 0 <= self.clock.onset_step <= step
+
+    def begins(self, step: int) -> bool:
+        """Whether the fault begins at ``step``; its marker is then in ``--marker-dir``."""
+        if not self.on(step) or step != self.clock.onset_step:
+            return False
+        if self.args.marker_dir:
+            write_marker(self.args.marker_dir, self.clock.rank, step, self.kind)
+        return True
+
+    def after_step(self, step: int, model: nn.Module, loss: torch.Tensor | None = None) -> None:
+        """The faulty calls a training loop makes after its step: ``upload_metrics`` (of the step,
+        and its ``loss`` where given), ``save_checkpoint`` of ``model``."""
+        if not self.on(step):
+            return
+        if self.kind == "metrics_block":
+            metrics = {"step": step} if loss is None else {"step": step, "loss": loss.item()}
+            upload_metrics(metrics, self.args.fault_ms / 1e3)
+        elif self.kind == "hang_checkpoint":
+            save_checkpoint(model, self.ckpt, self._storage)

@@ -32,13 +32,11 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import tempfile
-import threading
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from job_parts import Clock, arguments, loss_fn, save_checkpoint, token_batches, upload_metrics, write_marker
+from job_parts import Clock, Fault, arguments, loss_fn, token_batches
 from torch import nn
 from torch.distributed._composable.replicate import replicate
 from torch.distributed.device_mesh import init_device_mesh
@@ -192,18 +190,13 @@ def main() -> None:
 
     get_batch = token_batches(args, dp_rank)  # both ranks of a pipeline draw the same batches
 
-    fault = args.fault if rank == args.fault_rank else "none"
-    stuck_storage = threading.Event()  # never set: the faulty rank's checkpoint write never completes
-    ckpt = os.path.join(args.ckpt_dir or tempfile.gettempdir(), f"pipeline-stage{stage_idx}-dp{dp_rank}.pt")
     hook = profiler_hook.attach(job=args.job)
     step, clock = 0, Clock(args)
+    fault = Fault(args, clock, f"pipeline-stage{stage_idx}-dp{dp_rank}.pt")
     while step < args.steps or args.steps <= 0:
         with hook.step(step):
-            faulty = fault != "none" and 0 <= clock.onset_step <= step
-            if faulty and step == clock.onset_step:
-                model.work_factor = args.fault_factor if fault == "slow_backward" else 1.0
-                if args.marker_dir:
-                    write_marker(args.marker_dir, rank, step, fault)
+            if fault.begins(step) and fault.kind == "slow_backward":
+                model.work_factor = args.fault_factor
             inputs, targets = get_batch()
             optimizer.zero_grad()
             losses: list[torch.Tensor] | None = [] if stage.is_last else None
@@ -212,10 +205,7 @@ def main() -> None:
             else:
                 schedule.step(target=targets, losses=losses)
             optimizer.step()
-            if faulty and fault == "metrics_block":
-                upload_metrics({"step": step}, args.fault_ms / 1e3)
-            if faulty and fault == "hang_checkpoint":
-                save_checkpoint(model, ckpt, stuck_storage)
+            fault.after_step(step, model)
         step += 1
         if rank == pp_size - 1 and losses and step % 50 == 0:
             print(f"step {step:5d}  loss {torch.stack(losses).mean().item():.3f}", flush=True)

@@ -27,13 +27,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
-import threading
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from job_parts import Clock, arguments, loss_fn, save_checkpoint, token_batches, upload_metrics, write_marker
+from job_parts import Clock, Fault, arguments, loss_fn, token_batches
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -189,29 +187,20 @@ def main() -> None:
 
     get_batch = token_batches(args, dp_rank)  # both ranks of a tensor-parallel group draw the same batches
 
-    fault = args.fault if rank == args.fault_rank else "none"
-    stuck_storage = threading.Event()  # never set: the faulty rank's checkpoint write never completes
-    ckpt = os.path.join(args.ckpt_dir or tempfile.gettempdir(), f"tp-dp{dp_rank}-r{rank}.pt")
     hook = profiler_hook.attach(job=args.job)
     step, clock = 0, Clock(args)
+    fault = Fault(args, clock, f"tp-dp{dp_rank}-r{rank}.pt")
     while step < args.steps or args.steps <= 0:
         with hook.step(step):
-            faulty = fault != "none" and 0 <= clock.onset_step <= step
-            if faulty and step == clock.onset_step:
-                if fault == "slow_backward":
-                    for attention in (m for m in model.modules() if isinstance(m, Attention)):
-                        attention.work_factor = args.fault_factor
-                if args.marker_dir:
-                    write_marker(args.marker_dir, rank, step, fault)
+            if fault.begins(step) and fault.kind == "slow_backward":
+                for attention in (m for m in model.modules() if isinstance(m, Attention)):
+                    attention.work_factor = args.fault_factor
             inputs, targets = get_batch()
             optimizer.zero_grad()
             loss = loss_fn(model(inputs), targets)
             loss.backward()
             optimizer.step()
-            if faulty and fault == "metrics_block":
-                upload_metrics({"step": step, "loss": loss.item()}, args.fault_ms / 1e3)
-            if faulty and fault == "hang_checkpoint":
-                save_checkpoint(model, ckpt, stuck_storage)
+            fault.after_step(step, model, loss)
         step += 1
         if rank == 0 and step % 50 == 0:
             print(f"step {step:5d}  loss {loss.item():.3f}", flush=True)
