@@ -660,13 +660,16 @@ class CollectiveTracker:
         return wrapper
 
     def _wrap_p2p(self, op: str, original: Any) -> Any:
-        tracker, blocking = self, op in ("send", "recv")
+        tracker, local, blocking = self, self._local, op in ("send", "recv")
         params = ("dst", "group_dst") if op.endswith("send") else ("src", "group_src")
         peer_pos, group_pos = _position(original, params[0]), _position(original, "group")
         name = op.removeprefix("i")
 
         @functools.wraps(original)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
+            # One user call is one transfer: send and recv are isend and irecv waited on at once.
+            if getattr(local, "inside", False):
+                return original(*args, **kwargs)
             try:
                 pg = _arg(args, kwargs, "group", group_pos)
                 peer = _arg(args, kwargs, params[0], peer_pos)
@@ -681,9 +684,11 @@ class CollectiveTracker:
             except Exception:  # tracking must never break the call
                 return original(*args, **kwargs)
             if blocking:
+                local.inside = True
                 try:
                     return original(*args, **kwargs)
                 finally:
+                    local.inside = False
                     tracker.exit(call)
             work = original(*args, **kwargs)
             if work is not None:  # None: inside a coalescing manager (NCCL's batch_isend_irecv)

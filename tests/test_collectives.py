@@ -167,6 +167,31 @@ def test_collectives_launched_from_cxx_are_counted_numbered_and_name_the_rank_a_
 
 
 @pytest.mark.slow
+def test_a_send_and_its_recv_are_one_transfer_each_timed_once_on_the_rank_that_waits(tmp_path: Path) -> None:
+    """``send`` and ``recv`` are ``isend`` and ``irecv`` waited on at once (torch 2.6 on): each is
+    one call, counted, numbered and timed once, as c10d numbers it (DeepSpeed's pipeline engine
+    moves its activations so). Rank 1 sends 30 ms late: rank 0 waits for it inside ``recv``."""
+    mp.start_processes(
+        spawned.send_recv_job,
+        args=(free_port(), str(tmp_path), str(tmp_path)),
+        nprocs=2,
+        start_method="spawn",
+    )
+    recs = spool_records(tmp_path, "sendrecv")
+    for rank, rs in recs.items():
+        before, after = map(int, (tmp_path / f"rank{rank}").read_text().split())
+        rows = [row for x in rs if isinstance(x, StepBatch) for row in x.rows]
+        assert sum(row.n_steps for row in rows) == 5 and sum(row.n_coll for row in rows) == 5, (rank, rows)
+        assert all(row.comm_us <= row.dur_us for row in rows), (rank, rows)
+        assert [x for x in rs if isinstance(x, Heartbeat)][-1].last_seq["world"] == after == before + 5
+        comm = sum(row.comm_us for row in rows if row.step > 0) / 4
+        if rank == 0:
+            assert 25_000 < comm < 60_000, rows  # its 30 ms wait, once
+        else:
+            assert comm < 15_000, rows
+
+
+@pytest.mark.slow
 def test_a_megatron_jobs_ranks_carry_their_place_in_its_parallelism_from_its_named_groups(
     tmp_path: Path,
 ) -> None:

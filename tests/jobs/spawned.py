@@ -139,3 +139,23 @@ def pipeline_without_mesh_job(rank: int, port: int, spool: str) -> None:
                 schedule.step(target=torch.randn(8, 4))
     hook.close()
     dist.destroy_process_group()
+
+
+def send_recv_job(rank: int, port: int, spool: str, out: str) -> None:
+    """Rank 1 sends rank 0 a tensor every step, 30 ms late; rank 0 waits for it in ``recv``."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    hook = profiler_hook.attach(job="sendrecv", spool_dir=spool, rank=rank, world_size=2, window_s=0)
+    world = dist.distributed_c10d._get_default_group()
+    before = world._get_sequence_number_for_group()
+    t = torch.zeros(1024)
+    for _ in range(5):
+        with hook.step():
+            if rank == 1:
+                time.sleep(0.03)
+                dist.send(t, dst=0)
+            else:
+                dist.recv(t, src=1)
+    Path(out, f"rank{rank}").write_text(f"{before} {world._get_sequence_number_for_group()}")
+    hook.close()
+    dist.destroy_process_group()
