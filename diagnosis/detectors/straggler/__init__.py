@@ -169,9 +169,7 @@ def _straggler_finding(
         if slow:
             fs = fs[fs["window"].isin(slow)]
     excess = functions.compare(fs, st.rank, peers)
-    # A tenth of the rank's time in one function of its code beyond its peers' share: a stall
-    # that took that much of the job is no sampling noise (±3 samples in the 60 of 30 s).
-    sampled = functions.top_sampled(samples, st.rank, peers, min_share=0.1)
+    sampled = functions.top_sampled(samples, st.rank, peers)
     why = classify(st, excess, waits, sampled)
     cause, fn, explained = why.cause, why.function, why.cause_share
     held = min(max(why.function_share, 0.0), 1.0)

@@ -113,6 +113,14 @@ class Sampled:
 MIN_SAMPLES = 10
 """Samples a culprit needs before they name anything (5 s of the watchdog's 2 a second)."""
 
+MIN_SAMPLE_SHARE = 0.03
+"""The share of a culprit's samples a function must hold beyond its peers' to be named..."""
+
+MIN_SAMPLE_Z = 3.0
+"""...and by this many standard deviations of the count its peers' share ``p`` leads one to expect
+of ``n`` samples (binomial, ``sqrt(n p (1 - p) + 1)``): a stall its peers never make stands out
+in a few samples, a function all ranks run at shares that differ from rank to rank does not."""
+
 ENCLOSING_SHARE = 0.5
 """A function holding this share of the peers' samples encloses their loop (nanoGPT's module-level
 loop holds ~90%): by 0.10 more of a culprit's, it says little; the line that does is named instead."""
@@ -120,9 +128,10 @@ loop holds ~90%): by 0.10 more of a culprit's, it says little; the line that doe
 _FUNCTION = re.compile(r"^(.*)\((\d+)\): (.*)$")
 
 
-def top_sampled(samples: pd.DataFrame, rank: int, peers: list[int], min_share: float) -> Sampled | None:
+def top_sampled(samples: pd.DataFrame, rank: int, peers: list[int]) -> Sampled | None:
     """The function of the job's own code that the culprit's stack samples found it in most often
-    beyond its peers' share, if by ``min_share`` of its samples at least. Windows profile a few
+    beyond its peers' share, if by more than chance (``MIN_SAMPLE_SHARE``, ``MIN_SAMPLE_Z``): the
+    cause rules then ask it to hold half the culprit's extra time. Windows profile a few
     steps now and then; samples come every 0.5 s whatever the step, so they see where a rare stall
     (one batch in 20 read slowly) puts the culprit's time when no window caught one.
 
@@ -144,7 +153,8 @@ def top_sampled(samples: pd.DataFrame, rank: int, peers: list[int], min_share: f
     )
     s = s[s["function"] != ""]  # samples with none of the job's code on the stack
     ranks = list(totals.index)
-    best, at, key = _beyond_peers(s, "function", rank, ranks, min_share), s, "function"
+    n = int(totals[rank])
+    best, at, key = _beyond_peers(s, "function", rank, ranks, n), s, "function"
     # A line stands out more than any function where the function it is in encloses the loop: it
     # holds most of the peers' samples too, its culprit's stall and their wait for it on other
     # lines (then a function the culprit was found in a few more times, 5 of its 47 samples, can
@@ -153,7 +163,7 @@ def top_sampled(samples: pd.DataFrame, rank: int, peers: list[int], min_share: f
     lines = lines.assign(
         at=[_at_line(fn, line) for fn, line in zip(lines["function"], lines["line"], strict=True)]
     )
-    at_line = _beyond_peers(lines, "at", rank, ranks, min_share)
+    at_line = _beyond_peers(lines, "at", rank, ranks, n)
     if at_line is not None and (
         best is None or best[2] >= ENCLOSING_SHARE or at_line[1] - at_line[2] > best[1] - best[2]
     ):
@@ -174,20 +184,22 @@ def top_sampled(samples: pd.DataFrame, rank: int, peers: list[int], min_share: f
 
 
 def _beyond_peers(
-    s: pd.DataFrame, by: str, rank: int, ranks: list[int], min_share: float
+    s: pd.DataFrame, by: str, rank: int, ranks: list[int], n: int
 ) -> tuple[str, float, float] | None:
-    """The ``by`` value whose share of the culprit's samples exceeds the peers' median share the
-    most, if by ``min_share``: (it, the culprit's share, the peers' median share; ``ranks``: the
-    culprit and the peers, a peer without such samples counting 0)."""
+    """The ``by`` value whose share of the culprit's ``n`` samples exceeds the peers' median share
+    the most, of those that do by more than chance: (it, the culprit's share, the peers' median
+    share; ``ranks``: the culprit and the peers, a peer without such samples counting 0)."""
     if s.empty:
         return None
     share = s.pivot_table(index=by, columns="rank", values="share", aggfunc="sum", fill_value=0.0)
     share = share.reindex(columns=ranks, fill_value=0.0)
     peer = share[[p for p in share.columns if p != rank]].median(axis=1)
     excess = share[rank] - peer
-    best = str(excess.idxmax())
-    if excess[best] < min_share:
+    z = excess * n / np.sqrt(n * peer * (1.0 - peer) + 1.0)
+    excess = excess[(excess >= MIN_SAMPLE_SHARE) & (z >= MIN_SAMPLE_Z)]
+    if excess.empty:
         return None
+    best = str(excess.idxmax())
     return best, float(share.at[best, rank]), float(peer[best])
 
 
