@@ -136,7 +136,9 @@ def _kind(name: str, activity: str, is_python: bool) -> str | None:
             return None
         if name.startswith(_COLLECTIVE_PREFIXES):
             return "collective"  # process groups annotate their collectives: "gloo:all_reduce"
-        return "dataloader" if "DataLoader" in name else "op"
+        # A range the code marked (``record_function``: a schedule's "Forward", FSDP's
+        # "FSDP::post_backward_reduce", a user's own): it encloses operators, it is none.
+        return "dataloader" if "DataLoader" in name else "annotation"
     if activity == "cpu_op":
         return "collective" if name.startswith(_COLLECTIVE_PREFIXES) else "op"
     return None  # runtime/driver calls, profiler overhead: not functions of the workload
@@ -284,7 +286,7 @@ def summarize(
             groups[key][1].append(dur)
             moved[key] += nbytes
 
-    category = {"op": "compute", "collective": "comm", "dataloader": "data"}
+    category = {"op": "compute", "annotation": "compute", "collective": "comm", "dataloader": "data"}
     for kind, tid, s, e_, _, _ in cpu_events:
         if tid == main_tid:
             busy[category[kind]].append((s, e_))

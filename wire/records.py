@@ -85,7 +85,10 @@ class FunctionPattern(NamedTuple):
     kind: str
     """``op`` (CPU operator), ``kernel`` (GPU kernel), ``collective``, ``memcpy``, ``dataloader``,
     ``python`` (a function of the job's own code), ``pylib`` (a Python function of the interpreter,
-    the standard library or an installed package), ``sched`` (the process's threads waiting for a CPU),
+    the standard library or an installed package), ``annotation`` (a range the code marked with
+    ``record_function``: a pipeline schedule's ``Forward``, FSDP's ``FSDP::post_backward_reduce``, a
+    user's; hooks before 2026-11-30 recorded these as ``op``), ``sched`` (the process's threads
+    waiting for a CPU),
     ``cut`` (the patterns a window left out beyond its ``max_functions``: their number as ``count``,
     their summed time as ``total_us``, the largest one's as ``max_us``)."""
     name: str
@@ -110,7 +113,18 @@ class FunctionPattern(NamedTuple):
 
 
 FUNCTION_COLUMNS = FunctionPattern._fields
-KINDS = ("op", "kernel", "collective", "memcpy", "dataloader", "python", "pylib", "sched", "cut")
+KINDS = (
+    "op",
+    "kernel",
+    "collective",
+    "memcpy",
+    "dataloader",
+    "python",
+    "pylib",
+    "annotation",
+    "sched",
+    "cut",
+)
 WAIT_KIND = "sched"
 WAIT_PATTERN = "cpu_wait@sched"
 """The window pattern of the time the rank's threads were runnable but waited for a CPU

@@ -82,7 +82,7 @@ def test_a_pipeline_schedules_microbatches_are_one_function_of_its_stage() -> No
         torch.distributed.destroy_process_group()
     # The schedule annotates each microbatch's work ("Forward 0" ... "Backward 3"): one function of
     # the stage, run 4 times a step, so that a slower stage's excess is not split over its microbatches.
-    by = {f.name: f.count for f in functions if f.kind == "op"}
+    by = {f.name: f.count for f in functions if f.kind == "annotation"}
     assert (by.get("Forward"), by.get("Backward")) == (8, 8)
     assert not [name for name in by if name.startswith(("Forward ", "Backward "))]
 

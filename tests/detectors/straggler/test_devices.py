@@ -18,7 +18,8 @@ def test_a_slower_device_names_what_holds_half_its_excess_or_its_operators_as_a_
     """Rank 6's device is slower (1.5 ms a step, 7.5 ms in its 5-step window). Its forward, its
     matrix product and the product's backward each hold under half of that: none is named, the
     finding says its operators as a whole, the largest with their shares. A forward that holds two
-    thirds is named; so is the function of the job's code its stack samples put it in for half."""
+    thirds is named; so is the function of the job's code its stack samples put it in for half.
+    The range a pipeline schedule marks around its forward holds all of it, and is no operator."""
     data = synthetic(slow={6: {"compute_us": 1500}})
     fwd = "train.py(10): forward"
 
@@ -27,11 +28,13 @@ def test_a_slower_device_names_what_holds_half_its_excess_or_its_operators_as_a_
             ("op", "aten::mm", 15, 10_000.0),
             ("op", "AddmmBackward0", 15, 12_000.0),
             ("python", fwd, 5, 11_000.0),
+            ("annotation", "Forward", 5, 33_000.0),
         ]
         slow = [
             ("op", "aten::mm", 15, 13_000.0),
             ("op", "AddmmBackward0", 15, 15_000.0),
             ("python", fwd, 5, 11_000.0 + extra_fwd_us),
+            ("annotation", "Forward", 5, 33_000.0 + 7_500.0),
         ]
         return {r: slow if r == 6 else common for r in range(8)}
 
