@@ -41,7 +41,9 @@ _STACK_DEPTH = 3
 _OWN = "rankscope/profiler_hook/"
 """The hook's own modules, as the profiler names them (relative to their ``sys.path`` entry):
 never the job's code."""
-_HOOK_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_HOOK_DIR = os.path.dirname(os.path.realpath(__file__)) + os.sep
+"""The hook's directory, links resolved: a checkout's ``rankscope/profiler_hook`` is a link to its
+``profiler_hook/``, and a script in ``rankscope/`` has that directory first on ``sys.path``."""
 
 
 @functools.cache
@@ -63,7 +65,11 @@ def _library_module(top: str) -> bool:
     where = (spec.origin if spec else None) or next(
         iter((spec and spec.submodule_search_locations) or []), ""
     )
-    return bool(where) and ("-packages/" in where or where.startswith(_library_dirs()))
+    return bool(where) and (
+        "-packages/" in where
+        or where.startswith(_library_dirs())
+        or os.path.realpath(where).startswith(_HOOK_DIR)
+    )
 
 
 def _torch_modules() -> frozenset[str]:
@@ -97,7 +103,11 @@ def library_frame(name: str) -> bool:
         return name[11:].rsplit("_", 1)[0] in _torch_modules()
     path = name.split("(", 1)[0]
     if path.startswith("/"):  # a file outside every sys.path entry (an editable install's)
-        return "-packages/" in path or path.startswith((*_library_dirs(), _HOOK_DIR))
+        return (
+            "-packages/" in path
+            or path.startswith(_library_dirs())
+            or os.path.realpath(path).startswith(_HOOK_DIR)
+        )
     return path.startswith(_OWN) or _library_module(path.split("/", 1)[0].removesuffix(".py"))
 
 
