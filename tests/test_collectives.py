@@ -9,6 +9,7 @@ import json
 import os
 import statistics
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pandas as pd
@@ -27,6 +28,12 @@ from tests.jobs import spawned
 from tests.records import spool_records
 
 STEPS = 150
+
+
+def spawn(job: Callable[..., None], nprocs: int, *paths: Path) -> None:
+    """Run ``job(rank, port, *paths)`` (a function of ``tests.jobs.spawned``) in ``nprocs``
+    spawned processes on a free port, and wait for them."""
+    mp.start_processes(job, args=(free_port(), *map(str, paths)), nprocs=nprocs, start_method="spawn")
 
 
 @pytest.mark.slow
@@ -84,12 +91,7 @@ def test_every_loop_shape_shows_its_collectives_and_the_wait_for_a_late_rank(
 
 @pytest.mark.slow
 def test_a_users_own_ddp_comm_hook_still_runs_and_its_collectives_are_tracked(tmp_path: Path) -> None:
-    mp.start_processes(
-        spawned.user_hook_job,
-        args=(free_port(), str(tmp_path), str(tmp_path)),
-        nprocs=2,
-        start_method="spawn",
-    )
+    spawn(spawned.user_hook_job, 2, tmp_path, tmp_path)
     got = [(tmp_path / f"rank{r}").read_text().split() for r in (0, 1)]
     # Every step ran the user's fp16 hook once; the tracked numbering is c10d's (what Flight Recorder
     # shows); the gradient is the average over ranks of x = 1 and x = 2 summed over 4 rows: 6.0.
@@ -114,12 +116,7 @@ def test_collectives_launched_from_cxx_are_counted_numbered_and_name_the_rank_a_
 ) -> None:
     """Tensor parallelism (DTensor's functional collectives, launched from C++ and waited on in
     ``wait_tensor``), then FSDP."""
-    mp.start_processes(
-        spawned.launched_from_cxx_job,
-        args=(free_port(), str(tmp_path), str(tmp_path)),
-        nprocs=2,
-        start_method="spawn",
-    )
+    spawn(spawned.launched_from_cxx_job, 2, tmp_path, tmp_path)
     recs = spool_records(tmp_path, "cxx")
     seqs = [[int(n) for n in (tmp_path / f"rank{r}").read_text().split()] for r in (0, 1)]
     assert seqs[0] == seqs[1]
@@ -171,12 +168,7 @@ def test_a_send_and_its_recv_are_one_transfer_each_timed_once_on_the_rank_that_w
     """``send`` and ``recv`` are ``isend`` and ``irecv`` waited on at once (torch 2.6 on): each is
     one call, counted, numbered and timed once, as c10d numbers it (DeepSpeed's pipeline engine
     moves its activations so). Rank 1 sends 30 ms late: rank 0 waits for it inside ``recv``."""
-    mp.start_processes(
-        spawned.send_recv_job,
-        args=(free_port(), str(tmp_path), str(tmp_path)),
-        nprocs=2,
-        start_method="spawn",
-    )
+    spawn(spawned.send_recv_job, 2, tmp_path, tmp_path)
     recs = spool_records(tmp_path, "sendrecv")
     for rank, rs in recs.items():
         before, after = map(int, (tmp_path / f"rank{rank}").read_text().split())
@@ -196,9 +188,7 @@ def test_a_megatron_jobs_ranks_carry_their_place_in_its_parallelism_from_its_nam
     tmp_path: Path,
 ) -> None:
     """Without a ``DeviceMesh``: Megatron-LM describes each process group it makes by name."""
-    mp.start_processes(
-        spawned.megatron_groups_job, args=(free_port(), str(tmp_path)), nprocs=4, start_method="spawn"
-    )
+    spawn(spawned.megatron_groups_job, 4, tmp_path)
     recs = spool_records(tmp_path, "megatron")
     mesh = {r: [x for x in rs if isinstance(x, RankInfo)][-1].mesh for r, rs in recs.items()}
     assert mesh == {r: {"dp": 0, "tp": r % 2, "pp": r // 2} for r in range(4)}
@@ -209,9 +199,7 @@ def test_a_pipeline_made_without_a_device_mesh_gives_each_rank_its_stage(tmp_pat
     """Without a ``DeviceMesh`` or named groups: a rank's place in a pipeline is the index of the
     ``torch.distributed.pipelining`` stage it runs, and each rank is compared with the ranks of
     its stage (the diagnosis's roles)."""
-    mp.start_processes(
-        spawned.pipeline_without_mesh_job, args=(free_port(), str(tmp_path)), nprocs=4, start_method="spawn"
-    )
+    spawn(spawned.pipeline_without_mesh_job, 4, tmp_path)
     recs = spool_records(tmp_path, "pipeline")
     mesh = {r: [x for x in rs if isinstance(x, RankInfo)][-1].mesh for r, rs in recs.items()}
     assert mesh == {r: {"pp": r % 2} for r in range(4)}
