@@ -46,6 +46,11 @@ _HOOK_DIR = os.path.dirname(os.path.realpath(__file__)) + os.sep
 ``profiler_hook/``, and a script in ``rankscope/`` has that directory first on ``sys.path``."""
 
 
+def _hook_file(path: str) -> bool:
+    """Whether ``path`` is one of the hook's files, however it was reached."""
+    return os.path.realpath(path).startswith(_HOOK_DIR)
+
+
 @functools.cache
 def _library_dirs() -> tuple[str, ...]:
     paths = sysconfig.get_paths()
@@ -65,11 +70,7 @@ def _library_module(top: str) -> bool:
     where = (spec.origin if spec else None) or next(
         iter((spec and spec.submodule_search_locations) or []), ""
     )
-    return bool(where) and (
-        "-packages/" in where
-        or where.startswith(_library_dirs())
-        or os.path.realpath(where).startswith(_HOOK_DIR)
-    )
+    return bool(where) and ("-packages/" in where or where.startswith(_library_dirs()) or _hook_file(where))
 
 
 def _torch_modules() -> frozenset[str]:
@@ -103,11 +104,7 @@ def library_frame(name: str) -> bool:
         return name[11:].rsplit("_", 1)[0] in _torch_modules()
     path = name.split("(", 1)[0]
     if path.startswith("/"):  # a file outside every sys.path entry (an editable install's)
-        return (
-            "-packages/" in path
-            or path.startswith(_library_dirs())
-            or os.path.realpath(path).startswith(_HOOK_DIR)
-        )
+        return "-packages/" in path or path.startswith(_library_dirs()) or _hook_file(path)
     return path.startswith(_OWN) or _library_module(path.split("/", 1)[0].removesuffix(".py"))
 
 
