@@ -28,10 +28,23 @@ def _flag(
     per: np.ndarray, s: StragglerSettings, min_ratio: float, exclude: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, int]:
     """Per rank, in how many chunks (and which) its mean relative own time stands out against the
-    median of the ranks not ``exclude``d; and how many chunks could be judged."""
+    median of the ranks not ``exclude``d; and how many chunks could be judged.
+
+    From ``z_min_ranks`` ranks on, a chunk asks for ``min_z`` robust deviations as well as the
+    ratio. A chunk of a job with long steps holds few of them (a 3-D job's ~1 s steps: ~10 a
+    chunk), and its ranks' means spread by 5-8%: a rank whose upload blocks 15% of its own time
+    every step passes the ratio in every chunk since, the deviations in two. So a rank above the
+    ratio in enough chunks counts slow in them too where the chunks taken together say so: its
+    mean over the chunks since the first of them passes the ratio, and its deviations, summed
+    over every judged chunk and divided by the root of their number (one standard normal for a
+    rank like the others), reach ``min_z``. (A rank steadily 6% slower by its cores passes the
+    ratio in some chunks by chance, the sum of its deviations too, and its mean not.)"""
     flagged = np.zeros(per.shape[0], dtype=np.int64)
     slow_in = np.zeros(per.shape, dtype=bool)
-    n_chunks = 0
+    above = np.zeros(per.shape, dtype=bool)
+    z_sum = np.zeros(per.shape[0])
+    meds = np.full(per.shape[1], np.nan)
+    n_chunks = z_chunks = 0
     for c in range(per.shape[1]):
         col = per[:, c]
         valid = ~np.isnan(col)
@@ -39,15 +52,26 @@ def _flag(
         if valid.sum() < 3 or base.size < 3:
             continue
         n_chunks += 1
-        med = float(np.median(base))
+        med = meds[c] = float(np.median(base))
         mad = float(np.median(np.abs(base - med))) * 1.4826
         scale = max(mad, s.mad_floor * abs(med), 1e-9)
         with np.errstate(invalid="ignore"):
-            slow = col >= min_ratio * med
+            slow = above[:, c] = col >= min_ratio * med
             if base.size >= s.z_min_ranks:
-                slow &= (col - med) / scale >= s.min_z
+                z = np.where(valid, (col - med) / scale, 0.0)
+                z_sum += z
+                z_chunks += 1
+                slow = slow & (z >= s.min_z)
         flagged += slow
         slow_in[:, c] = slow
+    if z_chunks:
+        need = needed(n_chunks, s.persistence)
+        since = np.arange(per.shape[1]) >= np.argmax(above, axis=1)[:, None]
+        level = nanmean_rows(np.where(since, per / np.where(meds > 0, meds, np.nan), np.nan))
+        taken = (above.sum(axis=1) >= need) & (level >= min_ratio) & (z_sum / np.sqrt(z_chunks) >= s.min_z)
+        more = taken & (flagged < need) & ~exclude
+        flagged = np.where(more, above.sum(axis=1), flagged)
+        slow_in[more] = above[more]
     return flagged, slow_in, n_chunks
 
 
