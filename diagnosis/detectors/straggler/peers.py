@@ -16,6 +16,8 @@ says, while its median step looks healthy. Across ranks the statistics stay robu
 
 from __future__ import annotations
 
+from statistics import NormalDist
+
 import numpy as np
 import pandas as pd
 
@@ -38,7 +40,9 @@ def _flag(
     mean over the chunks since the first of them passes the ratio, and its deviations, summed
     over every judged chunk and divided by the root of their number (one standard normal for a
     rank like the others), reach ``min_z``. (A rank steadily 6% slower by its cores passes the
-    ratio in some chunks by chance, the sum of its deviations too, and its mean not.)"""
+    ratio in some chunks by chance, the sum of its deviations too, and its mean not.) Of more ranks
+    than ``z_min_ranks``, the sum must be as rare among them as ``min_z`` is among that many: more
+    ranks, more of them far out by chance (at 100,000, ~5.5 deviations)."""
     flagged = np.zeros(per.shape[0], dtype=np.int64)
     slow_in = np.zeros(per.shape, dtype=bool)
     above = np.zeros(per.shape, dtype=bool)
@@ -68,11 +72,19 @@ def _flag(
         need = needed(n_chunks, s.persistence)
         since = np.arange(per.shape[1]) >= np.argmax(above, axis=1)[:, None]
         level = nanmean_rows(np.where(since, per / np.where(meds > 0, meds, np.nan), np.nan))
-        taken = (above.sum(axis=1) >= need) & (level >= min_ratio) & (z_sum / np.sqrt(z_chunks) >= s.min_z)
+        z_min = _as_rare(s.min_z, s.z_min_ranks, per.shape[0])
+        taken = (above.sum(axis=1) >= need) & (level >= min_ratio) & (z_sum / np.sqrt(z_chunks) >= z_min)
         more = taken & (flagged < need) & ~exclude
         flagged = np.where(more, above.sum(axis=1), flagged)
         slow_in[more] = above[more]
     return flagged, slow_in, n_chunks
+
+
+def _as_rare(z: float, among: int, ranks: int) -> float:
+    """The deviation one of ``ranks`` standard normals passes as rarely as one of ``among`` passes ``z``."""
+    if ranks <= among:
+        return z
+    return NormalDist().inv_cdf(1.0 - NormalDist().cdf(-z) * among / ranks)
 
 
 def slower_than_peers(
