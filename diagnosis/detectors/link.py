@@ -67,6 +67,11 @@ class Settings:
     bulk_share: float = 0.1
     """Links with endpoints: only those that sent at least this share of the window's busiest
     link's bytes are compared."""
+    one_link_ratio: float = 2.0
+    """A link named alone (no group of ranks explains its window; each end at its peers' speed on
+    its other links) must take this many times the window's healthy time per byte: a port or cable
+    that fails trains down to half its rate or less (100 to 50 or 25 Gb/s), where links' rates
+    differ by path and load within that."""
     span_s: float = 5.0
     """The heartbeats' link sends are compared across ranks per span of this many seconds (at least
     the ranks' heartbeat period): each span is a window of the comparison."""
@@ -332,6 +337,7 @@ def _one_link(
     pair of ends whose links (either way) carry ``coverage`` of the window's extra send time, in
     most windows since the first (of those where the pair carried bulk traffic)."""
     windows, slow = d["window"].to_numpy(), d["slow"].to_numpy()
+    ratio = (d["t"] / d["base"]).to_numpy()
     lo, hi = np.minimum(src, dst), np.maximum(src, dst)
     known = dst >= 0
     flagged: dict[tuple[int, int], list[int]] = {}
@@ -341,7 +347,10 @@ def _one_link(
         slow_w = slow & (windows == w)
         for a, b in {(int(x), int(y)) for x, y in zip(lo[slow_w & known], hi[slow_w & known], strict=True)}:
             on = slow_w & (lo == a) & (hi == b)
-            if extra[on].sum() >= s.coverage * extra[slow_w].sum():
+            if (
+                extra[on].sum() >= s.coverage * extra[slow_w].sum()
+                and np.median(ratio[on]) >= s.one_link_ratio
+            ):
                 flagged.setdefault((a, b), []).append(int(w))
     out = []
     for (a, b), ws in flagged.items():

@@ -98,3 +98,17 @@ def test_a_slow_link_between_two_stages_is_named_as_the_link_not_either_end() ->
         assert (f.cause, f.scope, f.ranks, f.hosts) == ("communication", "link", [2, 3], ["node2", "node3"])
         assert f.summary.startswith("the link between rank 2 (node2) and rank 3 (node3) is slow"), f.summary
         assert f.evidence["spans_flagged"] == "6/6" and f.evidence["ratio"] > 4
+
+
+def test_a_link_a_little_slower_than_the_rest_is_its_path_and_one_at_half_its_rate_a_fault() -> None:
+    """One link of a ring (1 to 2) slower than the others, each end at its peers' speed on its other
+    link: at 1.5x the time per byte that is its path or its load (a healthy job on the simulated
+    network had one link so in every span), not named; at 2.5x, as a port or cable that trained
+    down to half its rate or less, it is the link."""
+    data = synthetic(ranks=4, hosts_of=4)
+    path = replace(data, links=ring_links(4, {(1, 2): 1.5}))
+    assert link.find(path, SETTINGS) == []
+    assert link.find(path, replace(SETTINGS, one_link_ratio=1.3)), "found but for the ratio"
+    f = only(link.find(replace(data, links=ring_links(4, {(1, 2): 2.5})), SETTINGS))
+    assert (f.cause, f.scope, f.ranks) == ("communication", "link", [1, 2]), f.summary
+    assert 2.0 < f.evidence["ratio"] < 3.0
