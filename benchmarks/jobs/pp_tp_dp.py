@@ -17,8 +17,8 @@ The data is synthetic tokens, the same batches for every rank of a data-parallel
 
 It trains ``--steps`` steps, or for ``--seconds`` (rank 0's clock), and rank 0 prints ``train:
 <steps> steps in <s> s (<ms> ms/step)`` for the training loop alone. Faults as ``tp_dp.py`` has
-them: ``slow_backward`` (the attention over the rank's heads does ``--fault-factor`` times the
-work), ``metrics_block``, ``hang_checkpoint``.
+them: ``slow_backward`` (a slower device: its attention and the projections into it and into the
+feed-forward do ``--fault-factor`` times the work), ``metrics_block``, ``hang_checkpoint``.
 """
 
 from __future__ import annotations
@@ -35,13 +35,13 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import PrepareModuleInput, parallelize_module
-from tp_dp import Attention, Transformer, block_plan
+from tp_dp import Attention, FeedForward, Transformer, block_plan
 
 from rankscope import profiler_hook
 
 
 def parse_args() -> argparse.Namespace:
-    ap = arguments(__doc__.split("\n\n")[0], seq_len=64, dim=64, n_layers=4)
+    ap = arguments(__doc__.split("\n\n")[0], seq_len=128, dim=128, n_layers=4)  # tp_dp.py's sizes
     ap.add_argument("--microbatches", type=int, default=4)
     return ap.parse_args()
 
@@ -119,8 +119,9 @@ def main() -> None:
     while step < args.steps or args.steps <= 0:
         with hook.step(step):
             if fault.begins(step) and fault.kind == "slow_backward":
-                for attention in (m for m in model.modules() if isinstance(m, Attention)):
-                    attention.work_factor = args.fault_factor
+                for m in model.modules():
+                    if isinstance(m, (Attention, FeedForward)):
+                        m.work_factor = args.fault_factor
             inputs, targets = get_batch()
             optimizer.zero_grad()
             losses: list[torch.Tensor] | None = [] if stage.is_last else None

@@ -17,8 +17,8 @@ It trains ``--steps`` steps, or for ``--seconds`` (rank 0's clock) when that com
 0 prints ``train: <steps> steps in <s> s (<ms> ms/step)`` for the training loop alone.
 
 Faults, for rankscope's fault suite (only on ``--fault-rank``, from ``--onset-s`` seconds into
-training, as ``job_parts.py`` has them): ``slow_backward`` (a slower device: the attention over the rank's heads does
-``--fault-factor`` times the work, forward and backward),
+training, as ``job_parts.py`` has them): ``slow_backward`` (a slower device: the attention over the rank's heads and the projections into
+it and into the feed-forward do ``--fault-factor`` times the work, forward and backward),
 ``metrics_block`` (``upload_metrics()`` blocks ``--fault-ms`` every step) and ``hang_checkpoint``
 (``save_checkpoint()`` never returns).
 """
@@ -35,7 +35,7 @@ from job_parts import Clock, Fault, arguments, loss_fn, token_batches
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -65,18 +65,20 @@ class Attention(nn.Module):
         self.wo = nn.Linear(dim, dim, bias=False)
 
     work_factor = 1.0
-    """Fault injection (``slow_backward``): above 1, the attention over this rank's heads runs on
-    the batch plus copies of its rows, forward and backward, so that it does this many times the
-    work, and is sliced back: the same operators, each slower, as on a slower device. (The
-    projections' shapes are the tensor-parallel group's: their collectives need them alike.)"""
+    """Fault injection (``slow_backward``): above 1, a slower device. The attention over this
+    rank's heads and its projections into it run on the batch plus copies of its rows, forward and
+    backward, so that they do this many times the work, and are sliced back: the same operators,
+    each slower. (The projections out, whose collectives need the tensor-parallel group's shapes,
+    keep theirs.)"""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
+        rows = more_rows(b, self.work_factor)
         # -1 heads: under tensor parallelism each rank holds n_heads / tp of them.
-        q, k, v = (w(x).view(b, t, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
-        if self.work_factor > 1:
-            rows = torch.arange(max(b + 1, round(b * self.work_factor))) % b
-            q, k, v = q[rows], k[rows], v[rows]
+        q, k, v = (
+            project(w, x, rows).view(len(rows), t, -1, self.head_dim).transpose(1, 2)
+            for w in (self.wq, self.wk, self.wv)
+        )
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)[:b]
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 
@@ -88,8 +90,32 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(4 * dim, dim, bias=False)
         self.w3 = nn.Linear(dim, 4 * dim, bias=False)
 
+    work_factor = 1.0
+    """Fault injection, as ``Attention.work_factor``: the projections in."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        rows = more_rows(x.shape[0], self.work_factor)
+        h = F.silu(project(self.w1, x, rows)) * project(self.w3, x, rows)
+        return self.w2(h[: x.shape[0]] if len(rows) > x.shape[0] else h)
+
+
+def more_rows(b: int, work_factor: float) -> torch.Tensor:
+    """The rows a slower device's operators run on: the batch's ``b``, then copies of them up to
+    ``work_factor`` times as many (just the batch at 1)."""
+    return torch.arange(b if work_factor <= 1 else max(b + 1, round(b * work_factor))) % b
+
+
+def project(linear: nn.Linear, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``linear(x)`` for the batch's ``rows`` (``more_rows``). Beyond the batch, on this rank's
+    shards as a column-wise parallel projection multiplies them (input replicated, output local),
+    without going through the module: its output is the same, and no other collective runs."""
+    if len(rows) == x.shape[0]:
+        return linear(x)
+    weight = linear.weight
+    if isinstance(weight, DTensor):  # its input replicated, whose gradient is then a partial sum
+        x = x.to_local(grad_placements=[Partial()]) if isinstance(x, DTensor) else x
+        weight = weight.to_local()
+    return F.linear(x[rows], weight)
 
 
 class TransformerBlock(nn.Module):
@@ -193,8 +219,9 @@ def main() -> None:
     while step < args.steps or args.steps <= 0:
         with hook.step(step):
             if fault.begins(step) and fault.kind == "slow_backward":
-                for attention in (m for m in model.modules() if isinstance(m, Attention)):
-                    attention.work_factor = args.fault_factor
+                for m in model.modules():
+                    if isinstance(m, (Attention, FeedForward)):
+                        m.work_factor = args.fault_factor
             inputs, targets = get_batch()
             optimizer.zero_grad()
             loss = loss_fn(model(inputs), targets)
