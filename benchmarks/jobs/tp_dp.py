@@ -17,10 +17,10 @@ It trains ``--steps`` steps, or for ``--seconds`` (rank 0's clock) when that com
 0 prints ``train: <steps> steps in <s> s (<ms> ms/step)`` for the training loop alone.
 
 Faults, for rankscope's fault suite (only on ``--fault-rank``, from ``--onset-s`` seconds into
-training, as ``job_parts.py`` has them): ``slow_backward`` (a slower device: the attention over the rank's heads and the projections into
-it and into the feed-forward do ``--fault-factor`` times the work, forward and backward),
-``metrics_block`` (``upload_metrics()`` blocks ``--fault-ms`` every step) and ``hang_checkpoint``
-(``save_checkpoint()`` never returns).
+training, as ``job_parts.py`` has them): ``slow_backward`` (a slower device: the attention over
+the rank's heads and the projections into it and into the feed-forward do ``--fault-factor``
+times the work, forward and backward), ``metrics_block`` (``upload_metrics()`` blocks
+``--fault-ms`` every step) and ``hang_checkpoint`` (``save_checkpoint()`` never returns).
 """
 
 from __future__ import annotations
