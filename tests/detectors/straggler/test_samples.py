@@ -113,6 +113,36 @@ def test_a_stall_no_window_saw_at_all_is_named_from_the_samples_of_the_function_
     assert (f.cause, f.function) == ("compute", UNATTRIBUTED)
 
 
+def test_work_no_window_saw_is_a_slower_device_in_what_its_peers_run_and_a_code_path_in_what_they_do_not() -> (
+    None
+):
+    """No window saw rank 5's operators (none ran yet, or none could). Its CPU time grew with its
+    extra time: it works. Its stack samples find it in the model's forward beyond its peers, who
+    are found there too: every rank runs it, slower on this one, a slower device's (the fault
+    suite's 2x and 3x devices without windows: 16% and 29% of their samples, 4% of their peers').
+    Found in a function its peers never are, it is a code path it runs and they do not."""
+    data = synthetic(slow={5: {"compute_us": 2000}})
+    loop = "train.py(50): train"
+
+    def samples(function: str, peers: int) -> pd.DataFrame:
+        return samples_frame(
+            {
+                r: {sample_key(loop, 60): 20 - peers, sample_key(function, 12): peers}
+                for r in range(8)
+                if r != 5
+            }
+            | {5: {sample_key(loop, 60): 10, sample_key(function, 12): 10}}
+        )
+
+    forward = "model.py(10): forward"
+    f = only(diagnose(replace(data, samples=samples(forward, 2))).findings)
+    assert (f.cause, f.ranks, f.function) == ("compute", [5], forward)
+    assert f.evidence["profiled_windows"] == 0 and f.evidence["peer_share_of_stack_samples"] == 0.1
+    audit = "train.py(30): audit_gradients"
+    f = only(diagnose(replace(data, samples=samples(audit, 0))).findings)
+    assert (f.cause, f.ranks, f.function) == ("code_path", [5], audit)
+
+
 def test_a_stall_that_began_within_the_span_is_named_from_the_samples_since_it_began() -> None:
     """Rank 5's callback starts sleeping halfway through the span read: over the whole span it
     holds a twentieth of the rank's samples, too few to name it; since the change, half. A store's
