@@ -30,7 +30,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.pipe import LayerSpec, PipelineModule
-from job_parts import Clock, Fault, arguments, loss_fn, token_batches
+from job_parts import Clock, Fault, arguments, loss_fn, more_rows, token_batches
 from pipeline_dp import TransformerBlock
 from torch import nn
 
@@ -63,7 +63,7 @@ class Block(TransformerBlock):
         n = x.shape[0]
         if self.work_factor <= 1:
             return super().forward(x)
-        return super().forward(x[torch.arange(max(n + 1, round(n * self.work_factor))) % n])[:n]
+        return super().forward(x[more_rows(n, self.work_factor)])[:n]
 
 
 class Head(nn.Module):

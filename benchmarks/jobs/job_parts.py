@@ -63,6 +63,12 @@ def token_batches(args: argparse.Namespace, dp_rank: int) -> Callable[[], tuple[
     return get_batch
 
 
+def more_rows(b: int, work_factor: float) -> torch.Tensor:
+    """The rows a slower device's operators run on (the faults' ``slow_backward``): the batch's
+    ``b``, then copies of them up to ``work_factor`` times as many (just the batch at 1)."""
+    return torch.arange(b if work_factor <= 1 else max(b + 1, round(b * work_factor))) % b
+
+
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
 

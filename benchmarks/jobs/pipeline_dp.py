@@ -36,7 +36,7 @@ import os
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from job_parts import Clock, Fault, arguments, loss_fn, token_batches
+from job_parts import Clock, Fault, arguments, loss_fn, more_rows, token_batches
 from torch import nn
 from torch.distributed._composable.replicate import replicate
 from torch.distributed.device_mesh import init_device_mesh
@@ -116,7 +116,7 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         n = tokens.shape[0]
         if self.work_factor > 1:
-            tokens = tokens[torch.arange(max(n + 1, round(n * self.work_factor))) % n]
+            tokens = tokens[more_rows(n, self.work_factor)]
         h = tokens
         if self.tok_embeddings is not None and self.pos_embeddings is not None:
             pos = torch.arange(tokens.shape[1], device=tokens.device)

@@ -31,7 +31,7 @@ import os
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from job_parts import Clock, Fault, arguments, loss_fn, token_batches
+from job_parts import Clock, Fault, arguments, loss_fn, more_rows, token_batches
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -97,12 +97,6 @@ class FeedForward(nn.Module):
         rows = more_rows(x.shape[0], self.work_factor)
         h = F.silu(project(self.w1, x, rows)) * project(self.w3, x, rows)
         return self.w2(h[: x.shape[0]] if len(rows) > x.shape[0] else h)
-
-
-def more_rows(b: int, work_factor: float) -> torch.Tensor:
-    """The rows a slower device's operators run on: the batch's ``b``, then copies of them up to
-    ``work_factor`` times as many (just the batch at 1)."""
-    return torch.arange(b if work_factor <= 1 else max(b + 1, round(b * work_factor))) % b
 
 
 def project(linear: nn.Linear, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
