@@ -16,7 +16,7 @@ window is expected to cost comes from the windows measured so far (per profiled 
 without Python stacks: a window that looks for a cause records them where one step with them costs
 no more than an interval buys, and waits for room for them; else it records operators alone);
 before any is measured, the first window profiles one step of a slow job (``PROBE_S``), records no
-Python stacks and is assumed to cost ``FIRST_COST_S``.
+Python stacks and is assumed to cost ``FIRST_COST_RATIO`` times the steps it profiles.
 """
 
 from __future__ import annotations
@@ -29,7 +29,12 @@ from collections.abc import Callable, Iterable
 AFTER_STEPS = 2
 """Steps after the summarizing ends that are still counted as the window's (its last effects)."""
 FIRST_COST_S = 0.05
-"""What the first window is assumed to cost: at a 0.5% budget it comes 10 s after start-up."""
+"""The least the first window is assumed to cost (at a 0.5% budget it comes 10 s after start-up at
+the earliest)..."""
+FIRST_COST_RATIO = 3.0
+"""...and it is assumed to cost this many times the time of the steps it profiles: a step's events
+grow with its operators, and stopping the profiler, summarizing them and the steps they disturb
+cost up to ~3x the profiled steps' time on the jobs ``benchmarks.overhead.job`` runs."""
 PROBE_S = 0.1
 """The first window profiles this many seconds of steps (at least one step, at most
 ``window_steps``): on a job of 250 ms steps one step, not five, before its cost is known."""
@@ -149,19 +154,17 @@ class WindowBudget:
         """How many steps (1 to ``most``) a window may profile now; 0: none fits yet.
 
         At most what one interval of ``interval_s`` buys at the measured cost per profiled step
-        (before any window is measured, ``PROBE_S`` of steps of ``step_s``), and no more than what
-        is left of the budget: ``share`` of the time since the start, less what the job's windows
-        cost so far (``spent_ns``, the most any rank the planner heard of measured; at least this
-        rank's). Another rank's larger cost scales this rank's per-step cost alike."""
+        (before any window is measured, ``PROBE_S`` of steps of ``step_s``, once what is left buys
+        them at ``FIRST_COST_RATIO``), and no more than what is left of the budget: ``share`` of
+        the time since the start, less what the job's windows cost so far (``spent_ns``, the most
+        any rank the planner heard of measured; at least this rank's). Another rank's larger cost
+        scales this rank's per-step cost alike."""
         per_step = self.step_cost_ns(stacks, spent_ns)
         now = self._paused_at if self._paused_at is not None else self._clock()
         left = self.share * (now - self._started) * 1e9 - max(self.spent_ns, spent_ns)
         if per_step is None:
-            return (
-                max(1, min(most, math.floor(PROBE_S / max(step_s, 1e-9))))
-                if left >= FIRST_COST_S * 1e9
-                else 0
-            )
+            n = max(1, min(most, math.floor(PROBE_S / max(step_s, 1e-9))))
+            return n if left >= max(FIRST_COST_S, FIRST_COST_RATIO * n * step_s) * 1e9 else 0
         n = min(
             most, max(1, math.floor(self.share * interval_s * 1e9 / per_step)), math.floor(left / per_step)
         )

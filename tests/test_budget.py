@@ -6,7 +6,13 @@ import math
 
 import pytest
 
-from rankscope.profiler_hook.budget import AFTER_STEPS, FIRST_COST_S, STACK_FACTOR, WindowBudget
+from rankscope.profiler_hook.budget import (
+    AFTER_STEPS,
+    FIRST_COST_RATIO,
+    FIRST_COST_S,
+    STACK_FACTOR,
+    WindowBudget,
+)
 from rankscope.profiler_hook.schedule import POLL_S, Schedule
 
 
@@ -44,14 +50,17 @@ def test_steps_that_ran_faster_during_a_window_cost_nothing_but_the_summarizers_
     assert b.spent_ns == 1_000_000
 
 
-def test_the_first_window_waits_for_its_assumed_cost_and_profiles_a_slow_jobs_single_step() -> None:
+def test_the_first_window_waits_until_the_budget_buys_three_times_the_steps_it_profiles() -> None:
     clock = [0.0]
     b = WindowBudget(0.005, clock=lambda: clock[0])
-    clock[0] = FIRST_COST_S / 0.005 - 0.1
-    assert b.fit(False, 5, step_s=0.004, interval_s=30) == 0
-    clock[0] += 0.2
-    assert b.fit(False, 5, step_s=0.25, interval_s=30) == 1
+    clock[0] = FIRST_COST_S / 0.005 + 0.1  # 50 ms, the least a window is assumed to cost
+    assert b.fit(False, 5, step_s=0.001, interval_s=30) == 5  # 5 ms of a fast job's steps
+    assert b.fit(False, 5, step_s=0.004, interval_s=30) == 0  # 5 steps of 4 ms: 60 ms
+    clock[0] = FIRST_COST_RATIO * 5 * 0.004 / 0.005 + 0.1
     assert b.fit(False, 5, step_s=0.004, interval_s=30) == 5
+    assert b.fit(False, 5, step_s=0.25, interval_s=30) == 0  # a slow job's single step: 750 ms
+    clock[0] = FIRST_COST_RATIO * 0.25 / 0.005 + 0.1
+    assert b.fit(False, 5, step_s=0.25, interval_s=30) == 1
 
 
 def test_a_window_profiles_what_is_left_of_the_budget_and_what_one_interval_buys_at_most() -> None:
