@@ -17,6 +17,9 @@ log = logging.getLogger(__name__)
 _warned_shared_job = False
 
 
+DEFAULT_WINDOW_BUDGET = 0.005
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Config:
     """Settings of the in-rank hook. Every field has a default that is safe for production."""
@@ -49,17 +52,18 @@ class Config:
     """A rank with no progress for this long is stalled: its heartbeat carries its Python stack."""
     window_s: float = 30.0
     """A profiling window starts about every this many seconds, at a step every rank agrees on
-    (0: never profile, not even when triggered); the first two come 10 and 20 s after start-up. A
-    slowdown too small to trigger one (below) is still profiled within 30 s of its start, where
-    ``window_budget`` has room: every window waits until it fits."""
+    (0: never profile, not even when triggered); the first as soon as ``window_budget`` has room
+    for it. A slowdown too small to trigger one (below) is still profiled within 30 s of its
+    start, where ``window_budget`` has room: every window waits until it fits."""
     window_steps: int = 5
     """Steps profiled in each window, at most: fewer where a window costs more than one
     ``window_s`` interval's share of ``window_budget`` (``profiler_hook.budget``)."""
-    window_budget: float = 0.005
+    window_budget: float = 0.0
     """The share of the rank's run time its profiling windows may cost, all of them together
     (periodic, triggered, follow-ups): each window's cost is measured (the extra time of the steps
     it covered and disturbed, and the CPU its summarizing took), and the next one waits until the
-    windows so far, with it, stay within this share of the time since ``attach``."""
+    windows so far, with it, stay within this share of the time since ``attach``; default:
+    $RANKSCOPE_WINDOW_BUDGET or 0.005 (0.5%)."""
     trigger_ratio: float = 1.2
     """A window also starts when the mean step time of each of the last 2 seconds reaches this
     multiple of the median of the 8 seconds before on any rank, or that rank's own time outside
@@ -99,6 +103,14 @@ class Config:
         for name in ("flush_s", "heartbeat_s", "stall_s"):
             if getattr(self, name) <= 0:
                 raise UsageError(f"Config.{name} must be > 0, got {getattr(self, name)}")
+        if not self.window_budget:
+            try:
+                budget = float(os.environ.get("RANKSCOPE_WINDOW_BUDGET") or DEFAULT_WINDOW_BUDGET)
+            except ValueError:
+                raise UsageError(
+                    f"$RANKSCOPE_WINDOW_BUDGET must be a number, got {os.environ['RANKSCOPE_WINDOW_BUDGET']!r}"
+                ) from None
+            object.__setattr__(self, "window_budget", budget)
         if not 0 < self.window_budget <= 1:
             raise UsageError(f"Config.window_budget must be > 0 and <= 1, got {self.window_budget}")
         if self.window_s < 0:

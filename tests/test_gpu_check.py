@@ -29,12 +29,12 @@ def test_without_a_gpu_it_says_so_and_runs_nothing(
 @pytest.mark.slow
 def test_the_gpu_job_runs_and_its_spool_reads_as_gpu_check_reads_it(tmp_path: Path) -> None:
     """Two ranks of gpu_gpt.py (on the CPU here), rank 1 blocking in ``upload_metrics`` every 5th
-    step from 4 s on: the run's measurements are written, each rank stored its first window (10 s
-    after its start-up, later on a loaded machine), rank 1's heartbeats' stack samples name the
-    upload (at the hook's defaults, its windows record Python stacks only where their cost budget
-    has room), and every step row has collective time."""
+    step from 4 s on: the run's measurements are written, each rank stored its first window (a
+    window budget of 5% brings it a few seconds in; at the default 0.5%, a minute), rank 1's
+    heartbeats' stack samples name the upload, and every step row has collective time."""
     out = tmp_path / "run.json"
-    env = {**os.environ, "RANKSCOPE_SPOOL": str(tmp_path / "spool"), "RANKSCOPE_JOB": "gpu-smoke"}
+    env = {**os.environ, "RANKSCOPE_SPOOL": str(tmp_path / "spool"), "RANKSCOPE_JOB": "gpu-smoke",
+           "RANKSCOPE_WINDOW_BUDGET": "0.05"}  # fmt: skip
     flags = ["--d-model", "64", "--n-layer", "2", "--n-head", "4", "--seq-len", "32", "--vocab", "256"]
     flags += [
         "--seconds",

@@ -27,10 +27,18 @@ def _records(spool: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_lm_script_trains_under_torchrun_with_the_hook_at_its_defaults(tmp_path: Path) -> None:
+def test_lm_script_trains_under_torchrun_with_the_hook_at_its_defaults_but_its_window_budget(
+    tmp_path: Path,
+) -> None:
     spool, markers = tmp_path / "spool", tmp_path / "markers"
     markers.mkdir()
-    env = {**os.environ, "RANKSCOPE_SPOOL": str(spool), "RANKSCOPE_HOST": "nodeA"}
+    # A window budget of 5% brings the first window a few seconds in (at the default 0.5%: ~a minute).
+    env = {
+        **os.environ,
+        "RANKSCOPE_SPOOL": str(spool),
+        "RANKSCOPE_HOST": "nodeA",
+        "RANKSCOPE_WINDOW_BUDGET": "0.05",
+    }
     cmd = [
         sys.executable,
         "-m",
@@ -43,7 +51,7 @@ def test_lm_script_trains_under_torchrun_with_the_hook_at_its_defaults(tmp_path:
         "lm-test",
         str(SCRIPTS["demo_job"]),
         "--seconds",
-        "13",  # the hook's first scheduled window comes 10 s after attach
+        "13",
         "--fault",
         "metrics_block",
         "--fault-rank",

@@ -2,6 +2,7 @@
 
     python -m benchmarks.overhead.job [--jobs demo_job,nanogpt,pipeline,hf_trainer] [--pairs 5]
                                       [--flags JOB=FLAGS ...] [--json PATH]
+    python -m benchmarks.overhead.job --in-run [--block-s 0.5] [--jobs ...] [--flags ...] [--json PATH]
 
 Each job is a real training script launched as a user launches it: a fresh ``torchrun`` of 4 CPU
 (gloo) ranks on a free port, with a spool directory and a job id of its own. A pair is one run
@@ -26,6 +27,14 @@ the ratio of those medians (in %) with ``ratio_ci95_pct`` its 95% bootstrap inte
 ``benchmarks.overhead.hook`` computes them). The hook holds its windows to their budget from its
 start on (``profiler_hook.budget``), so a short run is held to it as a long one is; a run's
 first minute still pays for the hook's start-up (``attach`` imports what the profiler needs).
+
+Separate runs resolve only what moves less than the machine's speed from run to run (here more
+than 10%). ``--in-run`` measures inside one run of each job instead, ~4 minutes (``INRUN``): the
+same script under ``benchmarks.overhead.blocks``, its hook alternately working and paused in
+blocks of ``--block-s`` seconds, in pairs, as ``benchmarks.overhead.hook`` does on its MLP; per
+pair the slowest rank's blocks. What it leaves out is what a paused hook still does: its watchdog
+thread's heartbeats and stack samples, and the cost of a window that outlives its block by more
+than two steps (the separate runs count those).
 """
 
 from __future__ import annotations
@@ -62,6 +71,14 @@ JOBS: dict[str, tuple[str, str]] = {
 stand for the run's spool directory, a scratch directory and its job id. ``demo_job`` is the DDP
 job ``rankscope demo`` trains (a small GPT) without a fault; ``pipeline`` is FSDP2 over dp × a 1F1B
 pipeline; ``hf_trainer`` the Hugging Face ``Trainer`` with rankscope as its callback."""
+INRUN: dict[str, tuple[str, int]] = {
+    "demo_job": ("--seconds 240", 400),
+    "nanogpt": ("--seconds 240", 300),
+    "pipeline": ("--seconds 240", 150),
+    "hf_trainer": ("{spool} {out} --max-steps 10000 --job {job}", 1000),
+}
+"""``--in-run``: each job's flags for one run of ~4 minutes, and the steps it warms up for (~25 s)
+before its blocks begin."""
 RUN_TIMEOUT_S = 600.0
 """A run still going after this long is stopped and the benchmark fails (a hung job)."""
 
@@ -122,8 +139,9 @@ def spool_windows(spool: Path) -> dict[int, dict[str, Any]]:
     return out
 
 
-def command(job: str, spool: Path, out: Path, job_id: str, flags: str) -> list[str]:
-    """The ``torchrun`` command line of one run of ``job`` (tests/commands.py's free-port form)."""
+def command(job: str, spool: Path, out: Path, job_id: str, flags: str, blocks: bool = False) -> list[str]:
+    """The ``torchrun`` command line of one run of ``job`` (tests/commands.py's free-port form);
+    with ``blocks``, its script run by ``benchmarks.overhead.blocks``."""
     script, _ = JOBS[job]
     filled = flags.format(spool=spool, out=out, job=job_id)
     return [
@@ -132,14 +150,18 @@ def command(job: str, spool: Path, out: Path, job_id: str, flags: str) -> list[s
         "torch.distributed.run",
         f"--nproc-per-node={WORLD}",
         f"--master-port={free_port()}",
+        *(["-m", "benchmarks.overhead.blocks"] if blocks else []),
         str(ROOT / script),
         *shlex.split(filled),
     ]
 
 
-def run_once(job: str, hook: bool, flags: str, index: int) -> dict[str, Any]:
+def run_once(
+    job: str, hook: bool, flags: str, index: int, blocks: dict[str, str] | None = None
+) -> dict[str, Any]:
     """One run of ``job`` in a scratch directory of its own: its loop figures, wall time and,
-    with the hook, its windows per rank."""
+    with the hook, its windows per rank; with ``blocks`` (``benchmarks.overhead.blocks``'
+    settings), its blocks per rank."""
     with tempfile.TemporaryDirectory(prefix=f"rankscope-job-{job}-") as tmp:
         spool, out = Path(tmp, "spool"), Path(tmp, "out")
         job_id = f"{job}-{'on' if hook else 'off'}-{index}"
@@ -148,8 +170,10 @@ def run_once(job: str, hook: bool, flags: str, index: int) -> dict[str, Any]:
         env.update(RANKSCOPE_SPOOL=str(spool), RANKSCOPE_JOB=job_id)
         if not hook:
             env["RANKSCOPE_ENABLE"] = "0"
+        if blocks is not None:
+            env.update(blocks, AB_OUT=str(Path(tmp, "blocks")))
         t0 = time.perf_counter()
-        output, rc = _launch(command(job, spool, out, job_id, flags), env)
+        output, rc = _launch(command(job, spool, out, job_id, flags, blocks is not None), env)
         wall_s = time.perf_counter() - t0
         if rc != 0:
             tail = "\n".join(output.splitlines()[-20:])
@@ -157,11 +181,15 @@ def run_once(job: str, hook: bool, flags: str, index: int) -> dict[str, Any]:
                 f"{job} ({'hook on' if hook else 'hook off'}) exited with {rc}; its end:\n{tail}"
             )
         ranks = spool_windows(spool)
+        ab = [json.loads(f.read_text()) for f in sorted(Path(tmp, "blocks").glob("rank*.json"))]
+    if blocks is not None and len(ab) != WORLD:
+        raise SystemExit(f"{job}: {len(ab)} of its {WORLD} ranks wrote their blocks")
     if not hook and ranks:
         raise SystemExit(f"{job}: the run with RANKSCOPE_ENABLE=0 left records of ranks {sorted(ranks)}")
     if hook and len(ranks) != WORLD:
         raise SystemExit(f"{job}: the run with the hook left records of ranks {sorted(ranks)}, not {WORLD}")
-    return {"job": job, "hook": hook, "wall_s": round(wall_s, 2), **parse_train_line(output), "ranks": ranks}
+    run = {"job": job, "hook": hook, "wall_s": round(wall_s, 2), **parse_train_line(output), "ranks": ranks}
+    return {**run, "blocks": ab} if blocks is not None else run
 
 
 def _launch(cmd: list[str], env: dict[str, str]) -> tuple[str, int]:
@@ -220,6 +248,29 @@ def figures(runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def block_figures(run: dict[str, Any]) -> dict[str, Any]:
+    """One in-run job's figures from its ranks' blocks: per pair, the slowest rank's working and
+    paused blocks (the job runs at its slowest rank's pace)."""
+    ranks = [r["blocks"] for r in run["blocks"]]
+    pairs = []
+    for i in range(0, min(map(len, ranks)) // 2 * 2, 2):
+        per = [{mode: (s, n) for mode, s, n in r[i : i + 2]} for r in ranks]
+        on, off = per[0]["on"], per[0]["off"]
+        pairs.append([max(p["on"][0] for p in per), on[1], max(p["off"][0] for p in per), off[1]])
+    if not pairs:
+        raise SystemExit(f"{run['job']}: no pair of blocks; a longer run (--flags) or fewer --start steps")
+    windows = [r["windows"] for r in run["blocks"]]
+    cost_us = [r["window_cost_us"] for r in run["blocks"]]
+    return {
+        "steps_per_block": run["blocks"][0]["steps_per_block"],
+        **_figures(pairs),
+        "windows": windows,
+        "window_ms": round(sum(cost_us) / sum(windows) / 1e3, 1) if sum(windows) else 0.0,
+        "windows_share_pct": [v["share_pct"] for _, v in sorted(run["ranks"].items())],
+        "loop_s": run["loop_s"],
+    }
+
+
 def _median(values: list[Any]) -> Any:
     """The median of ``values``, None where any is unknown (a hook that does not send them)."""
     return None if not values or None in values else round(statistics.median(values), 3)
@@ -243,6 +294,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument(
         "--flags", action="append", default=[], metavar="JOB=FLAGS", help="replace a job's flags (JOBS)"
     )
+    p.add_argument(
+        "--in-run",
+        action="store_true",
+        help="one run of each job (INRUN) in blocks, the hook working and paused",
+    )
+    p.add_argument("--block-s", type=float, default=0.5, help="--in-run: seconds per block (default 0.5)")
     p.add_argument("--json", help="write the results here")
     a = p.parse_args(argv)
     jobs = [j for j in a.jobs.split(",") if j]
@@ -251,7 +308,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit(f"--jobs {a.jobs!r}: unknown {unknown}; choose from {', '.join(JOBS)}")
     if a.pairs < 1:
         raise SystemExit(f"--pairs must be >= 1, got {a.pairs}")
-    flags = {job: JOBS[job][1] for job in jobs}
+    flags = {job: INRUN[job][0] if a.in_run else JOBS[job][1] for job in jobs}
     for text in a.flags:
         job, sep, value = text.partition("=")
         if not sep or job not in JOBS:
@@ -259,6 +316,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         flags[job] = value
     t0 = time.perf_counter()
     rows, runs = [], []
+    if a.in_run:
+        for job in jobs:
+            settings = {"AB_START_STEPS": str(INRUN[job][1]), "AB_BLOCK_S": str(a.block_s)}
+            run = run_once(job, True, flags[job], 0, settings)
+            runs.append(run)
+            rows.append({"job": job, **block_figures(run)})
+            print(f"  {job}: {rows[-1]['pairs']} pairs, {rows[-1]['median_pair_pct']:+.2f}%", flush=True)
+        result = {"benchmark": "job_overhead_in_run", "ranks": WORLD, "settings": "defaults", "flags": flags,
+                  "block_s": a.block_s, "rows": rows, "runs": runs, "seconds": round(time.perf_counter() - t0, 1)}  # fmt: skip
+        _table(rows, ["job", "pairs", "steps_per_block", "off_ms_per_step", "on_ms_per_step", "overhead_pct",
+                      "ci95_pct", "median_pair_pct", "median_ci95_pct", "windows", "window_ms",
+                      "windows_share_pct"])  # fmt: skip
+        if a.json:
+            Path(a.json).write_text(json.dumps(result, indent=2))
+        return result
     for job in jobs:
         mine = []
         for pair in range(a.pairs):

@@ -56,6 +56,21 @@ def test_config_rejects_bad_settings_naming_the_field() -> None:
         Config(queue_size=0)
     with pytest.raises(UsageError, match="trigger_ratio"):
         Config(trigger_ratio=0.9)
+    with pytest.raises(UsageError, match="window_budget"):
+        Config(window_budget=2)
+
+
+def test_the_window_budget_comes_from_the_script_else_the_environment_else_half_a_percent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert Config().window_budget == 0.005
+    monkeypatch.setenv("RANKSCOPE_WINDOW_BUDGET", "0.02")
+    assert Config().window_budget == 0.02
+    assert Config(window_budget=0.01).window_budget == 0.01
+    for bad in ("two", "0", "1.5"):
+        monkeypatch.setenv("RANKSCOPE_WINDOW_BUDGET", bad)
+        with pytest.raises(UsageError, match=r"(?i)window_budget"):
+            Config()
 
 
 def test_a_hook_profiles_on_its_clock() -> None:
