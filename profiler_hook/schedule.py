@@ -9,8 +9,8 @@ it from a background thread and starts its window when it reaches that step. The
 only compares two integers per step. A rank that reads the plan too late skips that window (rare:
 the lead is several times the polling interval) and says so in the store; rank 0 then plans
 further ahead, doubling the lead up to ``MAX_LEAD_S``, so a loaded machine stops missing windows.
-The first two windows come 10 and 20 s after start-up, so that a fault present from the first step
-is profiled early. Every window, whatever asked for it, waits until it fits the windows' cost
+The first windows come as soon as the budget has room for them, so that a fault present from the
+first step is profiled early. Every window, whatever asked for it, waits until it fits the windows' cost
 budget (``profiler_hook.budget``), which also says how many steps it profiles. A window is also asked for by a rank that stands out from its peers with no
 jump in its own steps (a fault that began before the trigger had a history, or grew slowly): every
 step block (~2 s, ``profiler_hook.blocks``) each rank publishes its own time and CPU time per
@@ -18,7 +18,8 @@ step; rank 0 gathers those of up to ``SAMPLE`` ranks into one key, and each rank
 with the median of the others there.
 
 Python stacks are recorded in the windows that look for a cause, where one step with them costs
-no more than one interval of the budget buys (such a window waits for room for them): the second start-up window (the first measures what a window costs), those a slowdown
+no more than one interval of the budget buys (such a window waits for room for them): the second
+window (the first measures what a window costs), those a slowdown
 triggers with their follow-ups, and every window while a rank stands out (a rank found at a change
 is attributed from the windows since). Other periodic windows record operators only: stacks more
 than double a window's events, and were more than half of what a window cost a 2-rank DDP job;

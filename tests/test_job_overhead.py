@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.overhead import blocks
 from benchmarks.overhead import job as job_overhead
 from rankscope.wire.records import Heartbeat, RankInfo, WindowSummary, encode
 
@@ -67,3 +68,51 @@ def test_a_jobs_figures_pair_each_run_with_the_hook_with_one_without() -> None:
     # A hook that does not send the window fields: no count, no cost per window; its records still count.
     old = job_overhead.figures([run(True, 101, None), run(False, 100, None)])
     assert old["windows"] == [None] * 4 and old["window_ms"] is None and old["window_records"] == [2] * 4
+
+
+def test_in_run_blocks_alternate_in_pairs_and_a_working_block_goes_on_while_a_window_is_busy() -> None:
+    class FakeHook:
+        def __init__(self) -> None:
+            self._prof, self._summarizers, self.calls = None, [], []
+
+        def pause(self) -> None:
+            self.calls.append("pause")
+
+        def resume(self) -> None:
+            self.calls.append("resume")
+
+    class OneRank(blocks.Blocks):
+        """One rank: the agreement is its own value."""
+
+        @staticmethod
+        def _most(value: float) -> float:
+            return value
+
+    hook = FakeHook()
+    b = OneRank(hook, Path("unused"), start_steps=30, block_s=1e-9)  # blocks of 3 steps, the least
+    for _ in range(30):
+        b.ended()
+    assert b.n == 3 and hook.calls == ["resume"]
+    for _ in range(9):  # on, off; then off again, the second pair's order reversed
+        b.ended()
+    hook._prof = object()  # a window opens in the fourth block (working): it goes on until it ends
+    for _ in range(6):
+        b.ended()
+    hook._prof = None
+    for _ in range(3):
+        b.ended()
+    assert [(mode, steps) for mode, _, steps in b.blocks] == [("on", 3), ("off", 3), ("off", 3), ("on", 9)]
+    assert hook.calls == ["resume", "pause", "pause", "resume", "resume"]
+
+
+def test_in_run_figures_take_each_pairs_slowest_rank_and_leave_out_a_block_without_its_partner() -> None:
+    def rank(scale: float) -> dict:
+        return {"steps_per_block": 10, "windows": 1, "window_cost_us": 50_000,
+                "blocks": [["on", 1.02 * scale, 10], ["off", 1.0, 10], ["off", 1.0, 10], ["on", 1.01, 10],
+                           ["on", 1.0, 10]]}  # fmt: skip
+
+    run = {"job": "j", "loop_s": 5.0, "ranks": {0: {"share_pct": 0.4}, 1: {"share_pct": 0.5}},
+           "blocks": [rank(1.0), rank(1.01)]}  # fmt: skip
+    row = job_overhead.block_figures(run)
+    assert row["pairs"] == 2 and row["pair_pct"] == pytest.approx([3.02, 1.0], abs=0.01)
+    assert row["windows"] == [1, 1] and row["window_ms"] == 50.0 and row["windows_share_pct"] == [0.4, 0.5]

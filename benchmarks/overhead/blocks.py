@@ -10,7 +10,9 @@ steps), then alternate working and paused blocks in pairs whose order alternates
 ``benchmarks.overhead.hook`` does on its MLP: a working block goes on while a window is busy on
 any rank, so that no window is cut short or summarized in a paused block. The agreement and those
 checks are one small all-reduce on the default group, between blocks and outside their time.
-At ``hook.close()`` each rank writes its blocks to ``$AB_OUT/rank<r>.json``.
+At ``hook.close()`` each rank writes its blocks to ``$AB_OUT/rank<r>.json``. ``$AB_HOOK`` (a JSON
+object of ``Config`` fields) sets hook options the script's ``attach`` does not, to find where a
+cost is; the figures to report are those at the defaults.
 """
 
 from __future__ import annotations
@@ -98,9 +100,11 @@ class Blocks:
         Path(self.out, f"rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(record))
 
 
-def install(out: Path, start_steps: int, block_s: float) -> None:
-    """Switch every hook of this process by blocks (the first hook whose steps end)."""
-    end_step, close = Hook.end_step, Hook.close
+def install(out: Path, start_steps: int, block_s: float, options: dict[str, Any]) -> None:
+    """Switch every hook of this process by blocks; ``options``: settings every ``attach`` gets."""
+    import rankscope.profiler_hook as profiler_hook
+
+    end_step, close, attach = Hook.end_step, Hook.close, profiler_hook.attach
     blocks: dict[int, Blocks] = {}
 
     def switched_end_step(self: Hook) -> None:
@@ -114,12 +118,21 @@ def install(out: Path, start_steps: int, block_s: float) -> None:
             blocks.pop(id(self)).save()
         close(self, timeout)
 
+    def attach_with(*args: Any, **settings: Any) -> Hook:
+        return attach(*args, **{**settings, **options})
+
+    profiler_hook.attach = attach_with  # type: ignore[assignment]
     Hook.end_step = switched_end_step  # type: ignore[method-assign]
     Hook.close = saving_close  # type: ignore[method-assign]
 
 
 if __name__ == "__main__":
-    install(Path(os.environ["AB_OUT"]), int(os.environ["AB_START_STEPS"]), float(os.environ["AB_BLOCK_S"]))
+    install(
+        Path(os.environ["AB_OUT"]),
+        int(os.environ["AB_START_STEPS"]),
+        float(os.environ["AB_BLOCK_S"]),
+        json.loads(os.environ.get("AB_HOOK") or "{}"),
+    )
     script, sys.argv = sys.argv[1], sys.argv[1:]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     runpy.run_path(script, run_name="__main__")

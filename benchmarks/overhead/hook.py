@@ -7,8 +7,8 @@
 
 Each loop shape runs as one 2-rank gloo job on this machine's cores, each rank on its own core
 where there are enough (the hook's threads then share their rank's core: the worst case for the
-hook). After ``--start-s`` seconds of work (a job's steady state: the start-up windows, 10 and 20 s
-in, come once a job), the job alternates blocks of ``--block-s`` seconds (the same step counts on
+hook). After ``--start-s`` seconds of work (a job's steady state, past its start-up), the job
+alternates blocks of ``--block-s`` seconds (the same step counts on
 every rank) with the hook working and paused (``hook.pause()``); the order within a pair
 alternates so that drift hits both alike. A working block goes on while a window is busy on any
 rank, so that no window is cut short or summarized in a paused block. Short blocks: a step's time
@@ -153,7 +153,7 @@ def _worker(
     per_step = torch.tensor([block("off", 100)[0] / 100])
     dist.all_reduce(per_step, op=dist.ReduceOp.MAX)  # every rank runs the same block lengths
     n = max(3, round(args.block_s / float(per_step)))
-    # Measure the steady state of a job, as after its first minute: past the windows at 10 and 20 s.
+    # Measure the steady state of a job, past its start-up.
     block("on", round(args.start_s / float(per_step)))
     trace.clear()
     rows = []

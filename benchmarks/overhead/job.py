@@ -29,12 +29,12 @@ start on (``profiler_hook.budget``), so a short run is held to it as a long one 
 first minute still pays for the hook's start-up (``attach`` imports what the profiler needs).
 
 Separate runs resolve only what moves less than the machine's speed from run to run (here more
-than 10%). ``--in-run`` measures inside one run of each job instead, ~4 minutes (``INRUN``): the
+than 10%). ``--in-run`` measures inside one run of each job instead (``INRUN``): the
 same script under ``benchmarks.overhead.blocks``, its hook alternately working and paused in
 blocks of ``--block-s`` seconds, in pairs, as ``benchmarks.overhead.hook`` does on its MLP; per
 pair the slowest rank's blocks. What it leaves out is what a paused hook still does: its watchdog
-thread's heartbeats and stack samples, and the cost of a window that outlives its block by more
-than two steps (the separate runs count those).
+thread's heartbeats and stack samples, and any effect of a window that outlives its working block
+(the separate runs count those).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks.overhead.hook import _figures, _table
+from benchmarks.overhead.hook import _figures, _option, _table
 from benchmarks.procs import free_port
 from rankscope.wire.records import RecordError, WindowSummary, decode
 
@@ -77,8 +77,8 @@ INRUN: dict[str, tuple[str, int]] = {
     "pipeline": ("--seconds 240", 150),
     "hf_trainer": ("{spool} {out} --max-steps 10000 --job {job}", 1000),
 }
-"""``--in-run``: each job's flags for one run of ~4 minutes, and the steps it warms up for (~25 s)
-before its blocks begin."""
+"""``--in-run``: each job's flags for one run of ~4 minutes (the ``Trainer``'s ~2), and the steps it
+warms up for (~25 s) before its blocks begin."""
 RUN_TIMEOUT_S = 600.0
 """A run still going after this long is stopped and the benchmark fails (a hung job)."""
 
@@ -300,6 +300,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="one run of each job (INRUN) in blocks, the hook working and paused",
     )
     p.add_argument("--block-s", type=float, default=0.5, help="--in-run: seconds per block (default 0.5)")
+    p.add_argument(
+        "--hook",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="--in-run: a hook option away from its default, to find where a cost is",
+    )
     p.add_argument("--json", help="write the results here")
     a = p.parse_args(argv)
     jobs = [j for j in a.jobs.split(",") if j]
@@ -318,12 +325,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows, runs = [], []
     if a.in_run:
         for job in jobs:
-            settings = {"AB_START_STEPS": str(INRUN[job][1]), "AB_BLOCK_S": str(a.block_s)}
+            settings = {
+                "AB_START_STEPS": str(INRUN[job][1]),
+                "AB_BLOCK_S": str(a.block_s),
+                "AB_HOOK": json.dumps(dict(_option(o) for o in a.hook)),
+            }
             run = run_once(job, True, flags[job], 0, settings)
             runs.append(run)
             rows.append({"job": job, **block_figures(run)})
             print(f"  {job}: {rows[-1]['pairs']} pairs, {rows[-1]['median_pair_pct']:+.2f}%", flush=True)
-        result = {"benchmark": "job_overhead_in_run", "ranks": WORLD, "settings": "defaults", "flags": flags,
+        options = dict(_option(o) for o in a.hook)
+        result = {"benchmark": "job_overhead_in_run", "ranks": WORLD, "settings": options or "defaults", "flags": flags,
                   "block_s": a.block_s, "rows": rows, "runs": runs, "seconds": round(time.perf_counter() - t0, 1)}  # fmt: skip
         _table(rows, ["job", "pairs", "steps_per_block", "off_ms_per_step", "on_ms_per_step", "overhead_pct",
                       "ci95_pct", "median_pair_pct", "median_ci95_pct", "windows", "window_ms",

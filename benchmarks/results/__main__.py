@@ -109,7 +109,13 @@ def _jobs(run: dict[str, Any]) -> list[str]:
         f"{len(rows)} × {run['ranks']} ranks",
         str(min(r["pairs"] for r in rows)),
         each(lambda r: f"{r['off_ms_per_step']:.1f} → {r['on_ms_per_step']:.1f}"),
-        each(lambda r: f"{_pct(r['ratio_pct'])} ({_interval(r['ratio_ci95_pct'])})"),
+        # In one run (--in-run): the ratio of the time per step over all pairs' blocks.
+        each(
+            lambda r: (
+                f"{_pct(r.get('ratio_pct', r.get('overhead_pct')))} "
+                f"({_interval(r.get('ratio_ci95_pct', r.get('ci95_pct')))})"
+            )
+        ),
         each(lambda r: _pct(r["median_pair_pct"])),
         f"{worst['job']} {_pct(worst['median_pair_pct'])} ({_interval(worst['median_ci95_pct'])})",
         each(lambda r: "—" if r["window_ms"] is None else f"{r['window_ms']:.0f} ms"),
@@ -224,7 +230,7 @@ TABLES: dict[str, tuple[str, list[str], Callable[[dict[str, Any]], list[str]]]] 
     ),
     "job_overhead": (
         "Users' jobs with and without the hook (`python -m benchmarks.overhead.job`): separate runs, "
-        "interleaved",
+        "interleaved; `in_run`: blocks of one run, working vs. paused",
         [
             "jobs",
             "pairs",
