@@ -258,7 +258,7 @@ def block_figures(run: dict[str, Any]) -> dict[str, Any]:
         on, off = per[0]["on"], per[0]["off"]
         pairs.append([max(p["on"][0] for p in per), on[1], max(p["off"][0] for p in per), off[1]])
     if not pairs:
-        raise SystemExit(f"{run['job']}: no pair of blocks; a longer run (--flags) or fewer --start steps")
+        raise SystemExit(f"{run['job']}: no pair of blocks; give it a longer run (--flags)")
     windows = [r["windows"] for r in run["blocks"]]
     cost_us = [r["window_cost_us"] for r in run["blocks"]]
     return {
@@ -324,17 +324,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     t0 = time.perf_counter()
     rows, runs = [], []
     if a.in_run:
+        options = dict(_option(o) for o in a.hook)
         for job in jobs:
             settings = {
                 "AB_START_STEPS": str(INRUN[job][1]),
                 "AB_BLOCK_S": str(a.block_s),
-                "AB_HOOK": json.dumps(dict(_option(o) for o in a.hook)),
+                "AB_HOOK": json.dumps(options),
             }
             run = run_once(job, True, flags[job], 0, settings)
             runs.append(run)
             rows.append({"job": job, **block_figures(run)})
             print(f"  {job}: {rows[-1]['pairs']} pairs, {rows[-1]['median_pair_pct']:+.2f}%", flush=True)
-        options = dict(_option(o) for o in a.hook)
         result = {"benchmark": "job_overhead_in_run", "ranks": WORLD, "settings": options or "defaults", "flags": flags,
                   "block_s": a.block_s, "rows": rows, "runs": runs, "seconds": round(time.perf_counter() - t0, 1)}  # fmt: skip
         _table(rows, ["job", "pairs", "steps_per_block", "off_ms_per_step", "on_ms_per_step", "overhead_pct",
