@@ -31,6 +31,12 @@ WARM_TAIL = 20
 """The last warm-up steps whose time sets the blocks' length."""
 
 
+def window_busy(hook: Hook) -> bool:
+    """Whether a window of ``hook`` is profiling or being summarized (a pause would cut it short,
+    or leave its summarizing to the paused block)."""
+    return hook._prof is not None or any(t.is_alive() for t in hook._summarizers)
+
+
 class Blocks:
     def __init__(self, hook: Hook, out: Path, start_steps: int, block_s: float) -> None:
         self.hook, self.out = hook, out
@@ -57,7 +63,7 @@ class Blocks:
         if self.in_block < self.length:
             return
         self.took += now - self.mark
-        if self.mode == "on" and self._most(float(self._busy())):
+        if self.mode == "on" and self._most(float(window_busy(self.hook))):
             self.length += self.n  # a window is busy on some rank: the working block goes on
             self.mark = time.perf_counter()
             return
@@ -73,10 +79,6 @@ class Blocks:
             self.hook.pause()
         self.mode, self.in_block, self.length, self.took = mode, 0, self.n, 0.0
         self.mark = time.perf_counter()
-
-    def _busy(self) -> bool:
-        h = self.hook
-        return h._prof is not None or any(t.is_alive() for t in h._summarizers)
 
     @staticmethod
     def _most(value: float) -> float:

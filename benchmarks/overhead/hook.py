@@ -60,6 +60,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from benchmarks.overhead.blocks import window_busy
 from benchmarks.procs import free_port
 from rankscope.diagnosis.detectors.straggler.functions import PYTHON_KINDS
 from rankscope.profiler_hook.config import Config, Identity
@@ -116,9 +117,6 @@ def _worker(
 
     trace: list[tuple[float, bool]] = []  # every working step: its time, and whether a window was busy
 
-    def busy() -> bool:
-        return hook._prof is not None or any(t.is_alive() for t in hook._summarizers)
-
     def run(mode: str, n: int) -> float:
         t0 = time.perf_counter()
         for i in range(n):
@@ -126,7 +124,7 @@ def _worker(
             if mode == "on":
                 with hook.step():
                     step(i)
-                trace.append((time.perf_counter() - t, busy()))
+                trace.append((time.perf_counter() - t, window_busy(hook)))
             else:
                 step(i)
         return time.perf_counter() - t0
@@ -141,7 +139,7 @@ def _worker(
             hook.pause()
         took, steps = run(mode, n), n
         while mode == "on":
-            flag = torch.tensor([float(busy())])
+            flag = torch.tensor([float(window_busy(hook))])
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank runs the same steps
             if not flag.item():
                 break
