@@ -41,12 +41,14 @@ from rankscope.wire.records import PIPELINE_DIMS
 
 log = logging.getLogger(__name__)
 
-WAIT_EVERY_NS = 100_000_000
-"""The training thread's run-queue wait is read at the collectives of one step in every 100 ms
+WAIT_EVERY_NS = 1_000_000_000
+"""The training thread's run-queue wait is read at the collectives of one step in every second
 (every step, where steps take longer). A read is one ``pread`` of the kernel's schedstat: ~1.5 µs
-in a loop, but ~17 µs in a training step, whose tensors have left the caches cold; two a step were
-a third of the hook's per-step time in a 2-rank DDP job at 36 ms a step. A block of steps counts
-the wait of the collectives it did not read at the share of their time the read ones waited."""
+in a loop, but ~17 µs in a training step, whose tensors have left the caches cold; reading one step
+in every 100 ms cost a pipeline-parallel job ~0.35 ms of its ~100-ms steps (28 calls a step, each
+read twice). A block of steps counts the wait of the collectives it did not read at the share of
+their time the read ones waited. All of a step's calls are read, not a sample of calls: a call
+picked by when it comes is not picked in proportion to its time, and the share came out wrong."""
 
 COLLECTIVES = (
     "all_reduce",
@@ -266,6 +268,15 @@ def _noting_stage(run: Any, attribute: str, stages: set[int]) -> Any:
     return noting
 
 
+class _Inside(threading.local):
+    """Per thread: inside a wrapped call (its inner calls are not counted again), and the
+    functional collective it is launching. Class attributes, so that a thread reads them without a
+    missed attribute's exception: ~0.5 µs a read, where this is ~0.1."""
+
+    inside = False
+    launching: CollectiveCall | None = None
+
+
 @dataclass(slots=True)
 class CollectiveTracker:
     """Counts, sequences and times collectives; read by the step accounting and the watchdog."""
@@ -306,13 +317,18 @@ class CollectiveTracker:
     recording: list[CollectiveCall] | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _originals: dict[str, Any] = field(default_factory=dict)
-    _local: threading.local = field(default_factory=threading.local)
+    _local: _Inside = field(default_factory=_Inside)
     stages: set[int] = field(default_factory=set)
     """The indices of the ``torch.distributed.pipelining`` stages this rank ran a microbatch of
     (:meth:`_watch_stages`): its place in a pipeline where no device mesh says it."""
     _awaited: dict[int, CollectiveCall] = field(default_factory=dict)
-    """Calls by what the thread will wait on (an ``isend``/``irecv``'s work, a functional
-    collective's tensor: :func:`_wait_key`), until it does."""
+    """Calls by what the thread will wait on (an ``isend``/``irecv``'s work: its ``id``; a
+    functional collective's tensor: :func:`_wait_key`), until it does."""
+    _names: dict[Any, str] = field(default_factory=dict)
+    """The name of each process group a wrapped call was given (:meth:`name_of`)..."""
+    _peers: dict[tuple[Any, int], int] = field(default_factory=dict)
+    """...and the global rank of each peer a point-to-point call named by its rank in a group;
+    both kept while patched (a destroyed group's object is let go at :meth:`unpatch`)."""
 
     def enter(
         self, group: str, op: str, nbytes: int, blocking: bool = True, peer: int = -1, awaited: bool = False
@@ -325,14 +341,7 @@ class CollectiveTracker:
             seq = self.last_seq.get(group, 0) + 1
             self.last_seq[group] = seq
         call = CollectiveCall(
-            group,
-            op,
-            seq,
-            nbytes,
-            now,
-            blocking=blocking,
-            enter_wait_ns=self._wait_mark(),
-            peer=peer,
+            group, op, seq, nbytes, now, blocking=blocking, enter_wait_ns=self._wait_mark(), peer=peer
         )
         if blocking:
             self.current = call
@@ -408,6 +417,24 @@ class CollectiveTracker:
         """The run-queue wait so far, where this step reads it; -1 where it does not."""
         return self.thread_wait() if self.read_wait else -1
 
+    def name_of(self, group: Any) -> str:
+        """:func:`group_name`, remembered per group object."""
+        name = self._names.get(group)
+        if name is None:
+            name = self._names[group] = group_name(group)
+        return name
+
+    def peer_of(self, group: Any, group_peer: int) -> int:
+        """The global rank of rank ``group_peer`` of ``group`` (None: the default group)."""
+        key = (group, group_peer)
+        peer = self._peers.get(key)
+        if peer is None:
+            import torch.distributed as dist
+
+            peer = group_peer if group is None else dist.get_global_rank(group, group_peer)
+            self._peers[key] = peer
+        return peer
+
     def exit(self, call: CollectiveCall) -> None:
         """A call completed: a blocking one returned, or an asynchronous one's future finished."""
         now = time.perf_counter_ns()
@@ -427,29 +454,35 @@ class CollectiveTracker:
         if recording is not None:
             recording.append(call)
 
-    def expect_wait(self, on: Any, call: CollectiveCall) -> None:
-        """The thread will wait for ``call`` on ``on`` (a work, a tensor): see :meth:`waited`."""
+    def expect_wait(self, key: int, call: CollectiveCall) -> None:
+        """The thread will wait for ``call`` on what ``key`` names (a work's ``id``, a tensor's
+        :func:`_wait_key`): see :meth:`waited`."""
         awaited = self._awaited
-        awaited[_wait_key(on)] = call
-        while len(awaited) > MAX_AWAITED:  # never waited on
+        awaited[key] = call
+        if len(awaited) > MAX_AWAITED:  # the oldest was never waited on
             del awaited[next(iter(awaited))]
 
     def waited(self, on: Any, wait: Callable[[], Any], call: CollectiveCall | None = None) -> Any:
-        """``wait()`` on ``on``: an ``isend``/``irecv``'s work or a functional collective's tensor
-        (``call``: one whose wait comes before its launch returned). The thread waits for its peers
-        inside it, timed as a blocking call from there."""
+        """``wait()`` on a functional collective's tensor ``on`` (``call``: one whose wait comes
+        before its launch returned). The thread waits for its peers inside it, timed as a blocking
+        call from there."""
         try:
             call = self._awaited.pop(_wait_key(on), call)
         except Exception:  # an object without a storage to read: tracking must never break the wait
             return wait()
         if call is None or call.dur_ns >= 0 or not self.active:
             return wait()
-        call.enter_ns, call.blocking, call.enter_wait_ns = time.perf_counter_ns(), True, self._wait_mark()
-        self.current = call
+        self.begin_wait(call)
         try:
             return wait()
         finally:
             self.exit(call)
+
+    def begin_wait(self, call: CollectiveCall) -> None:
+        """The thread starts to wait for ``call``, launched earlier (an ``isend``/``irecv``, a
+        functional collective): timed as a blocking call from here, until :meth:`exit`."""
+        call.enter_ns, call.blocking, call.enter_wait_ns = time.perf_counter_ns(), True, self._wait_mark()
+        self.current = call
 
     def exit_on_completion(self, call: CollectiveCall, future: Any) -> None:
         """Complete ``call`` when its work's ``future`` does (on the thread that completes it)."""
@@ -516,9 +549,18 @@ class CollectiveTracker:
                 setattr(dist, op, wrapped)
         if "Work.wait" not in self._originals and hasattr(dist, "Work"):
             self._originals["Work.wait"] = wait = dist.Work.wait
+            awaited, tracker = self._awaited, self
 
             def waited(work: Any, *args: Any, **kwargs: Any) -> Any:
-                return self.waited(work, lambda: wait(work, *args, **kwargs))
+                """An ``isend``/``irecv``'s work waited on: the thread waits for its peer here."""
+                call = awaited.pop(id(work), None) if awaited else None
+                if call is None or call.dur_ns >= 0 or not tracker.active:
+                    return wait(work, *args, **kwargs)
+                tracker.begin_wait(call)
+                try:
+                    return wait(work, *args, **kwargs)
+                finally:
+                    tracker.exit(call)
 
             setattr(dist.Work, "wait", waited)  # noqa: B010 (a method of a C++ class: mypy refuses the plain form)
         self.active = True
@@ -549,7 +591,7 @@ class CollectiveTracker:
         def wait_tensor(tensor: Any) -> Any:
             if torch.compiler.is_compiling():
                 return wait(tensor)
-            return self.waited(tensor, lambda: wait(tensor), getattr(local, "launching", None))
+            return self.waited(tensor, lambda: wait(tensor), local.launching)
 
         setattr(funcol, "wait_tensor", wait_tensor)  # noqa: B010 (a module mypy knows only as ModuleType)
 
@@ -590,6 +632,8 @@ class CollectiveTracker:
                 setattr(dist, op, original)
         self._originals.clear()
         self._awaited.clear()
+        self._names.clear()
+        self._peers.clear()
 
     def _wrap_functional(
         self, op: str, original: Any, funcol: Any, c10d: Any, compiling: Callable[[], bool]
@@ -604,11 +648,11 @@ class CollectiveTracker:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             # One user call is one collective: all_gather_tensor calls all_gather_single. Under
             # torch.compile the collective is traced into a graph, not run: nothing to time.
-            if getattr(local, "inside", False) or not tracker.active or compiling():
+            if local.inside or not tracker.active or compiling():
                 return original(*args, **kwargs)
             try:
                 name = funcol._resolve_group_name(_arg(args, kwargs, "group", group_pos))
-                group = group_name(c10d._resolve_process_group(name))
+                group = tracker.name_of(c10d._resolve_process_group(name))
                 tensor = args[0] if args else kwargs.get("self")
                 call = tracker.enter(group, op, _nbytes(tensor), blocking=False, awaited=True)
             except Exception:  # tracking must never break the collective
@@ -620,7 +664,7 @@ class CollectiveTracker:
                 local.inside, local.launching = False, None
             if call.dur_ns < 0:  # not waited on yet: an AsyncCollectiveTensor waits at first use
                 with contextlib.suppress(Exception):  # tracking must never break the collective
-                    tracker.expect_wait(getattr(out, "elem", out), call)
+                    tracker.expect_wait(_wait_key(getattr(out, "elem", out)), call)
             return out
 
         wrapper.__rankscope_original__ = original  # type: ignore[attr-defined]
@@ -633,11 +677,11 @@ class CollectiveTracker:
         @functools.wraps(original)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             # One user call is one collective: all_gather_into_tensor calls all_gather_single.
-            if getattr(local, "inside", False):
+            if local.inside:
                 return original(*args, **kwargs)
             try:
                 blocking = not _arg(args, kwargs, "async_op", async_pos)
-                group = group_name(_arg(args, kwargs, "group", group_pos))
+                group = tracker.name_of(_arg(args, kwargs, "group", group_pos))
                 call = tracker.enter(group, op, _nbytes(args[0]) if args else 0, blocking)
             except Exception:  # tracking must never break the collective
                 return original(*args, **kwargs)
@@ -668,18 +712,16 @@ class CollectiveTracker:
         @functools.wraps(original)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             # One user call is one transfer: send and recv are isend and irecv waited on at once.
-            if getattr(local, "inside", False):
+            if local.inside:
                 return original(*args, **kwargs)
             try:
                 pg = _arg(args, kwargs, "group", group_pos)
                 peer = _arg(args, kwargs, params[0], peer_pos)
-                if peer is None and kwargs.get(params[1]) is not None:
-                    import torch.distributed as dist
-
-                    peer = dist.get_global_rank(pg, kwargs[params[1]])
+                if peer is None and (group_peer := kwargs.get(params[1])) is not None:
+                    peer = tracker.peer_of(pg, group_peer)
                 nbytes = _nbytes(args[0] if args else kwargs.get("tensor"))
                 call = tracker.enter(
-                    group_name(pg), name, nbytes, blocking, -1 if peer is None else int(peer)
+                    tracker.name_of(pg), name, nbytes, blocking, -1 if peer is None else int(peer)
                 )
             except Exception:  # tracking must never break the call
                 return original(*args, **kwargs)
@@ -692,7 +734,7 @@ class CollectiveTracker:
                     tracker.exit(call)
             work = original(*args, **kwargs)
             if work is not None:  # None: inside a coalescing manager (NCCL's batch_isend_irecv)
-                tracker.expect_wait(work, call)
+                tracker.expect_wait(id(work), call)
             return work
 
         wrapper.__rankscope_original__ = original  # type: ignore[attr-defined]

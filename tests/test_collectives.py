@@ -30,10 +30,10 @@ from tests.records import spool_records
 STEPS = 150
 
 
-def spawn(job: Callable[..., None], nprocs: int, *paths: Path) -> None:
-    """Run ``job(rank, port, *paths)`` (a function of ``tests.jobs.spawned``) in ``nprocs``
-    spawned processes on a free port, and wait for them."""
-    mp.start_processes(job, args=(free_port(), *map(str, paths)), nprocs=nprocs, start_method="spawn")
+def spawn(job: Callable[..., None], nprocs: int, *args: Path | str) -> None:
+    """Run ``job(rank, port, *args)`` (a function of ``tests.jobs.spawned``; paths as strings) in
+    ``nprocs`` spawned processes on a free port, and wait for them."""
+    mp.start_processes(job, args=(free_port(), *map(str, args)), nprocs=nprocs, start_method="spawn")
 
 
 @pytest.mark.slow
@@ -164,11 +164,15 @@ def test_collectives_launched_from_cxx_are_counted_numbered_and_name_the_rank_a_
 
 
 @pytest.mark.slow
-def test_a_send_and_its_recv_are_one_transfer_each_timed_once_on_the_rank_that_waits(tmp_path: Path) -> None:
+@pytest.mark.parametrize("how", ["call", "group_rank"])
+def test_a_send_and_its_recv_are_one_transfer_each_timed_once_on_the_rank_that_waits(
+    tmp_path: Path, how: str
+) -> None:
     """``send`` and ``recv`` are ``isend`` and ``irecv`` waited on at once (torch 2.6 on): each is
     one call, counted, numbered and timed once, as c10d numbers it (DeepSpeed's pipeline engine
-    moves its activations so). Rank 1 sends 30 ms late: rank 0 waits for it inside ``recv``."""
-    spawn(spawned.send_recv_job, 2, tmp_path, tmp_path)
+    moves its activations so). Rank 1 sends 30 ms late: rank 0 waits for it inside ``recv``, or in
+    the wait of an ``irecv`` whose peer is given as a rank of the default group (``group_src``)."""
+    spawn(spawned.send_recv_job, 2, tmp_path, tmp_path, how)
     recs = spool_records(tmp_path, "sendrecv")
     for rank, rs in recs.items():
         before, after = map(int, (tmp_path / f"rank{rank}").read_text().split())

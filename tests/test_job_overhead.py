@@ -101,18 +101,20 @@ def test_in_run_blocks_alternate_in_pairs_and_a_working_block_goes_on_while_a_wi
     hook._prof = None
     for _ in range(3):
         b.ended()
-    assert [(mode, steps) for mode, _, steps in b.blocks] == [("on", 3), ("off", 3), ("off", 3), ("on", 9)]
+    assert [(mode, steps) for mode, _, steps, _ in b.blocks] == [("on", 3), ("off", 3), ("off", 3), ("on", 9)]
     assert hook.calls == ["resume", "pause", "pause", "resume", "resume"]
 
 
 def test_in_run_figures_take_each_pairs_slowest_rank_and_leave_out_a_block_without_its_partner() -> None:
     def rank(scale: float) -> dict:
         return {"steps_per_block": 10, "windows": 1, "window_cost_us": 50_000,
-                "blocks": [["on", 1.02 * scale, 10], ["off", 1.0, 10], ["off", 1.0, 10], ["on", 1.01, 10],
-                           ["on", 1.0, 10]]}  # fmt: skip
+                "blocks": [["on", 1.02 * scale, 10, 0.9], ["off", 1.0, 10, 0.8], ["off", 1.0, 10, 0.8],
+                           ["on", 1.01, 10, 0.8], ["on", 1.0, 10, 0.8]]}  # fmt: skip
 
     run = {"job": "j", "loop_s": 5.0, "ranks": {0: {"share_pct": 0.4}, 1: {"share_pct": 0.5}},
            "blocks": [rank(1.0), rank(1.01)]}  # fmt: skip
     row = job_overhead.block_figures(run)
     assert row["pairs"] == 2 and row["pair_pct"] == pytest.approx([3.02, 1.0], abs=0.01)
+    # CPU: both ranks' processes together per step, 1.8 s against 1.6 s, then 1.6 against 1.6
+    assert row["cpu_ms_per_step"] == [160.0, 170.0] and row["cpu_pct"] == pytest.approx(6.25)
     assert row["windows"] == [1, 1] and row["window_ms"] == 50.0 and row["windows_share_pct"] == [0.4, 0.5]

@@ -44,13 +44,14 @@ class Blocks:
         self.steps = 0
         self.n = 0
         """Steps per block, once agreed."""
-        self.mode, self.in_block, self.length, self.took = "on", 0, 0, 0.0
-        self.mark = time.perf_counter()
-        self.blocks: list[tuple[str, float, int]] = []
+        self.mode, self.in_block, self.length, self.took, self.cpu = "on", 0, 0, 0.0, 0.0
+        self.mark, self.cpu_mark = time.perf_counter(), time.process_time()
+        self.blocks: list[tuple[str, float, int, float]] = []
+        """(mode, seconds, steps, the process's CPU seconds) per block."""
 
     def ended(self) -> None:
         """After each step, working or paused."""
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.process_time()
         self.steps += 1
         if not self.n:
             if self.steps == self.start_steps - WARM_TAIL:
@@ -63,11 +64,12 @@ class Blocks:
         if self.in_block < self.length:
             return
         self.took += now - self.mark
+        self.cpu += cpu - self.cpu_mark
         if self.mode == "on" and self._most(float(window_busy(self.hook))):
             self.length += self.n  # a window is busy on some rank: the working block goes on
-            self.mark = time.perf_counter()
+            self.mark, self.cpu_mark = time.perf_counter(), time.process_time()
             return
-        self.blocks.append((self.mode, self.took, self.in_block))
+        self.blocks.append((self.mode, self.took, self.in_block, self.cpu))
         pair, first = divmod(len(self.blocks), 2)
         order = ("on", "off") if pair % 2 == 0 else ("off", "on")
         self._begin(order[first])
@@ -77,8 +79,8 @@ class Blocks:
             self.hook.resume()
         else:
             self.hook.pause()
-        self.mode, self.in_block, self.length, self.took = mode, 0, self.n, 0.0
-        self.mark = time.perf_counter()
+        self.mode, self.in_block, self.length, self.took, self.cpu = mode, 0, self.n, 0.0, 0.0
+        self.mark, self.cpu_mark = time.perf_counter(), time.process_time()
 
     @staticmethod
     def _most(value: float) -> float:

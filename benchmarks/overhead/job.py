@@ -250,20 +250,27 @@ def figures(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def block_figures(run: dict[str, Any]) -> dict[str, Any]:
     """One in-run job's figures from its ranks' blocks: per pair, the slowest rank's working and
-    paused blocks (the job runs at its slowest rank's pace)."""
+    paused blocks (the job runs at its slowest rank's pace); and the CPU time all ranks' processes
+    took per step (``cpu_ms_per_step``: paused, working), whose ratio moves far less with the
+    machine's other load than the time does."""
     ranks = [r["blocks"] for r in run["blocks"]]
-    pairs = []
+    pairs, cpu_pairs = [], []
     for i in range(0, min(map(len, ranks)) // 2 * 2, 2):
-        per = [{mode: (s, n) for mode, s, n in r[i : i + 2]} for r in ranks]
+        per = [{mode: block for mode, *block in r[i : i + 2]} for r in ranks]
         on, off = per[0]["on"], per[0]["off"]
         pairs.append([max(p["on"][0] for p in per), on[1], max(p["off"][0] for p in per), off[1]])
+        cpu_pairs.append([sum(p["on"][2] for p in per), on[1], sum(p["off"][2] for p in per), off[1]])
     if not pairs:
         raise SystemExit(f"{run['job']}: no pair of blocks; give it a longer run (--flags)")
     windows = [r["windows"] for r in run["blocks"]]
     cost_us = [r["window_cost_us"] for r in run["blocks"]]
+    cpu = _figures(cpu_pairs)
     return {
         "steps_per_block": run["blocks"][0]["steps_per_block"],
         **_figures(pairs),
+        "cpu_ms_per_step": [cpu["off_ms_per_step"], cpu["on_ms_per_step"]],
+        "cpu_pct": cpu["overhead_pct"],
+        "cpu_ci95_pct": cpu["ci95_pct"],
         "windows": windows,
         "window_ms": round(sum(cost_us) / sum(windows) / 1e3, 1) if sum(windows) else 0.0,
         "windows_share_pct": [v["share_pct"] for _, v in sorted(run["ranks"].items())],
@@ -338,8 +345,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result = {"benchmark": "job_overhead_in_run", "ranks": WORLD, "settings": options or "defaults", "flags": flags,
                   "block_s": a.block_s, "rows": rows, "runs": runs, "seconds": round(time.perf_counter() - t0, 1)}  # fmt: skip
         _table(rows, ["job", "pairs", "steps_per_block", "off_ms_per_step", "on_ms_per_step", "overhead_pct",
-                      "ci95_pct", "median_pair_pct", "median_ci95_pct", "windows", "window_ms",
-                      "windows_share_pct"])  # fmt: skip
+                      "ci95_pct", "median_pair_pct", "median_ci95_pct", "cpu_ms_per_step", "cpu_pct",
+                      "cpu_ci95_pct", "windows", "window_ms", "windows_share_pct"])  # fmt: skip
         if a.json:
             Path(a.json).write_text(json.dumps(result, indent=2))
         return result

@@ -141,8 +141,10 @@ def pipeline_without_mesh_job(rank: int, port: int, spool: str) -> None:
     dist.destroy_process_group()
 
 
-def send_recv_job(rank: int, port: int, spool: str, out: str) -> None:
-    """Rank 1 sends rank 0 a tensor every step, 30 ms late; rank 0 waits for it in ``recv``."""
+def send_recv_job(rank: int, port: int, spool: str, out: str, how: str) -> None:
+    """Rank 1 sends rank 0 a tensor every step, 30 ms late; rank 0 waits for it in ``recv``
+    (``how`` = "call"), or in the work of an ``irecv`` given its peer as a rank of the default
+    group, not as a global rank ("group_rank")."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     hook = profiler_hook.attach(job="sendrecv", spool_dir=spool, rank=rank, world_size=2, window_s=0)
@@ -153,6 +155,10 @@ def send_recv_job(rank: int, port: int, spool: str, out: str) -> None:
         with hook.step():
             if rank == 1:
                 time.sleep(0.03)
+            if how == "group_rank":
+                work = dist.isend(t, group_dst=0) if rank == 1 else dist.irecv(t, group_src=1)
+                work.wait()
+            elif rank == 1:
                 dist.send(t, dst=0)
             else:
                 dist.recv(t, src=1)
