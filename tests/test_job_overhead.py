@@ -103,6 +103,8 @@ def test_in_run_blocks_alternate_in_pairs_and_a_working_block_goes_on_while_a_wi
         b.ended()
     assert [(mode, steps) for mode, _, steps, _ in b.blocks] == [("on", 3), ("off", 3), ("off", 3), ("on", 9)]
     assert hook.calls == ["resume", "pause", "pause", "resume", "resume"]
+    with pytest.raises(ValueError, match="more than 20 steps of warm-up"):
+        OneRank(hook, Path("unused"), start_steps=blocks.WARM_TAIL, block_s=1.0)
 
 
 def test_in_run_figures_take_each_pairs_slowest_rank_and_leave_out_a_block_without_its_partner() -> None:

@@ -39,6 +39,10 @@ def window_busy(hook: Hook) -> bool:
 
 class Blocks:
     def __init__(self, hook: Hook, out: Path, start_steps: int, block_s: float) -> None:
+        if start_steps <= WARM_TAIL:  # the blocks' length comes from the last WARM_TAIL of them
+            raise ValueError(
+                f"$AB_START_STEPS must be more than {WARM_TAIL} steps of warm-up, got {start_steps}"
+            )
         self.hook, self.out = hook, out
         self.start_steps, self.block_s = start_steps, block_s
         self.steps = 0
