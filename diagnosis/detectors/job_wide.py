@@ -109,13 +109,18 @@ def _find(data: JobData, s: Settings) -> Finding | None:
         # (without it, a job-wide slowdown of any length was a ticket's lowest severity).
         "held_steps": int(g.chunk_steps(s.chunks)[last[-2:]].sum()),
     }
-    waits = _cpu_wait_growth(data)
+    waits, whose = _cpu_wait_growth(data), "threads"
+    if waits is None:  # fewer than two windows: the training thread's wait, read in every block
+        waits, whose = _step_wait_growth(g, before, last, s.chunks), "training thread"
     if waits is not None and waits[1] - waits[0] >= EXTERNAL_LOAD_SHARE * (now_ms - base_ms) > 0:
         summary += (
-            f"; every rank's threads now wait {waits[1] - waits[0]:.1f} ms more per step for a CPU "
+            f"; every rank's {whose} now wait{'s' if whose == 'training thread' else ''} "
+            f"{waits[1] - waits[0]:.1f} ms more per step for a CPU "
             f"({waits[0]:.1f} -> {waits[1]:.1f} ms): other processes on the job's cores (external load)"
         )
-        evidence.update(cpu_wait_ms_per_step_first=waits[0], cpu_wait_ms_per_step_last=waits[1])
+        evidence.update(
+            cpu_wait_ms_per_step_first=waits[0], cpu_wait_ms_per_step_last=waits[1], cpu_wait_of=whose
+        )
     elif cpu - 1 >= CPU_TIME_SHARE * (ratio - 1) > 0:
         summary += (
             f"; every rank's steps also took {cpu:.2f}x the CPU time: more work per step, or slower "
@@ -146,8 +151,25 @@ at least this share of it: more work per step, or slower cores. On shared cores 
 time per step drifts up to ~1.22x over tens of seconds, their own time with it."""
 
 
+def _step_wait_growth(
+    g: grid.Grid, before: list[int], last: list[int], chunks: int
+) -> tuple[float, float] | None:
+    """The ranks' median run-queue wait per step of the training thread outside collectives (ms),
+    in the baseline chunks and in the last two (the lesser), as the step time's growth is read:
+    where no two windows read every thread's."""
+    if "wait_us" not in g.values:
+        return None
+    per = grid.chunk_medians(g, "wait_us", chunks)  # rank x chunk
+    first = float(grid.nanmedian(grid.nanmedian(per[:, before], axis=1), axis=0))
+    now = min(float(grid.nanmedian(per[:, c], axis=0)) for c in last[-2:])
+    if not (np.isfinite(first) and np.isfinite(now)):
+        return None
+    return round(first / 1e3, 3), round(now / 1e3, 3)
+
+
 def _cpu_wait_growth(data: JobData) -> tuple[float, float] | None:
-    """The ranks' median CPU wait per step (ms) in the first and the last profiling window."""
+    """The ranks' median CPU wait per step (ms) of all their threads, in the first and the last
+    profiling window (None: fewer than two windows)."""
     f = data.functions
     if f.empty:
         return None

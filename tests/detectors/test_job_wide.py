@@ -51,6 +51,22 @@ def test_a_job_wide_slowdown_with_every_ranks_cpu_wait_grown_is_put_down_to_exte
     assert "external load" not in only(job_wide.find(synthetic(steps=3000, growth=2.0), SETTINGS)).summary
 
 
+def test_without_two_windows_the_training_threads_wait_in_the_steps_says_external_load() -> None:
+    """The same, where fewer than two windows ran (a job whose windows wait for their budget): the
+    training thread's run-queue wait outside collectives, in every step block, grew with the step
+    time (by 0.8 of its growth here)."""
+    data = synthetic(steps=3000, growth=2.0)
+    start = data.steps.groupby("rank")["dur_us"].transform("first")
+    waited = data.steps.assign(wait_us=(data.steps["dur_us"] - start).clip(lower=0) * 0.8)
+    f = only(job_wide.find(replace(data, steps=waited), SETTINGS))
+    assert (f.cause, f.scope) == ("job_wide", "job") and "external load" in f.summary
+    assert f.evidence["cpu_wait_of"] == "training thread" and "training thread now waits" in f.summary
+    assert f.evidence["cpu_wait_ms_per_step_last"] > f.evidence["cpu_wait_ms_per_step_first"]
+    # A tenth of the growth is no external load: the job's own work grew.
+    waited = data.steps.assign(wait_us=(data.steps["dur_us"] - start).clip(lower=0) * 0.1)
+    assert "external load" not in only(job_wide.find(replace(data, steps=waited), SETTINGS)).summary
+
+
 def test_a_jobs_first_seconds_are_no_baseline() -> None:
     """The same growth over the first 300 steps (~2 s): start-up, not a job-wide slowdown yet."""
     assert job_wide.find(synthetic(steps=300, growth=2.0), SETTINGS) == []
