@@ -1,7 +1,8 @@
-"""What the 2-D parallel scripts (``pipeline_dp.py``, ``tp_dp.py``) share, as a training repository
-keeps its loop's helpers apart from its models: the command line, synthetic token batches, the
-calls a fault blocks in (a metrics upload, a checkpoint write), and rank 0's clock, which tells
-every rank at one step when to stop and when the fault begins.
+"""What the 2-D and 3-D parallel scripts (``pipeline_dp.py``, ``tp_dp.py``, ``pp_tp_dp.py``) share,
+as a training repository keeps its loop's helpers apart from its models: the command line,
+synthetic token batches, a pipeline schedule's step, the calls a fault blocks in (a metrics
+upload, a checkpoint write), and rank 0's clock, which tells every rank at one step when to stop
+and when the fault begins.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -157,3 +159,17 @@ class Fault:
             upload_metrics(metrics, self.args.fault_ms / 1e3)
         elif self.kind == "hang_checkpoint":
             save_checkpoint(model, self.ckpt, self._storage)
+
+
+def pipeline_step(
+    schedule: Any, stage: Any, inputs: torch.Tensor, targets: torch.Tensor
+) -> list[torch.Tensor] | None:
+    """One step of a ``torch.distributed.pipelining`` schedule, as torchtitan's
+    ``forward_backward_step`` takes it: the first stage feeds the inputs, the last computes the
+    loss of every microbatch and returns them (the other stages: None)."""
+    losses: list[torch.Tensor] | None = [] if stage.is_last else None
+    if stage.is_first:
+        schedule.step(inputs, target=targets, losses=losses)
+    else:
+        schedule.step(target=targets, losses=losses)
+    return losses

@@ -36,7 +36,7 @@ import os
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from job_parts import Clock, Fault, arguments, loss_fn, more_rows, token_batches
+from job_parts import Clock, Fault, arguments, loss_fn, pipeline_step, more_rows, token_batches
 from torch import nn
 from torch.distributed._composable.replicate import replicate
 from torch.distributed.device_mesh import init_device_mesh
@@ -199,11 +199,7 @@ def main() -> None:
                 model.work_factor = args.fault_factor
             inputs, targets = get_batch()
             optimizer.zero_grad()
-            losses: list[torch.Tensor] | None = [] if stage.is_last else None
-            if stage.is_first:
-                schedule.step(inputs, target=targets, losses=losses)
-            else:
-                schedule.step(target=targets, losses=losses)
+            losses = pipeline_step(schedule, stage, inputs, targets)
             optimizer.step()
             fault.after_step(step, model)
         step += 1
