@@ -36,7 +36,7 @@ import os
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from job_parts import Clock, Fault, arguments, loss_fn, pipeline_step, more_rows, token_batches
+from job_parts import Clock, Fault, arguments, loss_fn, more_rows, pipeline_step, token_batches
 from torch import nn
 from torch.distributed._composable.replicate import replicate
 from torch.distributed.device_mesh import init_device_mesh
