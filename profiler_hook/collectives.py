@@ -44,10 +44,10 @@ log = logging.getLogger(__name__)
 WAIT_EVERY_NS = 1_000_000_000
 """The training thread's run-queue wait is read at the collectives of one step in every second
 (every step, where steps take longer). A read is one ``pread`` of the kernel's schedstat: ~1.5 µs
-in a loop, but ~17 µs in a training step, whose tensors have left the caches cold; reading one step
-in every 100 ms cost a pipeline-parallel job ~0.35 ms of its ~100-ms steps (28 calls a step, each
-read twice). A block of steps counts the wait of the collectives it did not read at the share of
-their time the read ones waited. All of a step's calls are read, not a sample of calls: a call
+in a loop, but ~17 µs in a training step, whose tensors have left the caches cold; read at one step
+in every 100 ms, they were the largest part of the wrapped calls' time in a pipeline-parallel job
+(every step read there: 28 calls a step, each read twice; ``cProfile``). A block of steps counts
+the wait of the collectives it did not read at the share of their time the read ones waited. All of a step's calls are read, not a sample of calls: a call
 picked by when it comes is not picked in proportion to its time, and the share came out wrong."""
 
 COLLECTIVES = (
