@@ -44,11 +44,12 @@ log = logging.getLogger(__name__)
 WAIT_EVERY_NS = 1_000_000_000
 """The training thread's run-queue wait is read at the collectives of one step in every second
 (every step, where steps take longer). A read is one ``pread`` of the kernel's schedstat: ~1.5 µs
-in a loop, but ~17 µs in a training step, whose tensors have left the caches cold; read at one step
-in every 100 ms, they were the largest part of the wrapped calls' time in a pipeline-parallel job
-(every step read there: 28 calls a step, each read twice; ``cProfile``). A block of steps counts
-the wait of the collectives it did not read at the share of their time the read ones waited. All of a step's calls are read, not a sample of calls: a call
-picked by when it comes is not picked in proportion to its time, and the share came out wrong."""
+in a loop, but ~17 µs in a training step, whose tensors have left the caches cold; read at every
+step, the reads were the largest part of the wrapped calls' time in a pipeline-parallel job (28
+calls a step, each read twice). A block of steps counts the wait of the collectives it did not
+read at the share of their time the read ones waited. All of a step's calls are read, not a
+sample of calls: a call picked by when it comes is not picked in proportion to its time, and the
+share came out wrong."""
 
 COLLECTIVES = (
     "all_reduce",
@@ -336,7 +337,8 @@ class CollectiveTracker:
         tracked in flight meanwhile: the thread computes while it runs."""
         now = time.perf_counter_ns()
         # No lock: a group's calls come from one thread at a time (c10d orders them by issue), and
-        # the watchdog only copies the dict. Positional arguments: keywords cost ~0.15 µs more.
+        # the watchdog only copies the dict. Positional arguments, and _wait_mark() inlined (here
+        # and in begin_wait): this runs at every wrapped call, ~2 µs of Python in all.
         seq = self.last_seq.get(group, 0) + 1
         self.last_seq[group] = seq
         wait = self.thread_wait() if self.read_wait else -1
@@ -397,9 +399,8 @@ class CollectiveTracker:
                 extra += n
                 counted = self.counted[group] = counted + n
             self._c10d[group] = (seq, counted)
-            with self._lock:
-                if seq > self.last_seq.get(group, 0):
-                    self.last_seq[group] = seq
+            if seq > self.last_seq.get(group, 0):  # no lock, as in enter(): the same thread
+                self.last_seq[group] = seq
         return extra
 
     def seqs(self) -> dict[str, int]:
