@@ -41,15 +41,21 @@ from rankscope.wire.records import PIPELINE_DIMS
 
 log = logging.getLogger(__name__)
 
-WAIT_EVERY_NS = 1_000_000_000
-"""The training thread's run-queue wait is read at the collectives of one step in every second
-(every step, where steps take longer). A read is one ``pread`` of the kernel's schedstat: ~1.5 µs
-in a loop, but ~17 µs in a training step, whose tensors have left the caches cold; read at every
-step, the reads were the largest part of the wrapped calls' time in a pipeline-parallel job (28
-calls a step, each read twice). A block of steps counts the wait of the collectives it did not
-read at the share of their time the read ones waited. All of a step's calls are read, not a
-sample of calls: a call picked by when it comes is not picked in proportion to its time, and the
-share came out wrong."""
+WAIT_EVERY_NS = 100_000_000
+"""The training thread's run-queue wait is read at the collectives of one step in every 100 ms at
+most (every step, where steps take longer), and less often where a step's calls are many, so that
+the reads take ``WAIT_READ_SHARE`` of the time at most. A block of steps counts the wait of the
+collectives it did not read at the share of their time the read ones waited
+(``blocks.WAIT_POOL_DECAY``). All of a step's calls are read, not a sample of calls: a call picked
+by when it comes is not picked in proportion to its time, and the share came out wrong. Fewer read
+steps miss by more: on shared cores, read at one step a second, a healthy rank's own time spread
+0.11-0.19 from chunk to chunk of steps (0.02-0.05 at one step in 100 ms, 0.01-0.02 at every step)."""
+WAIT_READ_NS = 20_000
+"""A read: one ``pread`` of the kernel's schedstat, ~1.5 µs in a loop but ~20 µs in a training step,
+whose tensors have left the caches cold (a DDP job on shared cores: median 22 µs, mean 28-64 µs)."""
+WAIT_READ_SHARE = 0.0005
+"""The most of the time the reads take: a pipeline-parallel job's steps of 15 calls, each read
+twice, are read one a second; a DDP job's, one in 100 ms."""
 
 COLLECTIVES = (
     "all_reduce",
@@ -341,7 +347,9 @@ class CollectiveTracker:
         # and in begin_wait): this runs at every wrapped call, ~2 µs of Python in all.
         seq = self.last_seq.get(group, 0) + 1
         self.last_seq[group] = seq
-        wait = self.thread_wait() if self.read_wait else -1
+        wait = -1  # one timed where the thread waits on it reads the run-queue wait there
+        if self.read_wait and (blocking or not (awaited or op in ("send", "recv"))):
+            wait = self.thread_wait()
         call = CollectiveCall(group, op, seq, nbytes, now, -1, blocking, wait, 0, peer)
         if blocking:
             self.current = call
@@ -526,8 +534,9 @@ class CollectiveTracker:
         out = (comm, self.step_count, self.step_first_enter_ns, comm_wait, waited)
         self.step_comm_ns, self.step_count, self.step_first_enter_ns = 0, 0, -1
         self.step_comm_wait_ns = self.step_waited_comm_ns = 0
-        if self.read_wait:
-            self._next_wait_read_ns = now_ns + WAIT_EVERY_NS
+        if self.read_wait:  # each call read twice: where it starts and ends, or is waited on
+            reads_ns = 2 * out[1] * WAIT_READ_NS / WAIT_READ_SHARE
+            self._next_wait_read_ns = now_ns + max(WAIT_EVERY_NS, int(reads_ns))
         self.read_wait = now_ns >= self._next_wait_read_ns
         self.step_last_async = None
         self.steps += 1

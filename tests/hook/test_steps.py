@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from rankscope.profiler_hook.blocks import StepBlocks
+from rankscope.profiler_hook.blocks import WAIT_POOL_DECAY, StepBlocks
 from rankscope.profiler_hook.collectives import CollectiveTracker
 from rankscope.profiler_hook.schedstat import ThreadWait
 from rankscope.wire.records import (
@@ -153,9 +153,10 @@ def test_a_steps_run_queue_wait_inside_collectives_is_not_counted_as_its_own() -
     assert row.wait_us == 10_000 - 2_000
 
 
-def test_the_wait_inside_collectives_is_read_one_step_a_second_and_counted_at_that_share_between() -> None:
-    """Each read of the kernel's counter costs ~17 µs in a training step: the steps in between
-    count their collectives' wait at the share the last read ones waited."""
+def test_the_wait_inside_collectives_is_read_at_a_bounded_cost_and_counted_at_the_recent_share() -> None:
+    """Each read of the kernel's counter costs ~20 µs in a training step: the steps read it 100 ms
+    apart, further where their calls are many (the reads kept to ``WAIT_READ_SHARE`` of the time),
+    and the steps between count their collectives' wait at the share the recent read ones waited."""
     reads: list[int] = []
 
     def wait() -> int:
@@ -163,17 +164,55 @@ def test_the_wait_inside_collectives_is_read_one_step_a_second_and_counted_at_th
         return len(reads) * 1_000_000  # +1 ms of wait at every read
 
     tracker = CollectiveTracker(thread_wait=wait)
-    tracker.exit(tracker.enter("world", "all_reduce", 8))
-    *_, comm_wait_ns, waited_ns = tracker.take_step(time.perf_counter_ns())
+    t = time.perf_counter_ns()
+
+    def step(calls: int, at_ms: float) -> tuple[int, int]:
+        for _ in range(calls):
+            tracker.exit(tracker.enter("world", "all_reduce", 8))
+        *_, comm_wait_ns, waited_ns = tracker.take_step(t + int(at_ms * 1e6))
+        return comm_wait_ns, waited_ns
+
+    comm_wait_ns, waited_ns = step(1, 0)
     assert len(reads) == 2 and comm_wait_ns == 1_000_000 and waited_ns > 0
-    tracker.exit(tracker.enter("world", "all_reduce", 8))  # the next step, within the second: not read
-    *_, comm_wait_ns, waited_ns = tracker.take_step(time.perf_counter_ns())
-    assert len(reads) == 2 and comm_wait_ns == waited_ns == 0
-    usage = iter([(0, 0, 0, 0), (0, 0, 10_000, 0), (0, 0, 20_000, 0)])
+    assert step(1, 50) == (0, 0) and len(reads) == 2  # the step after it, within 100 ms: not read
+    step(1, 150)  # ...nor this one, which ends past 100 ms: the next one reads
+    assert len(reads) == 2
+    step(10, 200)  # read: its 10 calls' 20 reads take 400 µs, so the next read is 800 ms on
+    assert len(reads) == 22
+    step(1, 950)
+    step(1, 1_010)
+    assert len(reads) == 22
+    step(1, 1_050)
+    assert len(reads) == 24
+    usage = iter([(0, 0, 0, 0), *((0, 0, 10_000 * i, 0) for i in range(1, 4))])
     blocks = StepBlocks(0.0, lambda: next(usage))  # a row per step
     blocks.add(0, 0, 20_000, 0, 4_000, 1, 0, 1_000, 4_000)  # read: a quarter of the time waited
-    blocks.add(1, 20_000, 20_000, 0, 2_000, 1, 0, 0, 0)  # not read: counted at a quarter
-    assert [r.wait_us for r in blocks.take()] == [10_000 - 1_000, 10_000 - 500]
+    blocks.add(1, 20_000, 20_000, 0, 4_000, 1, 0, 3_000, 4_000)  # read: three quarters
+    blocks.add(2, 40_000, 20_000, 0, 2_000, 1, 0, 0, 0)  # not read: at the recent share
+    share = (WAIT_POOL_DECAY * 1_000 + 3_000) / (WAIT_POOL_DECAY * 4_000 + 4_000)
+    assert [r.wait_us for r in blocks.take()] == [
+        10_000 - 1_000,
+        10_000 - 3_000,
+        10_000 - round(2_000 * share),
+    ]
+
+
+def test_a_point_to_point_call_reads_the_wait_where_the_thread_waits_on_it_only() -> None:
+    """An ``isend``/``irecv`` is timed where the thread waits on its work, and reads the run-queue
+    wait there (and where it completes): its launch, where the thread does not wait, reads none."""
+    reads: list[int] = []
+
+    def wait() -> int:
+        reads.append(1)
+        return len(reads) * 1_000_000
+
+    tracker = CollectiveTracker(thread_wait=wait)
+    call = tracker.enter("world", "send", 8, blocking=False, peer=1)
+    assert not reads and call.enter_wait_ns == -1
+    tracker.begin_wait(call)
+    tracker.exit(call)
+    *_, comm_wait_ns, waited_ns = tracker.take_step(time.perf_counter_ns())
+    assert len(reads) == 2 and comm_wait_ns == 1_000_000 and waited_ns == call.dur_ns
 
 
 def test_a_steps_garbage_collection_is_timed_in_the_block_of_the_steps_it_stopped() -> None:
