@@ -26,12 +26,6 @@ from rankscope.wire.records import StepRow
 MAX_STEPS = 1 << 16
 """The longest block (at 30 µs steps, 2 s)."""
 
-WAIT_POOL_DECAY = 0.8
-"""The collectives whose run-queue wait a block did not read (``collectives.WAIT_EVERY_NS``) count
-it at the share of their time the recent reads waited, of ~5 blocks (~10 s), each older one
-weighing this much less: a block reads few steps, and on shared cores one step's share is far from
-the next's."""
-
 
 class StepBlocks:
     """Sums finished steps into :class:`StepRow` blocks; the closed ones wait in ``rows``."""
@@ -56,9 +50,8 @@ class StepBlocks:
         self._open: list[int] | None = None
         """step, start_us, dur, data, comm, n_coll, first-collective sum and count, n, comm_wait,
         waited_comm."""
-        self._read_wait = self._read_comm = 0.0
-        """The run-queue wait read inside collectives and the collective time it was read over, summed
-        over the recent blocks (each older block weighing ``WAIT_POOL_DECAY`` times less)."""
+        self._wait_share = 0.0
+        """Run-queue wait per µs of collective time, in the last block that read any."""
 
     def add(
         self,
@@ -104,10 +97,10 @@ class StepBlocks:
         step, start, dur, data, comm, n_coll, first_sum, first_n, n, comm_wait, waited = b
         n_coll += self._uncounted()
         first = first_sum // first_n if first_n else -1
-        self._read_wait = self._read_wait * WAIT_POOL_DECAY + comm_wait
-        self._read_comm = self._read_comm * WAIT_POOL_DECAY + waited
-        if waited < comm and self._read_comm > 0:  # the collectives not read waited at the recent share
-            comm_wait += round((comm - waited) * self._read_wait / self._read_comm)
+        if waited > 0:
+            self._wait_share = comm_wait / waited
+        if waited < comm:  # the collectives whose wait was not read waited at the same share
+            comm_wait = round(comm * self._wait_share)
         base = self._base
         cpu, nivcsw, wait, collected = self._base = self._usage() or base
         self.rows.append(

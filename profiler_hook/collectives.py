@@ -45,8 +45,8 @@ WAIT_EVERY_NS = 100_000_000
 """The training thread's run-queue wait is read at the collectives of one step in every 100 ms at
 most (every step, where steps take longer), and less often where a step's calls are many, so that
 the reads take ``WAIT_READ_SHARE`` of the time at most. A block of steps counts the wait of the
-collectives it did not read at the share of their time the read ones waited
-(``blocks.WAIT_POOL_DECAY``). All of a step's calls are read, not a sample of calls: a call picked
+collectives it did not read at the share of their time its read ones waited (of the last block that
+read any). All of a step's calls are read, not a sample of calls: a call picked
 by when it comes is not picked in proportion to its time, and the share came out wrong. Fewer read
 steps miss by more: on shared cores, read at one step a second, a healthy rank's own time spread
 0.11-0.19 from chunk to chunk of steps (0.02-0.05 at one step in 100 ms, 0.01-0.02 at every step)."""
