@@ -49,7 +49,7 @@ collectives it did not read at the share of their time its read ones waited (of 
 read any). All of a step's calls are read, not a sample of calls: a call picked
 by when it comes is not picked in proportion to its time, and the share came out wrong. Fewer read
 steps miss by more: on shared cores, read at one step a second, a healthy rank's own time spread
-0.11-0.19 from chunk to chunk of steps (0.02-0.05 at one step in 100 ms, 0.01-0.02 at every step)."""
+0.11-0.19 from chunk to chunk of steps (0.02-0.10 at one step in 100 ms, 0.01-0.02 at every step)."""
 WAIT_READ_NS = 20_000
 """A read: one ``pread`` of the kernel's schedstat, ~1.5 µs in a loop but ~20 µs in a training step,
 whose tensors have left the caches cold (a DDP job on shared cores: median 22 µs, mean 28-64 µs)."""
