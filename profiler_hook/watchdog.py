@@ -22,7 +22,7 @@ from collections import Counter
 from collections.abc import Callable
 from types import CodeType, FrameType, TracebackType
 
-from rankscope.wire.records import WAITING_SAMPLE, Heartbeat, sample_key
+from rankscope.wire.records import Heartbeat, sample_key
 
 from .collectives import CollectiveTracker
 from .gcpause import GcClock
@@ -73,12 +73,8 @@ class StackSampler:
     about 1 µs (measured): a look-up per frame, from innermost out to the first of the job's code.
     """
 
-    def __init__(
-        self, thread_id: int, collections: GcClock | None = None, waiting: Callable[[], bool] = lambda: False
-    ) -> None:
+    def __init__(self, thread_id: int, collections: GcClock | None = None) -> None:
         self._thread = thread_id
-        self._waiting = waiting
-        """Whether the thread waits in a tracked collective now (``WAITING_SAMPLE``)."""
         self._names: dict[CodeType, str] = {}
         self._prefixes: tuple[str, ...] = ()
         self.counts: Counter[str] = Counter()
@@ -110,7 +106,7 @@ class StackSampler:
         a garbage collection held the GIL, which this thread waited for, counts where it ran."""
         site = self._collections.site_at(due_ns) if self._collections is not None and due_ns else None
         if site is None:
-            site = WAITING_SAMPLE if self._waiting() else self.site(sys._current_frames().get(self._thread))
+            site = self.site(sys._current_frames().get(self._thread))
         self.counts[site] += 1
 
     def take(self) -> dict[str, int]:
@@ -138,7 +134,7 @@ class Watchdog:
         self._interval_s, self._stall_s = interval_s, stall_s
         self._main = main_thread_id
         self._tick = tick
-        self.sampler = StackSampler(main_thread_id, collections, lambda: tracker.current is not None)
+        self.sampler = StackSampler(main_thread_id, collections)
         self.links = LinkMeter()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rankscope-watchdog", daemon=True)

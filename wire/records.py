@@ -197,12 +197,6 @@ GAP_WORDS = ("not tracked", "untested", "off (")
 
 _AT_LINE = " @"
 
-WAITING_SAMPLE = "(waiting for peers)"
-"""The key of the stack samples that found the thread inside a collective or a point-to-point wait
-the hook tracks: its peers' time, not its own work. Compared where each rank spends its own time,
-they are left out: a pipeline stage waits for its neighbour in the very frame it computes in
-(``schedule.step()``), and counted in, those waits hid a slower stage's extra time there."""
-
 
 def sample_key(function: str, line: int) -> str:
     """A stack sample's key: the function as the profiler names Python functions

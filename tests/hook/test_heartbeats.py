@@ -14,7 +14,6 @@ from torch.profiler import ProfilerActivity, profile
 
 from rankscope.profiler_hook import events
 from rankscope.wire.records import (
-    WAITING_SAMPLE,
     Heartbeat,
     sample_key,
 )
@@ -112,24 +111,6 @@ def test_a_sample_due_while_the_garbage_collector_held_the_gil_counts_where_it_c
     [(collected, during), (elsewhere, after)] = sorted(samples.items(), key=lambda kv: "elsewhere" in kv[0])
     assert collected.endswith(f"free_memory @{free_memory.__code__.co_firstlineno + 1}"), samples
     assert elsewhere.endswith(f"sample_elsewhere @{line + 2}") and during == after == 1, samples
-
-
-def test_a_sample_that_finds_the_thread_waiting_in_a_tracked_collective_counts_as_waiting() -> None:
-    """A pipeline stage waits for its neighbour in the frame it computes in (``schedule.step()``):
-    a sample taken while the training thread is inside a tracked call (a blocking ``recv`` here)
-    counts as its peers' time, not where it is."""
-    hook = one_rank_hook(SlowSink(), window_s=0, heartbeat_s=60)
-    hook.watchdog.close(timeout=5)  # only this test's samples
-    hook.watchdog.beat()
-    call = hook.tracker.enter("world", "recv", 8, peer=1)
-    hook.watchdog.sampler.sample()
-    hook.tracker.exit(call)
-    hook.watchdog.sampler.sample()
-    samples = hook.watchdog.beat().samples
-    hook.close(timeout=30)
-    assert samples.pop(WAITING_SAMPLE) == 1, samples
-    [(key, n)] = samples.items()
-    assert n == 1 and "test_a_sample_that_finds_the_thread_waiting" in key, samples
 
 
 def test_a_paused_hook_is_not_a_stalled_rank() -> None:

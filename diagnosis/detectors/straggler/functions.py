@@ -138,13 +138,10 @@ def top_sampled(samples: pd.DataFrame, rank: int, peers: list[int]) -> Sampled |
     Functions first, as windows name them. A loop written at module level (nanoGPT's) or in one
     long function puts every rank's samples in that one function, the culprit's stall and its
     peers' wait for it alike: then its lines, each named as the profiler names a frame it finds
-    running, at the line it is at (``"train.py(57): <module>"``). The samples that found a rank
-    waiting in a tracked collective are not its own time (``records.WAITING_SAMPLE``): the shares
-    are of the others."""
+    running, at the line it is at (``"train.py(57): <module>"``)."""
     if samples.empty or not peers:
         return None
     s = samples[samples["rank"].isin([rank, *pick_peers(sorted(peers))])]
-    s = s[s["function"] != records.WAITING_SAMPLE]  # their peers' time: shares of their own
     totals = s.groupby("rank")["samples"].sum()
     if totals.get(rank, 0) < MIN_SAMPLES or len(totals) < 2:
         return None

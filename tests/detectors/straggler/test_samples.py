@@ -9,7 +9,7 @@ import pandas as pd
 
 from rankscope.diagnosis import diagnose
 from rankscope.diagnosis.detectors.straggler.cause import UNATTRIBUTED
-from rankscope.wire.records import WAITING_SAMPLE, sample_key
+from rankscope.wire.records import sample_key
 from tests.jobdata import functions_frame, only, samples_frame, synthetic
 
 T0_US = 1_700_000_000_000_000
@@ -141,32 +141,6 @@ def test_work_no_window_saw_is_a_slower_device_in_what_its_peers_run_and_a_code_
     audit = "train.py(30): audit_gradients"
     f = only(diagnose(replace(data, samples=samples(audit, 0))).findings)
     assert (f.cause, f.ranks, f.function) == ("code_path", [5], audit)
-
-
-def test_samples_that_found_a_rank_waiting_for_its_peers_are_not_counted_where_it_works() -> None:
-    """A pipeline stage waits for its neighbour inside ``schedule.step()``, the frame its backward
-    pass runs in too: there a slower stage's extra work and its peers' waits for it fall on one
-    line, and the line holds as large a share of every rank's samples. The samples the hook took
-    while the thread waited in a tracked call (``WAITING_SAMPLE``) are its peers' time: without
-    them the slower stage stands out on that line."""
-    data = synthetic(slow={5: {"compute_us": 2000}})
-    step = sample_key("train.py(50): train", 60)
-    forward = sample_key("model.py(10): forward", 12)
-
-    def samples(tagged: bool) -> pd.DataFrame:
-        peer = {step: 10, WAITING_SAMPLE: 30} if tagged else {step: 40}
-        return samples_frame(
-            {r: {**peer, forward: 10} for r in range(8) if r != 5} | {5: {step: 40, forward: 10}}
-        )
-
-    f = only(diagnose(replace(data, samples=samples(tagged=False))).findings)
-    assert f.function == UNATTRIBUTED, f.summary
-    f = only(diagnose(replace(data, samples=samples(tagged=True))).findings)
-    assert (f.cause, f.ranks, f.function) == ("compute", [5], "train.py(60): train"), f.summary
-    assert (
-        f.evidence["stack_samples_in_function"] == "40/50"
-        and f.evidence["peer_share_of_stack_samples"] == 0.5
-    )
 
 
 def test_a_stall_that_began_within_the_span_is_named_from_the_samples_since_it_began() -> None:
