@@ -12,6 +12,7 @@ barely time.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import random
 import sys
@@ -41,8 +42,13 @@ def main_stack(thread_id: int) -> str:
     return "".join(traceback.format_stack(frame, limit=_STACK_FRAMES))
 
 
+@functools.cache
 def _path_prefixes() -> tuple[str, ...]:
-    """The directories torch's profiler strips from a Python function's file, longest first."""
+    """The directories torch's profiler strips from a Python function's file, longest first. Read
+    when a sampler is made, never first in :meth:`StackSampler.site`: that runs in a garbage
+    collection's callback too, which can come in the middle of an import on the training thread,
+    and an import there (this one's, or ``sysconfig``'s data) broke CPython's import lock
+    (``KeyError`` in ``_ModuleLock.acquire``: DDP's start-up importing sympy failed so)."""
     try:
         from torch.profiler.python_tracer import _prefix_regex
 
@@ -76,7 +82,8 @@ class StackSampler:
     def __init__(self, thread_id: int, collections: GcClock | None = None) -> None:
         self._thread = thread_id
         self._names: dict[CodeType, str] = {}
-        self._prefixes: tuple[str, ...] = ()
+        self._prefixes = _path_prefixes()
+        library_frame("/")  # reads the library directories now, not first in a collection's callback
         self.counts: Counter[str] = Counter()
         self._collections = collections
         if collections is not None:
@@ -87,8 +94,6 @@ class StackSampler:
         if name is None:
             if len(self._names) >= 65536:  # code made at run time (exec, compiled graphs) keeps coming
                 self._names.clear()
-            if not self._prefixes:
-                self._prefixes = _path_prefixes()
             path = os.path.abspath(code.co_filename)
             path = next((path[len(p) :] for p in self._prefixes if path.startswith(p)), path)
             name = f"{path}({code.co_firstlineno}): {code.co_name}"
