@@ -40,7 +40,7 @@ def test_the_demo_names_its_default_fault_and_the_store_answers_the_other_comman
     faults run on the same workload in the CI fault suite (tests/faults/test_scenarios.py: a healthy job, a
     data loader's, a hang) or as recorded runs (tests/test_diagnosis.py: its code path), not twice."""
     out = tmp_path / "demo"
-    run = rankscope("demo", "--out", str(out), timeout=300)  # its default 60 s: a 25-s run may hold no window
+    run = rankscope("demo", "--out", str(out))  # its default 60 s: a 25-s run may hold no window
     assert "[4/4] wrote" in run.stdout, run.stdout + run.stderr
     result = json.loads((out / "diagnosis.json").read_text())
     assert result["job"].startswith("demo-compute-")
