@@ -531,11 +531,12 @@ class CollectiveTracker:
             if last.enter_wait_ns >= 0:
                 comm_wait += last.wait_ns
                 waited += last.dur_ns
-        out = (comm, self.step_count, self.step_first_enter_ns, comm_wait, waited)
+        calls = self.step_count
+        out = (comm, calls, self.step_first_enter_ns, comm_wait, waited)
         self.step_comm_ns, self.step_count, self.step_first_enter_ns = 0, 0, -1
         self.step_comm_wait_ns = self.step_waited_comm_ns = 0
         if self.read_wait:  # each call read twice: where it starts and ends, or is waited on
-            reads_ns = 2 * out[1] * WAIT_READ_NS / WAIT_READ_SHARE
+            reads_ns = 2 * calls * WAIT_READ_NS / WAIT_READ_SHARE
             self._next_wait_read_ns = now_ns + max(WAIT_EVERY_NS, int(reads_ns))
         self.read_wait = now_ns >= self._next_wait_read_ns
         self.step_last_async = None

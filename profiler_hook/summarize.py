@@ -52,7 +52,8 @@ def _hook_file(path: str) -> bool:
 
 
 @functools.cache
-def _library_dirs() -> tuple[str, ...]:
+def library_dirs() -> tuple[str, ...]:
+    """The standard library's and the installed packages' directories."""
     paths = sysconfig.get_paths()
     dirs = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if paths.get(k)}
     return tuple(sorted(dirs))
@@ -70,7 +71,7 @@ def _library_module(top: str) -> bool:
     where = (spec.origin if spec else None) or next(
         iter((spec and spec.submodule_search_locations) or []), ""
     )
-    return bool(where) and ("-packages/" in where or where.startswith(_library_dirs()) or _hook_file(where))
+    return bool(where) and ("-packages/" in where or where.startswith(library_dirs()) or _hook_file(where))
 
 
 def _torch_modules() -> frozenset[str]:
@@ -104,7 +105,7 @@ def library_frame(name: str) -> bool:
         return name[11:].rsplit("_", 1)[0] in _torch_modules()
     path = name.split("(", 1)[0]
     if path.startswith("/"):  # a file outside every sys.path entry (an editable install's)
-        return "-packages/" in path or path.startswith(_library_dirs()) or _hook_file(path)
+        return "-packages/" in path or path.startswith(library_dirs()) or _hook_file(path)
     return path.startswith(_OWN) or _library_module(path.split("/", 1)[0].removesuffix(".py"))
 
 

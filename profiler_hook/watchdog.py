@@ -29,7 +29,7 @@ from .collectives import CollectiveTracker
 from .gcpause import GcClock
 from .netstat import LinkMeter
 from .schedule import POLL_S
-from .summarize import library_frame
+from .summarize import library_dirs, library_frame
 
 _STACK_FRAMES = 12
 
@@ -83,7 +83,7 @@ class StackSampler:
         self._thread = thread_id
         self._names: dict[CodeType, str] = {}
         self._prefixes = _path_prefixes()
-        library_frame("/")  # reads the library directories now, not first in a collection's callback
+        library_dirs()  # read now, not first in a collection's callback (see _path_prefixes)
         self.counts: Counter[str] = Counter()
         self._collections = collections
         if collections is not None:

@@ -236,8 +236,10 @@ def test_a_rank_that_waits_for_its_pipeline_or_tensor_parallel_peer_waits_in_com
     from the stage its engine runs)."""
     env = {**os.environ, "RANKSCOPE_SPOOL": str(tmp_path / "spool"), "RANKSCOPE_JOB": script}
     path = Path(__file__).parents[1] / "benchmarks" / "jobs" / f"{script}.py"
-    # By time, not steps: on a slower machine 70 steps once ended right after the 8-s onset.
-    flags = ["--seconds", "16", "--fault", "metrics_block", "--fault-rank", "0", "--onset-s", "8"]
+    # By time, not steps: on a slower machine 70 steps once ended right after the 8-s onset. 16 s
+    # in all once left 4 blocks after the onset, and the tensor-parallel job, whose 31 calls a step
+    # read their run-queue wait one step in ~12, measured rank 0's upload at 34 ms of its 60.
+    flags = ["--seconds", "24", "--fault", "metrics_block", "--fault-rank", "0", "--onset-s", "8"]
     run = subprocess.run(
         [*torchrun(4), str(path), *flags, "--fault-ms", "60", "--marker-dir", str(tmp_path)],
         env=env, capture_output=True, text=True, timeout=300,

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import pytest
 from torch.profiler import ProfilerActivity, profile
 
-from rankscope.profiler_hook import events
+from rankscope.profiler_hook import events, summarize, watchdog
 from rankscope.wire.records import (
     Heartbeat,
     sample_key,
@@ -82,6 +82,18 @@ def test_heartbeats_carry_the_function_of_the_jobs_code_each_stack_sample_found_
 
 def free_memory() -> None:
     gc.collect()
+
+
+def test_a_sampler_reads_what_naming_a_frame_imports_when_it_is_made() -> None:
+    """Naming a frame reads torch's path prefixes and the library directories (imports, the
+    first time). A collection's callback names frames too, and can run in the middle of an
+    import on the training thread: an import there broke CPython's import lock once (``KeyError``
+    in ``_ModuleLock.acquire``). Making the sampler reads both."""
+    watchdog._path_prefixes.cache_clear()
+    summarize.library_dirs.cache_clear()
+    watchdog.StackSampler(threading.get_ident())
+    assert watchdog._path_prefixes.cache_info().currsize == 1
+    assert summarize.library_dirs.cache_info().currsize == 1
 
 
 def test_a_sample_due_while_the_garbage_collector_held_the_gil_counts_where_it_collected() -> None:
