@@ -268,12 +268,14 @@ def works_outside_operators(c: Case) -> Attribution | None:
     """Not working, or working outside the operators (they do not hold the time): a code path, where
     its stack samples put it, a line of a loop at module level included. Not working, all its excess
     is the code path's, whatever share of it the samples name. Working where no window saw its
-    operators, in a function its peers' samples find them in too, it is not outside them: a slower
-    device slows what every rank runs, where a code path runs what its peers do not."""
+    operators, in a function its peers' samples find them in too (at any of its lines: the demo's
+    slower device, 3 of its 42 samples at a line of its attention that none of its peers' were at,
+    was once called a code path), it is not outside them: a slower device slows what every rank
+    runs, where a code path runs what its peers do not."""
     working = _working(c)
     if working and c.work >= ATTRIBUTED * c.compute_excess:
         return None
-    if working and not c.excess and c.sampled is not None and c.sampled.peer_share > 0:
+    if working and not c.excess and c.sampled is not None and c.sampled.peer_function_share > 0:
         return None
     ev = _operator_evidence(c)
     if c.sampled is not None and c.sampled_us >= ATTRIBUTED * c.total:

@@ -104,6 +104,9 @@ class Sampled:
     of: int
     line: int | None = None
     """The line of it the culprit's samples found it at most often (``None``: not sampled)."""
+    peer_function_share: float = 0.0
+    """The peers' median share of the function it is in (``peer_share`` where it is a function,
+    not a line of one)."""
 
     @property
     def excess(self) -> float:
@@ -173,6 +176,8 @@ def top_sampled(samples: pd.DataFrame, rank: int, peers: list[int]) -> Sampled |
     name, share, peer_share = best
     mine = at[(at["rank"] == rank) & (at[key] == name)]
     lines = mine[mine["line"] >= 0].groupby("line")["samples"].sum()
+    function = str(mine["function"].iloc[0])
+    peer_function = s[(s["function"] == function) & (s["rank"] != rank)].groupby("rank")["share"].sum()
     return Sampled(
         name=name,
         share=share,
@@ -180,6 +185,9 @@ def top_sampled(samples: pd.DataFrame, rank: int, peers: list[int]) -> Sampled |
         samples=int(mine["samples"].sum()),
         of=int(totals[rank]),
         line=int(lines.idxmax()) if not lines.empty else None,
+        peer_function_share=float(
+            peer_function.reindex([r for r in ranks if r != rank], fill_value=0.0).median()
+        ),
     )
 
 

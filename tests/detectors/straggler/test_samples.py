@@ -141,6 +141,14 @@ def test_work_no_window_saw_is_a_slower_device_in_what_its_peers_run_and_a_code_
     audit = "train.py(30): audit_gradients"
     f = only(diagnose(replace(data, samples=samples(audit, 0))).findings)
     assert (f.cause, f.ranks, f.function) == ("code_path", [5], audit)
+    # Its samples at a line of the forward that none of its peers' are at (they wait elsewhere)
+    # stand out more than the forward does: still a function they run.
+    line = samples_frame(
+        {r: {sample_key(loop, 60): 18, sample_key(forward, 12): 2} for r in range(8) if r != 5}
+        | {5: {sample_key(loop, 60): 14, sample_key(forward, 12): 2, sample_key(forward, 15): 4}}
+    )
+    f = only(diagnose(replace(data, samples=line)).findings)
+    assert (f.cause, f.ranks, f.function) == ("compute", [5], "model.py(15): forward")
 
 
 def test_a_stall_that_began_within_the_span_is_named_from_the_samples_since_it_began() -> None:
