@@ -1,4 +1,4 @@
-"""``benchmarks.overhead.hook``: its analysis, and one short run of the real 2-rank DDP job."""
+"""``benchmarks.overhead.hook``: its analysis, and one short run of the real 2-rank DDP and pipeline jobs."""
 
 from __future__ import annotations
 
@@ -48,14 +48,16 @@ def test_runs_pool_their_pairs_per_loop_shape_with_an_interval_for_the_median(tm
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_a_short_in_run_ab_of_a_ddp_job_reports_every_figure(tmp_path: Path) -> None:
+def test_a_short_in_run_ab_of_a_ddp_and_a_pipeline_job_reports_every_figure(tmp_path: Path) -> None:
     out = tmp_path / "overhead.json"
     result = hook_overhead.main(
-        ["--pairs", "2", "--block-s", "0.3", "--start-s", "1", "--volume-s", "6", "--loops", "ddp", "--width", "256",
-         "--json", str(out)]
+        ["--pairs", "2", "--block-s", "0.3", "--start-s", "1", "--volume-s", "6", "--loops", "ddp,pipeline",
+         "--width", "256", "--json", str(out)]
     )  # fmt: skip
     assert json.loads(out.read_text()) == result
-    (row,) = result["rows"]
+    row, pipeline = result["rows"]
+    assert (pipeline["loop"], pipeline["pairs"], pipeline["dropped"]) == ("pipeline", 2, 0)
+    assert pipeline["off_ms_per_step"] > 0 and pipeline["on_ms_per_step"] > 0
     assert row["loop"] == "ddp" and row["pairs"] == 2 and row["dropped"] == 0
     assert row["off_ms_per_step"] > 0 and row["on_ms_per_step"] > 0
     low, high = row["ci95_pct"]

@@ -1,7 +1,7 @@
-"""Hook overhead at the defaults a user gets: an in-run A/B inside a real multi-rank DDP job.
+"""Hook overhead at the defaults a user gets: an in-run A/B inside real 2-rank jobs (DDP, a pipeline).
 
     python -m benchmarks.overhead.hook [--pairs 240] [--block-s 0.5] [--start-s 25] [--width 3072]
-                                       [--loops ddp,manual] [--volume-s 60] [--json PATH]
+                                       [--loops ddp,manual,pipeline] [--volume-s 60] [--json PATH]
                                        [--hook KEY=VALUE ...]
     python -m benchmarks.overhead.hook --pool RUN.json [RUN.json ...]
 
@@ -21,6 +21,11 @@ much). Both arms train the same model: two copies differ in speed by their memor
 - ``ddp``: ``DistributedDataParallel`` built after ``profiler_hook.attach``, so its synchronization
   is counted and timed in the working blocks; paused, its two gradient hooks return at once.
 - ``manual``: the hand-written all-reduce loop, for comparison with earlier measurements.
+- ``pipeline``: the MLP split into two ``torch.distributed.pipelining`` stages, one per rank, each
+  holding one of its ``width`` x ``width`` layers, trained by a 1F1B schedule over 4 microbatches,
+  as PyTorch's pipelining docs write one: each step sends 4 activations and 4 gradients each way
+  (``batch_isend_irecv``, then ``wait()``), the point-to-point traffic the fault suite's pipeline
+  jobs carry, here with a core per rank.
 
 The model is an MLP of ``--width`` (3072: ~90-110 ms steps on one core here, in the 50-120 ms of
 the DDP scripts users brought to us; 2048: ~36 ms; 512: ~4 ms, where the hook's ~36 µs of CPU a
@@ -81,6 +86,17 @@ def _model(width: int) -> Any:
     )  # fmt: skip
 
 
+def _stage(model: Any, rank: int, width: int) -> tuple[Any, Any]:
+    """Rank ``rank``'s half of ``model`` as a pipeline stage (``width`` x ``width`` layers: the
+    first stage the input layer and one, the last one and the output layer) and its 1F1B schedule."""
+    import torch
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    layers = list(model) if rank == 0 else [torch.nn.Linear(width, width), torch.nn.ReLU(), model[4]]
+    stage = PipelineStage(torch.nn.Sequential(*layers[:4]), rank, WORLD, torch.device("cpu"))
+    return stage.submod, Schedule1F1B(stage, n_microbatches=4, loss_fn=torch.nn.functional.cross_entropy)
+
+
 def _worker(
     rank: int, loop: str, port: int, args: argparse.Namespace, spool: str, out: str, options: dict
 ) -> None:
@@ -100,12 +116,22 @@ def _worker(
         job=f"overhead-{loop}", spool_dir=spool, rank=rank, world_size=WORLD, **options
     )
     model = DDP(_model(args.width)) if loop == "ddp" else _model(args.width)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(rank)
     data = [(torch.randn(64, 128, generator=g), torch.randint(0, 10, (64,), generator=g)) for _ in range(16)]
+    if loop == "pipeline":
+        model, schedule = _stage(model, rank, args.width)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
 
     def step(i: int) -> None:
         x, y = data[i % len(data)]
+        if loop == "pipeline":
+            opt.zero_grad()
+            if rank == 0:
+                schedule.step(x)
+            else:
+                schedule.step(target=y)
+            opt.step()
+            return
         loss = torch.nn.functional.cross_entropy(model(x), y)
         opt.zero_grad()
         loss.backward()
@@ -374,7 +400,7 @@ def main(argv: list[str] | None = None) -> dict:
         "--start-s", type=float, default=25.0, help="seconds of work before the pairs (default 25)"
     )
     p.add_argument("--width", type=int, default=3072, help="the model's hidden width (default 3072)")
-    p.add_argument("--loops", default="ddp,manual", help="loop shapes, comma-separated")
+    p.add_argument("--loops", default="ddp,manual,pipeline", help="loop shapes, comma-separated")
     p.add_argument(
         "--volume-s", type=float, default=60.0, help="seconds of uninterrupted training for the volume"
     )
