@@ -48,7 +48,10 @@ def find(data: JobData, s: Settings) -> list[Finding]:
     # Precedence between the two accounts of who holds the job back: a contended rank that waits
     # for a straggler is none, and then a straggler that waits for a contended rank is none.
     waits = _waited_for(
-        contention.find(data.functions, data.steps, s.contention, data.hosts()), sts, data.steps, s.contention
+        contention.find(data.functions, data.steps, s.contention, data.hosts(), roles),
+        sts,
+        data.steps,
+        s.contention,
     )
     sts = _not_waiting(sts, waits, data.steps, s.contention)
     # The wait inversion: the rank the job waits for waits in the collectives the least. One that

@@ -117,10 +117,25 @@ def find(
     steps: pd.DataFrame,
     s: ContentionSettings | None = None,
     hosts: dict[int, str] | None = None,
+    roles: list[list[int]] | None = None,
 ) -> list[Contended]:
     """Ranks whose threads persistently wait for a CPU much longer than their peers': their
     training thread at every step, or all their threads in the profiling windows (``hosts``:
-    each rank's host, where known)."""
+    each rank's host, where known). Of a job whose ranks have roles (``JobData.roles``: pipeline
+    stages), each rank against those of its role: a pipeline's stages wait for a CPU differently
+    by design, and where each host holds one stage (DeepSpeed's pipeline on two hosts), comparing
+    hosts compared stages (a healthy run's first stage named a contended host)."""
+    if roles is not None and len(roles) > 1:
+        return sorted(
+            (
+                c
+                for group in roles
+                for c in find(
+                    functions[functions["rank"].isin(group)], steps[steps["rank"].isin(group)], s, hosts
+                )
+            ),
+            key=lambda c: c.rank,
+        )
     s = s or ContentionSettings()
     hosts = hosts or {}
     found = {c.rank: c for c in _from_windows(functions, steps, s, hosts)}

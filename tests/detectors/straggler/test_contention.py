@@ -193,3 +193,24 @@ def test_a_host_whose_training_threads_queue_for_a_cpu_at_every_step_is_found_be
         (10, "steps"),
         (11, "steps"),
     ]
+
+
+def test_a_pipeline_stage_that_waits_longer_for_a_cpu_by_design_is_no_contended_host() -> None:
+    """DeepSpeed lays a pipeline out stage-major: on two hosts each holds one stage, whose ranks
+    wait for a CPU differently by design (here the first stage's 3x the second's, every step).
+    Compared host with host, that is a contended host; compared within each stage, nothing. A
+    hogged host is still named where each stage has ranks on both."""
+    data = synthetic(ranks=8, hosts_of=2, steps=900)
+    st = data.steps.assign(wait_us=1000 * np.random.default_rng(3).lognormal(0, 0.3, len(data.steps)))
+    first = st["rank"] < 4  # node0's ranks
+    st.loc[first, "wait_us"] *= 3
+    staged = replace(data, steps=st, ranks=data.ranks.assign(mesh=[{"pp": r // 4} for r in range(8)]))
+    assert [f.ranks for f in straggler.find(replace(staged, ranks=data.ranks), SETTINGS)] == [
+        [r] for r in range(4)
+    ]
+    assert straggler.find(staged, SETTINGS) == []
+    interleaved = replace(staged, ranks=data.ranks.assign(mesh=[{"pp": r % 2} for r in range(8)]))
+    found = straggler.find(interleaved, SETTINGS)
+    assert [(f.cause, f.ranks, f.hosts) for f in found] == [
+        ("host_contention", [r], ["node0"]) for r in range(4)
+    ]
