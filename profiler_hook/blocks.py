@@ -48,10 +48,11 @@ class StepBlocks:
         """Steps per block now: a power of two."""
         self.rows: list[StepRow] = []
         self._open: list[int] | None = None
-        """step, start_us, dur, data, comm, n_coll, first-collective sum and count, n, comm_wait,
-        waited_comm."""
+        """step, start_us, dur, data, comm, n_coll, first-collective sum and count, n, and of the
+        steps that read the run-queue wait: their wait inside collectives, in all, and how many."""
         self._wait_share = 0.0
-        """Run-queue wait per µs of collective time, in the last block that read any."""
+        """The share of the run-queue wait that fell inside collectives, in the steps that read it
+        of the last block that had any."""
 
     def add(
         self,
@@ -63,17 +64,17 @@ class StepBlocks:
         n_coll: int,
         first_coll_us: int,
         comm_wait_us: int = 0,
-        waited_comm_us: int | None = None,
+        step_wait_us: int = -1,
     ) -> bool:
-        """Add one finished step (``comm_wait_us``: the training thread's run-queue wait inside the
-        ``waited_comm_us`` of its collective time where it was read, by default all of it); True if
-        that closed a block."""
+        """Add one finished step (``comm_wait_us``: the training thread's run-queue wait inside its
+        collectives, of ``step_wait_us`` in the whole step, where it was read; -1: not read); True
+        if that closed a block."""
         b = self._open
         if b is not None and step != b[0] + b[8]:
             self.close()
             b = None
         if b is None:
-            b = self._open = [step, start_us, 0, 0, 0, 0, 0, 0, 0, 0, 0]
+            b = self._open = [step, start_us, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
         b[2] += dur_us
         b[3] += data_us
         b[4] += comm_us
@@ -82,8 +83,10 @@ class StepBlocks:
             b[6] += first_coll_us
             b[7] += 1
         b[8] += 1
-        b[9] += comm_wait_us
-        b[10] += comm_us if waited_comm_us is None else waited_comm_us
+        if step_wait_us >= 0:
+            b[9] += comm_wait_us
+            b[10] += step_wait_us
+            b[11] += 1
         if (step + 1) % self.length == 0 or b[2] >= 2e6 * self.block_s:
             self.close()
             return True
@@ -94,15 +97,14 @@ class StepBlocks:
         b, self._open = self._open, None
         if b is None:
             return
-        step, start, dur, data, comm, n_coll, first_sum, first_n, n, comm_wait, waited = b
+        step, start, dur, data, comm, n_coll, first_sum, first_n, n, comm_wait, step_wait, reads = b
         n_coll += self._uncounted()
         first = first_sum // first_n if first_n else -1
-        if waited > 0:
-            self._wait_share = comm_wait / waited
-        if waited < comm:  # the collectives whose wait was not read waited at the same share
-            comm_wait = round(comm * self._wait_share)
+        if reads:
+            self._wait_share = min(1.0, comm_wait / step_wait) if step_wait > 0 else 0.0
         base = self._base
         cpu, nivcsw, wait, collected = self._base = self._usage() or base
+        waited = wait - base[2]
         self.rows.append(
             StepRow(
                 step,
@@ -115,7 +117,7 @@ class StepBlocks:
                 cpu - base[0],
                 nivcsw - base[1],
                 n,
-                max(0, wait - base[2] - comm_wait),  # outside collectives
+                max(0, waited - round(waited * self._wait_share)),  # outside collectives
                 collected - base[3],
             )
         )

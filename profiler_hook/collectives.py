@@ -44,12 +44,17 @@ log = logging.getLogger(__name__)
 WAIT_EVERY_NS = 100_000_000
 """The training thread's run-queue wait is read at the collectives of one step in every 100 ms at
 most (every step, where steps take longer), and less often where a step's calls are many, so that
-the reads take ``WAIT_READ_SHARE`` of the time at most. A block of steps counts the wait of the
-collectives it did not read at the share of their time its read ones waited (of the last block that
-read any). All of a step's calls are read, not a sample of calls: a call picked
+the reads take ``WAIT_READ_SHARE`` of the time at most. A read step also reads the whole step's
+wait, and a block of steps counts inside its collectives the share of its wait (read once a block)
+that its read steps waited inside theirs (of the last block that read any): a share of the wait,
+never more than all of it. All of a step's calls are read, not a sample of calls: a call picked
 by when it comes is not picked in proportion to its time, and the share came out wrong. Fewer read
 steps miss by more: on shared cores, read at one step a second, a healthy rank's own time spread
-0.11-0.19 from chunk to chunk of steps (0.02-0.10 at one step in 100 ms, 0.01-0.02 at every step)."""
+0.11-0.19 from chunk to chunk of steps (0.02-0.10 at one step in 100 ms, 0.01-0.02 at every step).
+Counted at the share of the collectives' time (not of the wait) the read steps waited, a read step
+whose collectives waited long for a CPU counted more wait inside the block's collectives than the
+block waited in all, and its rank's own time read 1.3-1.5x its peer's (DeepSpeed's healthy
+pipeline: a false ticket)."""
 WAIT_READ_NS = 20_000
 """A read: one ``pread`` of the kernel's schedstat, ~1.5 µs in a loop but ~20 µs in a training step,
 whose tensors have left the caches cold (a DDP job on shared cores: median 22 µs, mean 28-64 µs)."""
@@ -311,10 +316,11 @@ class CollectiveTracker:
     step_comm_wait_ns: int = 0
     step_gpu_ns: int = 0
     """GPU time of the NCCL collectives completed since the last step (:mod:`profiler_hook.nccl`)."""
-    step_waited_comm_ns: int = 0
-    """The part of the step's collective time whose run-queue wait was read."""
-    read_wait: bool = True
-    """This step's collectives read the run-queue wait (see ``WAIT_EVERY_NS``)."""
+    _step_wait_mark: int = -1
+    """The run-queue wait where this step began, where it reads the wait (-1: not read)."""
+    read_wait: bool = False
+    """This step's collectives read the run-queue wait (see ``WAIT_EVERY_NS``): from the second
+    step on, where the step before it marks where it begins."""
     _next_wait_read_ns: int = 0
     thread_wait: Callable[[], int] = lambda: 0
     """The training thread's run-queue wait so far, ns (``schedstat.ThreadWait``)."""
@@ -454,7 +460,6 @@ class CollectiveTracker:
             self.step_comm_ns += call.dur_ns
             if call.enter_wait_ns >= 0:
                 self.step_comm_wait_ns += call.wait_ns
-                self.step_waited_comm_ns += call.dur_ns
         else:
             self.inflight.pop((call.group, call.seq), None)
         recording = self.recording  # read once: the training thread may end the window meanwhile
@@ -506,7 +511,7 @@ class CollectiveTracker:
             return None
 
     def take_step(self, now_ns: int) -> tuple[int, int, int, int, int]:
-        """(comm_ns, count, first_enter_ns, comm_wait_ns, waited_comm_ns) since the last call, then
+        """(comm_ns, count, first_enter_ns, comm_wait_ns, step_wait_ns) since the last call, then
         reset; ``now_ns`` (``time.perf_counter_ns``) decides whether the next step reads the wait.
 
         ``comm_ns`` is the time the rank waited in collectives: inside blocking calls, plus, for
@@ -517,11 +522,11 @@ class CollectiveTracker:
         DDP's own wait, timed by :meth:`sync`, replaces it where measured. On NCCL, where the CPU
         waits for none of this, the GPU time of the collectives that completed since (:meth:`add_gpu`)
         is added: it arrives up to c10d's watchdog period late, so a block of steps counts it to
-        within that at its edges. ``comm_wait_ns`` is the
-        part of ``waited_comm_ns``, the collective time whose wait was read (``WAIT_EVERY_NS``),
-        the training thread spent waiting for a CPU.
+        within that at its edges. In a step that reads the run-queue wait (``WAIT_EVERY_NS``),
+        ``comm_wait_ns`` is the training thread's wait for a CPU inside its collectives and
+        ``step_wait_ns`` its wait in the whole step; -1 where it did not.
         """
-        comm, comm_wait, waited = self.step_comm_ns, self.step_comm_wait_ns, self.step_waited_comm_ns
+        comm, comm_wait = self.step_comm_ns, self.step_comm_wait_ns
         if self.step_gpu_ns:
             with self._lock:
                 comm, self.step_gpu_ns = comm + self.step_gpu_ns, 0
@@ -530,15 +535,19 @@ class CollectiveTracker:
             comm += last.dur_ns
             if last.enter_wait_ns >= 0:
                 comm_wait += last.wait_ns
-                waited += last.dur_ns
+        mark = step_wait = -1
+        if self.read_wait and self._step_wait_mark >= 0:
+            mark = self.thread_wait()
+            step_wait = mark - self._step_wait_mark
         calls = self.step_count
-        out = (comm, calls, self.step_first_enter_ns, comm_wait, waited)
+        out = (comm, calls, self.step_first_enter_ns, comm_wait, step_wait)
         self.step_comm_ns, self.step_count, self.step_first_enter_ns = 0, 0, -1
-        self.step_comm_wait_ns = self.step_waited_comm_ns = 0
+        self.step_comm_wait_ns = 0
         if self.read_wait:  # each call read twice: where it starts and ends, or is waited on
             reads_ns = 2 * calls * WAIT_READ_NS / WAIT_READ_SHARE
             self._next_wait_read_ns = now_ns + max(WAIT_EVERY_NS, int(reads_ns))
         self.read_wait = now_ns >= self._next_wait_read_ns
+        self._step_wait_mark = (mark if mark >= 0 else self.thread_wait()) if self.read_wait else -1
         self.step_last_async = None
         self.steps += 1
         return out

@@ -255,7 +255,7 @@ class Hook:
             return
         try:
             now = time.perf_counter_ns()
-            comm_ns, n_coll, first_ns, comm_wait_ns, waited_ns = self.tracker.take_step(now)
+            comm_ns, n_coll, first_ns, comm_wait_ns, step_wait_ns = self.tracker.take_step(now)
             closed = self._blocks.add(
                 self.step_num,
                 (self._mark_ns + self._epoch_offset_ns) // 1000,
@@ -265,7 +265,7 @@ class Hook:
                 n_coll,
                 (first_ns - self._mark_ns) // 1000 if first_ns >= 0 else -1,
                 comm_wait_ns // 1000,
-                waited_ns // 1000,
+                step_wait_ns // 1000 if step_wait_ns >= 0 else -1,
             )
             self._finished = self.step_num
             disturbed = self.budget.step(now - self._mark_ns)

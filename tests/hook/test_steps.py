@@ -140,23 +140,25 @@ def test_a_steps_run_queue_wait_inside_collectives_is_not_counted_as_its_own() -
     the kernel's, so that the amounts are exact)."""
     counter = iter(range(0, 10**9, 1_000_000))  # +1 ms of wait at every read
     tracker = CollectiveTracker(thread_wait=lambda: next(counter))
+    tracker.take_step(time.perf_counter_ns())  # the step before: read 0 marks where this one begins
     call = tracker.enter("world", "all_reduce", 8)  # read 1
     tracker.exit(call)  # read 2: 1 ms inside the call
     launched = tracker.enter("world", "all_reduce", 8, blocking=False)  # read 3
     tracker.exit(launched)  # read 4: the step's last asynchronous call counts too
-    comm_ns, n, _, comm_wait_ns, waited_ns = tracker.take_step(time.perf_counter_ns())
-    assert n == 2 and comm_wait_ns == 2_000_000 and waited_ns == comm_ns
+    comm_ns, n, _, comm_wait_ns, step_wait_ns = tracker.take_step(time.perf_counter_ns())  # read 5
+    assert n == 2 and comm_wait_ns == 2_000_000 and step_wait_ns == 5_000_000
     usage = iter([(0, 0, 0, 0), (0, 0, 10_000, 0)])  # CPU µs, switches, wait µs, GC µs: start, end
     blocks = StepBlocks(0.0, lambda: next(usage))
-    blocks.add(0, 0, 20_000, 0, comm_ns // 1000, n, 0, comm_wait_ns // 1000)
+    blocks.add(0, 0, 20_000, 0, comm_ns // 1000, n, 0, comm_wait_ns // 1000, step_wait_ns // 1000)
     (row,) = blocks.take()
-    assert row.wait_us == 10_000 - 2_000
+    assert row.wait_us == 10_000 - 4_000  # 2 of the step's 5 ms read inside its collectives
 
 
 def test_the_wait_inside_collectives_is_read_at_a_bounded_cost_and_counted_at_the_last_share() -> None:
     """Each read of the kernel's counter costs ~20 µs in a training step: the steps read it 100 ms
     apart, further where their calls are many (the reads kept to ``WAIT_READ_SHARE`` of the time),
-    and the steps between count their collectives' wait at the share the last read ones waited."""
+    and a block counts inside its collectives the share of its wait that its read steps waited
+    inside theirs, or the last block's that read any: never more than all of it."""
     reads: list[int] = []
 
     def wait() -> int:
@@ -169,27 +171,29 @@ def test_the_wait_inside_collectives_is_read_at_a_bounded_cost_and_counted_at_th
     def step(calls: int, at_ms: float) -> tuple[int, int]:
         for _ in range(calls):
             tracker.exit(tracker.enter("world", "all_reduce", 8))
-        *_, comm_wait_ns, waited_ns = tracker.take_step(t + int(at_ms * 1e6))
-        return comm_wait_ns, waited_ns
+        *_, comm_wait_ns, step_wait_ns = tracker.take_step(t + int(at_ms * 1e6))
+        return comm_wait_ns, step_wait_ns
 
-    comm_wait_ns, waited_ns = step(1, 0)
-    assert len(reads) == 2 and comm_wait_ns == 1_000_000 and waited_ns > 0
-    assert step(1, 50) == (0, 0) and len(reads) == 2  # the step after it, within 100 ms: not read
-    step(1, 150)  # ...nor this one, which ends past 100 ms: the next one reads
-    assert len(reads) == 2
+    assert step(1, 0) == (0, -1) and len(reads) == 1  # the first step reads none: it marks the next
+    assert step(1, 20) == (1_000_000, 3_000_000) and len(reads) == 4  # where it began, each call, its end
+    assert step(1, 50) == (0, -1) and len(reads) == 4  # the step after it, within 100 ms: not read
+    step(1, 150)  # ...nor this one, which ends past 100 ms: the next one reads (and marks its start)
+    assert len(reads) == 5
     step(10, 200)  # read: its 10 calls' 20 reads take 400 µs, so the next read is 800 ms on
-    assert len(reads) == 22
+    assert len(reads) == 26
     step(1, 950)
-    step(1, 1_010)
-    assert len(reads) == 22
+    assert len(reads) == 26
+    step(1, 1_010)  # ends past 1 s: marks where the next begins
+    assert len(reads) == 27
     step(1, 1_050)
-    assert len(reads) == 24
-    usage = iter([(0, 0, 0, 0), *((0, 0, 10_000 * i, 0) for i in range(1, 4))])
+    assert len(reads) == 30
+    usage = iter([(0, 0, 0, 0), *((0, 0, 10_000 * i, 0) for i in range(1, 5))])
     blocks = StepBlocks(0.0, lambda: next(usage))  # a row per step
-    blocks.add(0, 0, 20_000, 0, 4_000, 1, 0, 1_000, 4_000)  # read: a quarter of the time waited
+    blocks.add(0, 0, 20_000, 0, 4_000, 1, 0, 1_000, 4_000)  # read: a quarter of its wait inside
     blocks.add(1, 20_000, 20_000, 0, 4_000, 1, 0, 3_000, 4_000)  # read: three quarters
-    blocks.add(2, 40_000, 20_000, 0, 2_000, 1, 0, 0, 0)  # not read: at the last read share
-    assert [r.wait_us for r in blocks.take()] == [10_000 - 1_000, 10_000 - 3_000, 10_000 - 1_500]
+    blocks.add(2, 40_000, 20_000, 0, 2_000, 1, 0, 0, -1)  # not read: at the last read share
+    blocks.add(3, 60_000, 20_000, 0, 2_000, 1, 0, 9_000, 3_000)  # more inside than in all: all
+    assert [r.wait_us for r in blocks.take()] == [10_000 - 2_500, 10_000 - 7_500, 10_000 - 7_500, 0]
 
 
 def test_a_point_to_point_call_reads_the_wait_where_the_thread_waits_on_it_only() -> None:
@@ -202,12 +206,14 @@ def test_a_point_to_point_call_reads_the_wait_where_the_thread_waits_on_it_only(
         return len(reads) * 1_000_000
 
     tracker = CollectiveTracker(thread_wait=wait)
+    tracker.take_step(time.perf_counter_ns())  # the step before: marks where this one begins
+    reads.clear()
     call = tracker.enter("world", "send", 8, blocking=False, peer=1)
     assert not reads and call.enter_wait_ns == -1
     tracker.begin_wait(call)
     tracker.exit(call)
-    *_, comm_wait_ns, waited_ns = tracker.take_step(time.perf_counter_ns())
-    assert len(reads) == 2 and comm_wait_ns == 1_000_000 and waited_ns == call.dur_ns
+    *_, comm_wait_ns, step_wait_ns = tracker.take_step(time.perf_counter_ns())
+    assert len(reads) == 3 and comm_wait_ns == 1_000_000 and step_wait_ns == 2_000_000
 
 
 def test_a_steps_garbage_collection_is_timed_in_the_block_of_the_steps_it_stopped() -> None:
