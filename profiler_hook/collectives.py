@@ -59,8 +59,9 @@ WAIT_READ_NS = 20_000
 """A read: one ``pread`` of the kernel's schedstat, ~1.5 µs in a loop but ~20 µs in a training step,
 whose tensors have left the caches cold (a DDP job on shared cores: median 22 µs, mean 28-64 µs)."""
 WAIT_READ_SHARE = 0.0005
-"""The most of the time the reads take: a pipeline-parallel job's steps of 15 calls, each read
-twice, are read one a second; a DDP job's, one in 100 ms."""
+"""The most of the time the calls' reads take (a read step reads twice more, where it begins and
+ends): a pipeline-parallel job's steps of 15 calls, each read twice, are read one a second; a DDP
+job's, one in 100 ms."""
 
 COLLECTIVES = (
     "all_reduce",
