@@ -92,8 +92,8 @@ def _stage(model: Any, rank: int, width: int) -> tuple[Any, Any]:
     import torch
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-    layers = list(model) if rank == 0 else [torch.nn.Linear(width, width), torch.nn.ReLU(), model[4]]
-    stage = PipelineStage(torch.nn.Sequential(*layers[:4]), rank, WORLD, torch.device("cpu"))
+    layers = list(model)[:4] if rank == 0 else [torch.nn.Linear(width, width), torch.nn.ReLU(), model[4]]
+    stage = PipelineStage(torch.nn.Sequential(*layers), rank, WORLD, torch.device("cpu"))
     return stage.submod, Schedule1F1B(stage, n_microbatches=4, loss_fn=torch.nn.functional.cross_entropy)
 
 
