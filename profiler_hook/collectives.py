@@ -15,11 +15,12 @@ pass by :mod:`profiler_hook.ddp`. A blocking call is timed by its wrapper; an as
 finished; a point-to-point call's work and a functional collective's tensor where the thread waits
 for them (``Work.wait``, ``wait_tensor``). Every other collective — DDP's, and those launched from
 C++ by a functional collective's backward, by ``ProcessGroup`` methods called directly or by an
-extension — is counted and numbered (only DDP's also timed) from c10d's own per-group sequence
-number, which every collective launched on a group advances: the step rows count them
-once per block
-(:meth:`CollectiveTracker.catch_up`), and heartbeats report c10d's numbers (:func:`c10d_seqs`), so
-a rank that never launched the collective its peers wait in is named whatever launched it.
+extension, by a collective function called through a name bound before the hook patched it — is
+counted and numbered from c10d's own per-group sequence number, which every collective launched
+on a group advances: the step rows count them once per block (:meth:`CollectiveTracker.catch_up`);
+DDP's are timed per backward pass, the others where the training thread waits on their work.
+Heartbeats report c10d's numbers (:func:`c10d_seqs`), so a rank that never launched the
+collective its peers wait in is named whatever launched it.
 Flight Recorder itself is not read always-on: on gloo it has no completion times, and one dump of
 its 2,000-entry ring holds the GIL for ~30 ms.
 """
@@ -336,6 +337,11 @@ class CollectiveTracker:
     _awaited: dict[int, CollectiveCall] = field(default_factory=dict)
     """Calls by what the thread will wait on (an ``isend``/``irecv``'s work: its ``id``; a
     functional collective's tensor: :func:`_wait_key`), until it does."""
+    _launched: dict[int, None] = field(default_factory=dict)
+    """The ``id`` of each asynchronous collective's work that a wrapper launched and times to its
+    completion, until the thread waits on it (if ever)."""
+    training_thread: int = field(default_factory=threading.get_ident)
+    """The thread that made the tracker (the hook's, at ``attach``): the one whose step it times."""
     _names: dict[Any, str] = field(default_factory=dict)
     """The name of each process group a wrapped call was given (:meth:`name_of`)..."""
     _peers: dict[tuple[Any, int], int] = field(default_factory=dict)
@@ -498,9 +504,34 @@ class CollectiveTracker:
         call.enter_wait_ns = self.thread_wait() if self.read_wait else -1
         self.current = call
 
-    def exit_on_completion(self, call: CollectiveCall, future: Any) -> None:
-        """Complete ``call`` when its work's ``future`` does (on the thread that completes it)."""
-        future.add_done_callback(lambda _: self.exit(call))
+    def exit_on_completion(self, call: CollectiveCall, work: Any) -> None:
+        """Complete ``call`` when its ``work``'s future does (on the thread that completes it); a
+        wait on the work is then no wait to time (:meth:`wait_unwrapped`)."""
+        work.get_future().add_done_callback(lambda _: self.exit(call))
+        launched = self._launched
+        launched[id(work)] = None
+        if len(launched) > MAX_AWAITED:  # the oldest was never waited on
+            del launched[next(iter(launched))]
+
+    def wait_unwrapped(self, work: Any, wait: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+        """``wait(work, *args, **kwargs)``, for a work whose launch no wrapper timed: a collective
+        called through a name bound before the hook patched it (``from torch.distributed import
+        all_reduce`` at the top of a training script: its blocking call waits here), or a
+        ``ProcessGroup`` method called directly. On the training thread its wait is the rank's
+        wait in collectives, counted in the step as a blocking call's (c10d's sequence numbers
+        count the call itself: :meth:`catch_up`); unseen, it was the rank's own time, and a
+        healthy rank that waited there longer than its peers read as slower than they
+        (nanoGPT-shaped DDP on shared cores: 1.15-1.4x)."""
+        timed_to_completion = self._launched.pop(id(work), False) is None
+        if timed_to_completion or threading.get_ident() != self.training_thread:
+            return wait(work, *args, **kwargs)
+        enter, enter_wait = time.perf_counter_ns(), self._wait_mark()
+        try:
+            return wait(work, *args, **kwargs)
+        finally:
+            self.step_comm_ns += time.perf_counter_ns() - enter
+            if enter_wait >= 0:
+                self.step_comm_wait_ns += max(0, self.thread_wait() - enter_wait)
 
     def oldest_inflight(self) -> CollectiveCall | None:
         """The call the rank is waiting in now: the blocking one, else the oldest asynchronous one."""
@@ -569,11 +600,15 @@ class CollectiveTracker:
                 setattr(dist, op, wrapped)
         if "Work.wait" not in self._originals and hasattr(dist, "Work"):
             self._originals["Work.wait"] = wait = dist.Work.wait
-            awaited, tracker = self._awaited, self
+            awaited, tracker, local = self._awaited, self, self._local
 
             def waited(work: Any, *args: Any, **kwargs: Any) -> Any:
-                """An ``isend``/``irecv``'s work waited on: the thread waits for its peer here."""
+                """An ``isend``/``irecv``'s work waited on: the thread waits for its peer here. Any
+                other work the training thread waits on, outside a wrapped call, is one no wrapper
+                saw launched: its wait is timed too (:meth:`CollectiveTracker.wait_unwrapped`)."""
                 call = awaited.pop(id(work), None) if awaited else None
+                if call is None and tracker.active and not local.inside:
+                    return tracker.wait_unwrapped(work, wait, args, kwargs)
                 if call is None or call.dur_ns >= 0 or not tracker.active:
                     return wait(work, *args, **kwargs)
                 tracker.begin_wait(call)
@@ -716,7 +751,7 @@ class CollectiveTracker:
                     tracker.exit(call)
                 else:
                     try:
-                        tracker.exit_on_completion(call, work.get_future())
+                        tracker.exit_on_completion(call, work)
                     except Exception:  # no future (a backend without one): launch time only
                         tracker.exit(call)
 

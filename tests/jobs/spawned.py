@@ -141,6 +141,33 @@ def pipeline_without_mesh_job(rank: int, port: int, spool: str) -> None:
     dist.destroy_process_group()
 
 
+def bound_before_attach_job(rank: int, port: int, spool: str) -> None:
+    """Rank 1 is 30 ms late to every step's collective, which the loop calls through names bound
+    before the hook is attached (``from torch.distributed import all_reduce`` at a script's top):
+    a blocking all-reduce (steps 0-5), and the process group's own method, waited on (6-11).
+    Steps 12-17 launch an asynchronous all-reduce through the patched function and wait on its
+    work: timed from launch to completion, and its wait not once more."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    all_reduce, world = dist.all_reduce, dist.distributed_c10d._get_default_group()
+    hook = profiler_hook.attach(
+        job="bound", spool_dir=spool, rank=rank, world_size=2, window_s=0, step_block_s=0
+    )
+    t = torch.zeros(1024)
+    for step in range(18):
+        with hook.step():
+            if rank == 1:
+                time.sleep(0.03)
+            if step < 6:
+                all_reduce(t)
+            elif step < 12:
+                world.allreduce([t]).wait()
+            else:
+                dist.all_reduce(t, async_op=True).wait()
+    hook.close()
+    dist.destroy_process_group()
+
+
 def send_recv_job(rank: int, port: int, spool: str, out: str, how: str) -> None:
     """Rank 1 sends rank 0 a tensor every step, 30 ms late; rank 0 waits for it in ``recv``
     (``how`` = "call"), or in the work of an ``irecv`` given its peer as a rank of the default
