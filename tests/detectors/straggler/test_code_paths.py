@@ -194,8 +194,9 @@ def test_a_function_the_peers_windows_left_out_may_have_run_there_and_makes_no_c
     their ``max_functions``, left it out with the rest of their smallest functions (the largest
     left out: 12 µs). It may have run there: the account is the slower device under the job's
     forward. (A CI run called such a 2x slower device a code path through its forward.) Where the
-    peers' windows left nothing out, they did not run it, and it is rank 6's own code path; so it
-    is where its calls take more than the peers' windows could have left out."""
+    peers' windows left nothing out, they did not run it, but its median call still holds next to
+    none of the excess: no code path either. Where its calls take more than the peers' windows
+    could have left out, it is rank 6's own code path."""
     data = synthetic(slow={6: {"compute_us": 1500}})
     forward = ("python", "train.py(10): forward", 5, 20_000.0)
     exit_ = ("pylib", "contextlib.py(141): __exit__", 5, 2_400.0, "train.py(10): forward")
@@ -213,14 +214,39 @@ def test_a_function_the_peers_windows_left_out_may_have_run_there_and_makes_no_c
 
     for peers_cut, median_call_us, expected in (
         (True, 2.0, "compute"),
-        (False, 2.0, "code_path"),
+        (False, 2.0, "compute"),
         (True, 480.0, "code_path"),
+        (False, 480.0, "code_path"),
     ):
         f = only(diagnose(replace(data, functions=frame(peers_cut, median_call_us))).findings)
         assert (f.cause, f.ranks, f.function) == (expected, [6], "train.py(10): forward"), (
             peers_cut,
             median_call_us,
         )
+
+
+def test_an_operator_only_the_culprit_runs_whose_time_is_one_preempted_call_is_no_code_path() -> None:
+    """Rank 6's device is slower, and the fault that makes it so pads its batch: an ``aten::index``
+    its peers never run, 22 µs a call, but one of its 3 calls in the one window lost the CPU for
+    4.2 ms (a demo run in CI called the slower device a code path through it). Its median call
+    holds next to none of the excess: the account is the slower device's operators. Where every
+    call takes that long, it is a path of its own."""
+    data = synthetic(slow={6: {"compute_us": 1500}})
+    common = [("op", "aten::addmm", 15, 10_000.0)]
+    index = ("op", "aten::index", 3, 4_268.0)
+    slow = [("op", "aten::addmm", 15, 17_000.0), index]
+
+    def frame(median_call_us: float) -> pd.DataFrame:
+        f = functions_frame({r: slow if r == 6 else common for r in range(8)})
+        f.loc[f["name"] == index[1], "p50_us"] = median_call_us
+        return f
+
+    for median_call_us, expected in (
+        (22.7, ("compute", "aten::addmm")),
+        (1_420.0, ("code_path", "aten::index")),
+    ):
+        f = only(diagnose(replace(data, functions=frame(median_call_us))).findings)
+        assert (f.cause, f.function) == expected, median_call_us
 
 
 def test_code_path_names_the_innermost_function_of_the_jobs_own_code_and_the_operator_under_it() -> None:
