@@ -249,6 +249,20 @@ def test_an_operator_only_the_culprit_runs_whose_time_is_one_preempted_call_is_n
         assert (f.cause, f.function) == expected, median_call_us
 
 
+def test_a_slower_devices_operator_is_one_its_calls_are_slower_in_not_one_a_preempted_call_holds() -> None:
+    """Rank 6's device is slower: its ``aten::addmm`` calls take 1.7x its peers'. In its window two
+    of the optimizer's 28 ``aten::sqrt`` calls (10 µs at the median, as on the peers) lost the CPU
+    for milliseconds: more time than the slower matmuls' excess. The slower operator is the one
+    whose calls got slower."""
+    data = synthetic(slow={6: {"compute_us": 1500}})
+    common = [("op", "aten::addmm", 15, 10_000.0), ("op", "aten::sqrt", 140, 1_400.0)]
+    slow = [("op", "aten::addmm", 15, 17_000.0), ("op", "aten::sqrt", 140, 14_400.0)]
+    f = functions_frame({r: slow if r == 6 else common for r in range(8)})
+    f.loc[f["name"] == "aten::sqrt", "p50_us"] = 10.0
+    found = only(diagnose(replace(data, functions=f)).findings)
+    assert (found.cause, found.function) == ("compute", "aten::addmm")
+
+
 def test_code_path_names_the_innermost_function_of_the_jobs_own_code_and_the_operator_under_it() -> None:
     data = synthetic(slow={6: {"compute_us": 1500}})
     common = [("op", "aten::addmm", 15, 10_000.0), ("python", "train.py(80): train_step", 5, 20_000.0)]
