@@ -209,7 +209,7 @@ def test_a_function_the_peers_windows_left_out_may_have_run_there_and_makes_no_c
             {r: slow if r == 6 else [*common, cut] if peers_cut else common for r in range(8)}
         )
         f.loc[f["kind"] == "cut", "max_us"] = 12.0
-        f.loc[f["name"] == exit_[1], "p50_us"] = median_call_us
+        f.loc[f["name"] == exit_[1], ["p50_us", "max_us"]] = [median_call_us, 2_400.0 - 4 * median_call_us]
         return f
 
     for peers_cut, median_call_us, expected in (
@@ -228,25 +228,30 @@ def test_a_function_the_peers_windows_left_out_may_have_run_there_and_makes_no_c
 def test_an_operator_only_the_culprit_runs_whose_time_is_one_preempted_call_is_no_code_path() -> None:
     """Rank 6's device is slower, and the fault that makes it so pads its batch: an ``aten::index``
     its peers never run, 22 µs a call, but one of its 3 calls in the one window lost the CPU for
-    4.2 ms (a demo run in CI called the slower device a code path through it). Its median call
-    holds next to none of the excess: the account is the slower device's operators. Where every
-    call takes that long, it is a path of its own."""
+    4.2 ms (a demo run in CI called the slower device a code path through it). Without that one
+    call it holds next to none of the excess: the account is the slower device's operators. Where
+    every call takes that long, it is a path of its own; so it is where its calls differ in size,
+    the median far below the mean, none of them holding the time (a gradient audit's
+    ``aten::abs`` over weights and biases: 96 calls, 3.5 µs at the median, 18 µs on average, the
+    longest 267 µs)."""
     data = synthetic(slow={6: {"compute_us": 1500}})
     common = [("op", "aten::addmm", 15, 10_000.0)]
     index = ("op", "aten::index", 3, 4_268.0)
     slow = [("op", "aten::addmm", 15, 17_000.0), index]
 
-    def frame(median_call_us: float) -> pd.DataFrame:
-        f = functions_frame({r: slow if r == 6 else common for r in range(8)})
-        f.loc[f["name"] == index[1], "p50_us"] = median_call_us
+    def frame(op: tuple, median_call_us: float, longest_call_us: float) -> pd.DataFrame:
+        f = functions_frame({r: [slow[0], op] if r == 6 else common for r in range(8)})
+        f.loc[f["name"] == op[1], ["p50_us", "max_us"]] = [median_call_us, longest_call_us]
         return f
 
-    for median_call_us, expected in (
-        (22.7, ("compute", "aten::addmm")),
-        (1_420.0, ("code_path", "aten::index")),
+    audit = ("op", "aten::abs", 480, 8_736.0)
+    for op, median_call_us, longest_call_us, expected in (
+        (index, 22.7, 4_230.0, ("compute", "aten::addmm")),
+        (index, 1_423.0, 1_423.0, ("code_path", "aten::index")),
+        (audit, 3.5, 267.0, ("code_path", "aten::abs")),
     ):
-        f = only(diagnose(replace(data, functions=frame(median_call_us))).findings)
-        assert (f.cause, f.function) == expected, median_call_us
+        f = only(diagnose(replace(data, functions=frame(op, median_call_us, longest_call_us))).findings)
+        assert (f.cause, f.function) == expected, (op, median_call_us)
 
 
 def test_a_slower_devices_operator_is_one_its_calls_are_slower_in_not_one_a_preempted_call_holds() -> None:
