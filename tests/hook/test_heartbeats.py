@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -45,6 +46,34 @@ def test_stalled_rank_heartbeat_carries_its_stack() -> None:
 
 def read_from_storage(seconds: float) -> None:
     time.sleep(seconds)  # a slow read: the thread waits in no Python frame of its own
+
+
+def hold_the_gil(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:  # Python: the GIL held, let go only when another thread asks
+        pass
+
+
+def test_stack_samples_find_python_that_holds_the_gil_for_less_than_the_switch_interval(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A sample waits for the GIL: Python that holds it 3 ms at a time, then a 10-ms wait that lets
+    it go, was sampled in the wait only (0 of ~200 samples in its Python, 23% of its time), where
+    the sample came once the thread let the GIL go. The watchdog lowers the switch interval for
+    the last moments before each sample, and puts it back."""
+    monkeypatch.setattr(watchdog, "POLL_S", 0.02)
+    interval = sys.getswitchinterval()
+    hook = one_rank_hook(SlowSink(), window_s=0, heartbeat_s=60)
+    end, seen = time.perf_counter() + 3, set()
+    while time.perf_counter() < end:
+        hold_the_gil(0.003)
+        read_from_storage(0.010)
+        seen.add(sys.getswitchinterval())
+    counts = hook.watchdog.sampler.take()
+    hook.close(timeout=30)
+    assert sys.getswitchinterval() == interval and interval in seen, seen  # put back after each
+    held = sum(n for site, n in counts.items() if "hold_the_gil" in site)
+    assert sum(counts.values()) >= 60 and held >= 0.08 * sum(counts.values()), counts
 
 
 @pytest.mark.releases
