@@ -169,7 +169,7 @@ def test_the_wait_in_a_collective_called_through_a_name_bound_before_attach_is_c
 ) -> None:
     """nanoGPT-shaped scripts import ``all_reduce`` at their top, before the hook patches it: rank
     0's wait for its late peer there is still its wait in collectives, not its own time (unseen, a
-    healthy DDP rank read 1.15-1.4x its peers' own time); so is a wait on a process group's own
+    healthy DDP rank read up to 1.4x its fastest peer's own time); so is a wait on a process group's own
     method's work; an asynchronous call's wait is counted once."""
     spawn(spawned.bound_before_attach_job, 2, tmp_path)
     for rank, rs in spool_records(tmp_path, "bound").items():
