@@ -521,7 +521,8 @@ class CollectiveTracker:
         wait in collectives, counted in the step as a blocking call's (c10d's sequence numbers
         count the call itself: :meth:`catch_up`); unseen, it was the rank's own time, and a
         healthy rank that waited there longer than its peers read as slower than they
-        (nanoGPT-shaped DDP on shared cores: 16.3 ms a step against 11.7-14.6 on its peers, at the same CPU time)."""
+        (nanoGPT-shaped DDP on shared cores: 16.3 ms a step against 11.7-14.6 on its peers, at
+        the same CPU time)."""
         timed_to_completion = self._launched.pop(id(work), False) is None
         if timed_to_completion or threading.get_ident() != self.training_thread:
             return wait(work, *args, **kwargs)
