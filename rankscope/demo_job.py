@@ -44,6 +44,7 @@ its first faulty step. The job ends by itself after ``--seconds`` (all ranks at 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -355,6 +356,12 @@ def main() -> None:
         took = time.perf_counter() - start
         print(f"done: {step} steps in {took:.1f} s ({1e3 * took / max(step, 1):.1f} ms/step)", flush=True)
     hook.close()
+    # The model goes before its process group. A DDP model sits in a reference cycle, which only a
+    # garbage collection frees: left to the interpreter's exit, it frees gloo's group during
+    # finalization, which can abort the process (pytorch/pytorch#179291: "terminate called without
+    # an active exception"; a restarted attempt's rank 1 exited so once in CI).
+    del model, raw_model, opt
+    gc.collect()
     dist.destroy_process_group()
     if not args.ckpt_dir:
         shutil.rmtree(ckpt_dir, ignore_errors=True)

@@ -13,6 +13,7 @@ prints ``train: <steps> steps in <s> s (<ms> ms/step)``, the training loop's tim
 """
 
 import argparse
+import gc
 import json
 import os
 import time
@@ -97,5 +98,7 @@ hook.close()
 # The model goes before its process group: a DDP model left to the interpreter's exit frees gloo's
 # group during finalization, which can abort the process (pytorch/pytorch#179291). nanoGPT's
 # train.py leaves it; seen once here, as "terminate called without an active exception" on exit.
+# DDP sits in a reference cycle: only a garbage collection frees it.
 del model, optimizer
+gc.collect()
 destroy_process_group()
