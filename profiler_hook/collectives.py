@@ -116,6 +116,13 @@ MAX_AWAITED = 4096
 tensors); the oldest go first (a job that never waits)."""
 
 
+def _keep(waits: dict[int, Any], key: int, value: Any) -> None:
+    """``waits[key] = value``, at most ``MAX_AWAITED`` kept: the oldest was never waited on."""
+    waits[key] = value
+    if len(waits) > MAX_AWAITED:
+        del waits[next(iter(waits))]
+
+
 @dataclass(slots=True)
 class CollectiveCall:
     group: str
@@ -476,10 +483,7 @@ class CollectiveTracker:
     def expect_wait(self, key: int, call: CollectiveCall) -> None:
         """The thread will wait for ``call`` on what ``key`` names (a work's ``id``, a tensor's
         :func:`_wait_key`): see :meth:`waited`."""
-        awaited = self._awaited
-        awaited[key] = call
-        if len(awaited) > MAX_AWAITED:  # the oldest was never waited on
-            del awaited[next(iter(awaited))]
+        _keep(self._awaited, key, call)
 
     def waited(self, on: Any, wait: Callable[[], Any], call: CollectiveCall | None = None) -> Any:
         """``wait()`` on a functional collective's tensor ``on`` (``call``: one whose wait comes
@@ -508,10 +512,7 @@ class CollectiveTracker:
         """Complete ``call`` when its ``work``'s future does (on the thread that completes it); a
         wait on the work is then no wait to time (:meth:`wait_unwrapped`)."""
         work.get_future().add_done_callback(lambda _: self.exit(call))
-        launched = self._launched
-        launched[id(work)] = None
-        if len(launched) > MAX_AWAITED:  # the oldest was never waited on
-            del launched[next(iter(launched))]
+        _keep(self._launched, id(work), None)
 
     def wait_unwrapped(self, work: Any, wait: Callable[..., Any], args: Any, kwargs: Any) -> Any:
         """``wait(work, *args, **kwargs)``, for a work whose launch no wrapper timed: a collective
