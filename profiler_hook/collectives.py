@@ -331,6 +331,9 @@ class CollectiveTracker:
     """This step's collectives read the run-queue wait (see ``WAIT_EVERY_NS``): from the second
     step on, where the step before it marks where it begins."""
     _next_wait_read_ns: int = 0
+    _step_start_ns: int = 0
+    """Where this step began (the last :meth:`take_step`'s ``now_ns``): the next read is counted from
+    a read step's start, so that where steps take longer than ``WAIT_EVERY_NS`` each step reads."""
     thread_wait: Callable[[], int] = lambda: 0
     """The training thread's run-queue wait so far, ns (``schedstat.ThreadWait``)."""
     # Calls recorded while a profiling window is open.
@@ -579,8 +582,9 @@ class CollectiveTracker:
         self.step_comm_wait_ns = 0
         if self.read_wait:  # each call read twice: where it starts and ends, or is waited on
             reads_ns = 2 * calls * WAIT_READ_NS / WAIT_READ_SHARE
-            self._next_wait_read_ns = now_ns + max(WAIT_EVERY_NS, int(reads_ns))
+            self._next_wait_read_ns = self._step_start_ns + max(WAIT_EVERY_NS, int(reads_ns))
         self.read_wait = now_ns >= self._next_wait_read_ns
+        self._step_start_ns = now_ns
         self._step_wait_mark = (mark if mark >= 0 else self.thread_wait()) if self.read_wait else -1
         self.step_last_async = None
         self.steps += 1

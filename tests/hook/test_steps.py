@@ -177,16 +177,21 @@ def test_the_wait_inside_collectives_is_read_at_a_bounded_cost_and_counted_at_th
     assert step(1, 0) == (0, -1) and len(reads) == 1  # the first step reads none: it marks the next
     assert step(1, 20) == (1_000_000, 3_000_000) and len(reads) == 4  # where it began, each call, its end
     assert step(1, 50) == (0, -1) and len(reads) == 4  # the step after it, within 100 ms: not read
-    step(1, 150)  # ...nor this one, which ends past 100 ms: the next one reads (and marks its start)
+    step(1, 150)  # ...nor this one, which ends 100 ms after the read step began: the next one reads
     assert len(reads) == 5
     step(10, 200)  # read: its 10 calls' 20 reads take 400 µs, so the next read is 800 ms on
     assert len(reads) == 26
-    step(1, 950)
+    step(1, 900)
     assert len(reads) == 26
-    step(1, 1_010)  # ends past 1 s: marks where the next begins
+    step(1, 950)  # ends 800 ms after the read step began: marks where the next begins
     assert len(reads) == 27
-    step(1, 1_050)
+    step(1, 1_010)
     assert len(reads) == 30
+    step(1, 1_050)  # within 100 ms of the read step's start: not read; the next is
+    assert len(reads) == 31
+    for end_ms in (1_900, 2_750, 3_600):  # steps longer than 100 ms: each one reads
+        assert step(1, end_ms)[1] > 0
+    assert len(reads) == 31 + 3 * 3
     usage = iter([(0, 0, 0, 0), *((0, 0, 10_000 * i, 0) for i in range(1, 5))])
     blocks = StepBlocks(0.0, lambda: next(usage))  # a row per step
     blocks.add(0, 0, 20_000, 0, 4_000, 1, 0, 1_000, 4_000)  # read: a quarter of its wait inside
