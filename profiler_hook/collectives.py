@@ -46,10 +46,10 @@ WAIT_EVERY_NS = 100_000_000
 """The training thread's run-queue wait is read at the collectives of one step in every 100 ms at
 most (every step, where steps take longer), and less often where a step's calls are many, so that
 the reads take ``WAIT_READ_SHARE`` of the time at most. A read step also reads the whole step's
-wait, and a block of steps counts inside its collectives the share of its wait (read once a block)
-that its read steps waited inside theirs (of the last block that read any): a share of the wait,
-never more than all of it. All of a step's calls are read, not a sample of calls: a call picked
-by when it comes is not picked in proportion to its time, and the share came out wrong. Fewer read
+wait and CPU time, and a block of steps counts as its wait outside collectives the read steps'
+share of its time off the CPU there (``blocks.StepBlocks``): never more than all of its wait.
+All of a step's calls are read, not a sample of calls: a call picked by when it comes is not
+picked in proportion to its time, and the share came out wrong. Fewer read
 steps miss by more: on shared cores, read at one step a second, a healthy rank's own time spread
 0.11-0.19 from chunk to chunk of steps (0.02-0.10 at one step in 100 ms, 0.01-0.02 at every step).
 Counted at the share of the collectives' time (not of the wait) the read steps waited, a read step
@@ -335,6 +335,10 @@ class CollectiveTracker:
     """Where this step began (the last :meth:`take_step`'s ``now_ns``): the next read is counted from
     a read step's start, so that where steps take longer than ``WAIT_EVERY_NS`` each step reads."""
     thread_wait: Callable[[], int] = lambda: 0
+    thread_cpu: Callable[[], int] = time.thread_time_ns
+    """The calling thread's CPU time so far, ns: read where a read step begins and ends, on the
+    training thread (:meth:`take_step`)."""
+    _step_cpu_mark: int = -1
     """The training thread's run-queue wait so far, ns (``schedstat.ThreadWait``)."""
     # Calls recorded while a profiling window is open.
     recording: list[CollectiveCall] | None = None
@@ -547,8 +551,8 @@ class CollectiveTracker:
         except RuntimeError:  # changed size while iterating: another thread completed one
             return None
 
-    def take_step(self, now_ns: int) -> tuple[int, int, int, int, int]:
-        """(comm_ns, count, first_enter_ns, comm_wait_ns, step_wait_ns) since the last call, then
+    def take_step(self, now_ns: int) -> tuple[int, int, int, int, int, int]:
+        """(comm_ns, count, first_enter_ns, comm_wait_ns, step_wait_ns, step_cpu_ns) since the last call, then
         reset; ``now_ns`` (``time.perf_counter_ns``) decides whether the next step reads the wait.
 
         ``comm_ns`` is the time the rank waited in collectives: inside blocking calls, plus, for
@@ -560,8 +564,9 @@ class CollectiveTracker:
         waits for none of this, the GPU time of the collectives that completed since (:meth:`add_gpu`)
         is added: it arrives up to c10d's watchdog period late, so a block of steps counts it to
         within that at its edges. In a step that reads the run-queue wait (``WAIT_EVERY_NS``),
-        ``comm_wait_ns`` is the training thread's wait for a CPU inside its collectives and
-        ``step_wait_ns`` its wait in the whole step; -1 where it did not.
+        ``comm_wait_ns`` is the training thread's wait for a CPU inside its collectives,
+        ``step_wait_ns`` its wait in the whole step and ``step_cpu_ns`` its CPU time; -1 where it
+        did not.
         """
         comm, comm_wait = self.step_comm_ns, self.step_comm_wait_ns
         if self.step_gpu_ns:
@@ -572,12 +577,12 @@ class CollectiveTracker:
             comm += last.dur_ns
             if last.enter_wait_ns >= 0:
                 comm_wait += last.wait_ns
-        mark = step_wait = -1
+        mark = step_wait = cpu_mark = step_cpu = -1
         if self.read_wait and self._step_wait_mark >= 0:
-            mark = self.thread_wait()
-            step_wait = mark - self._step_wait_mark
+            mark, cpu_mark = self.thread_wait(), self.thread_cpu()
+            step_wait, step_cpu = mark - self._step_wait_mark, cpu_mark - self._step_cpu_mark
         calls = self.step_count
-        out = (comm, calls, self.step_first_enter_ns, comm_wait, step_wait)
+        out = (comm, calls, self.step_first_enter_ns, comm_wait, step_wait, step_cpu)
         self.step_comm_ns, self.step_count, self.step_first_enter_ns = 0, 0, -1
         self.step_comm_wait_ns = 0
         if self.read_wait:  # each call read twice: where it starts and ends, or is waited on
@@ -586,6 +591,7 @@ class CollectiveTracker:
         self.read_wait = now_ns >= self._next_wait_read_ns
         self._step_start_ns = now_ns
         self._step_wait_mark = (mark if mark >= 0 else self.thread_wait()) if self.read_wait else -1
+        self._step_cpu_mark = (cpu_mark if cpu_mark >= 0 else self.thread_cpu()) if self.read_wait else -1
         self.step_last_async = None
         self.steps += 1
         return out

@@ -154,7 +154,11 @@ class Hook:
             ready=self._warm,
             budget=self.budget,
         )
-        self.tracker = CollectiveTracker(thread_wait=self._wait)
+        clock = self._cpu_clock
+        self.tracker = CollectiveTracker(
+            thread_wait=self._wait,
+            thread_cpu=time.thread_time_ns if clock is None else lambda: time.clock_gettime_ns(clock),
+        )
         self.ddp = ddp.Watch(self.tracker)
         self.nccl = NcclTiming(self.tracker.add_gpu, lambda: self._finished + 1)
         if not self.enabled:
@@ -255,7 +259,7 @@ class Hook:
             return
         try:
             now = time.perf_counter_ns()
-            comm_ns, n_coll, first_ns, comm_wait_ns, step_wait_ns = self.tracker.take_step(now)
+            comm_ns, n_coll, first_ns, comm_wait_ns, step_wait_ns, step_cpu_ns = self.tracker.take_step(now)
             closed = self._blocks.add(
                 self.step_num,
                 (self._mark_ns + self._epoch_offset_ns) // 1000,
@@ -266,6 +270,7 @@ class Hook:
                 (first_ns - self._mark_ns) // 1000 if first_ns >= 0 else -1,
                 comm_wait_ns // 1000,
                 step_wait_ns // 1000 if step_wait_ns >= 0 else -1,
+                step_cpu_ns // 1000 if step_cpu_ns >= 0 else -1,
             )
             self._finished = self.step_num
             disturbed = self.budget.step(now - self._mark_ns)

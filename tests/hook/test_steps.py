@@ -145,7 +145,7 @@ def test_a_steps_run_queue_wait_inside_collectives_is_not_counted_as_its_own() -
     tracker.exit(call)  # read 2: 1 ms inside the call
     launched = tracker.enter("world", "all_reduce", 8, blocking=False)  # read 3
     tracker.exit(launched)  # read 4: the step's last asynchronous call counts too
-    comm_ns, n, _, comm_wait_ns, step_wait_ns = tracker.take_step(time.perf_counter_ns())  # read 5
+    comm_ns, n, _, comm_wait_ns, step_wait_ns, _ = tracker.take_step(time.perf_counter_ns())  # read 5
     assert n == 2 and comm_wait_ns == 2_000_000 and step_wait_ns == 5_000_000
     usage = iter([(0, 0, 0, 0), (0, 0, 10_000, 0)])  # CPU µs, switches, wait µs, GC µs: start, end
     blocks = StepBlocks(0.0, lambda: next(usage))
@@ -171,7 +171,7 @@ def test_the_wait_inside_collectives_is_read_at_a_bounded_cost_and_counted_at_th
     def step(calls: int, at_ms: float) -> tuple[int, int]:
         for _ in range(calls):
             tracker.exit(tracker.enter("world", "all_reduce", 8))
-        *_, comm_wait_ns, step_wait_ns = tracker.take_step(t + int(at_ms * 1e6))
+        *_, comm_wait_ns, step_wait_ns, _ = tracker.take_step(t + int(at_ms * 1e6))
         return comm_wait_ns, step_wait_ns
 
     assert step(1, 0) == (0, -1) and len(reads) == 1  # the first step reads none: it marks the next
@@ -201,6 +201,31 @@ def test_the_wait_inside_collectives_is_read_at_a_bounded_cost_and_counted_at_th
     assert [r.wait_us for r in blocks.take()] == [10_000 - 2_500, 10_000 - 7_500, 10_000 - 7_500, 0]
 
 
+def test_a_blocks_wait_outside_collectives_is_the_read_steps_share_of_its_time_off_the_cpu_there() -> None:
+    """Where the steps read their CPU time too, a block counts as its wait outside collectives the
+    share of its time outside them off the CPU (step time less the collectives' and the CPU time)
+    that the read steps waited for a CPU there, each read step weighing ``OFF_POOL`` less at each
+    one after it; never more than the block waited in all."""
+    cpu = [0, 10, 23, 43, 60, 70]  # ms of CPU time and of run-queue wait at each block's end
+    wait = [0, 5, 13, 16, 60, 70]
+    usage = iter((c * 1000, 0, w * 1000, 0) for c, w in zip(cpu, wait, strict=True))
+    blocks = StepBlocks(0.0, lambda: next(usage))  # a row per step
+    tracker = CollectiveTracker(thread_wait=iter(range(0, 10**9, 1_000_000)).__next__)
+    tracker.thread_cpu = iter(range(0, 10**9, 3_000_000)).__next__
+    tracker.take_step(0)
+    tracker.exit(tracker.enter("world", "all_reduce", 8))
+    *_, step_wait_ns, step_cpu_ns = tracker.take_step(1)  # the step's CPU time read where it begins and ends
+    assert (step_wait_ns, step_cpu_ns) == (3_000_000, 3_000_000)
+    blocks.add(0, 0, 20_000, 0, 4_000, 1, 0, 1_000, 5_000, 10_000)  # read: 4 of its 6 ms off the CPU
+    blocks.add(1, 0, 20_000, 0, 4_000, 1, 0, 0, -1, -1)  # 3 ms off the CPU: 2 ms of wait, not 8 x 0.8
+    blocks.add(2, 0, 40_000, 0, 0, 1, 0, 1_000, 3_000, 20_000)  # read: 2 of 20 ms (pooled: all its 3)
+    blocks.add(3, 0, 40_000, 0, 10_000, 1, 0, 0, -1, -1)  # 13 ms: at (0.75 x 4 + 2) / (0.75 x 6 + 20)
+    blocks.add(4, 0, 100_000, 0, 10_000, 1, 0, 0, -1, -1)  # 80 ms: at most the 10 ms it waited
+    rows = blocks.take()
+    assert [r.wait_us for r in rows] == [4_000, 2_000, 3_000, round(13_000 * 5 / 24.5), 10_000]
+    assert rows[1].wait_us < 8_000 * (1 - 1 / 5)  # what the share of the wait inside would count
+
+
 def test_a_point_to_point_call_reads_the_wait_where_the_thread_waits_on_it_only() -> None:
     """An ``isend``/``irecv`` is timed where the thread waits on its work, and reads the run-queue
     wait there (and where it completes): its launch, where the thread does not wait, reads none."""
@@ -217,7 +242,7 @@ def test_a_point_to_point_call_reads_the_wait_where_the_thread_waits_on_it_only(
     assert not reads and call.enter_wait_ns == -1
     tracker.begin_wait(call)
     tracker.exit(call)
-    *_, comm_wait_ns, step_wait_ns = tracker.take_step(time.perf_counter_ns())
+    *_, comm_wait_ns, step_wait_ns, _ = tracker.take_step(time.perf_counter_ns())
     assert len(reads) == 3 and comm_wait_ns == 1_000_000 and step_wait_ns == 2_000_000
 
 
