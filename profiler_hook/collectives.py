@@ -335,11 +335,11 @@ class CollectiveTracker:
     """Where this step began (the last :meth:`take_step`'s ``now_ns``): the next read is counted from
     a read step's start, so that where steps take longer than ``WAIT_EVERY_NS`` each step reads."""
     thread_wait: Callable[[], int] = lambda: 0
-    thread_cpu: Callable[[], int] = time.thread_time_ns
-    """The calling thread's CPU time so far, ns: read where a read step begins and ends, on the
-    training thread (:meth:`take_step`)."""
-    _step_cpu_mark: int = -1
     """The training thread's run-queue wait so far, ns (``schedstat.ThreadWait``)."""
+    thread_cpu: Callable[[], int] = time.thread_time_ns
+    """The training thread's CPU time so far, ns: read where a read step begins and ends."""
+    _step_cpu_mark: int = -1
+    """The CPU time where this step began, where it reads the wait (-1: not read)."""
     # Calls recorded while a profiling window is open.
     recording: list[CollectiveCall] | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
