@@ -120,13 +120,13 @@ class StepBlocks:
         b, self._open = self._open, None
         if b is None:
             return
-        step, start, dur, data, comm, n_coll, first_sum, first_n, n, comm_wait, step_wait, reads = b[:12]
+        step, start, dur, data, comm, n_coll, first_sum, first_n, n, comm_wait, step_wait, reads, *off = b
         n_coll += self._uncounted()
         first = first_sum // first_n if first_n else -1
         if reads:
             self._wait_share = min(1.0, comm_wait / step_wait) if step_wait > 0 else 0.0
             keep = OFF_POOL**reads
-            self._off = [keep * self._off[0] + b[12], keep * self._off[1] + b[13]]
+            self._off = [keep * kept + read for kept, read in zip(self._off, off, strict=True)]
         base = self._base
         cpu, nivcsw, wait, collected = self._base = self._usage() or base
         waited = wait - base[2]
