@@ -60,7 +60,10 @@ class Settings:
     """...and spend at least this much longer sending in the window than the peers' rate implies.
     Kernels count TCP busy time in jiffies (1-10 ms), so on a fast link a few ms are noise."""
     cut_share: float = 0.5
-    """Links with endpoints: more than this share of a culprit group's links to the rest must be slow..."""
+    """Links with endpoints: with more than this share of the ranks a culprit group has links to,
+    its links must all be slow, both ways (counted by peer, not by link: a span can miss one
+    direction of a pair, whose rank's beat has not come yet; and a link into a slow one backs up,
+    at 1.3-1.7x, where the other way is at its peers' speed)..."""
     coverage: float = 0.75
     """...and they must carry at least this share of the window's extra send time over slow links
     (a link behind a slow one can back up and look slow too, a little)."""
@@ -111,10 +114,12 @@ def slow_links(
     s: Settings | None = None,
     ranks: pd.DataFrame | None = None,
     links: pd.DataFrame | None = None,
+    roles: list[list[int]] | None = None,
 ) -> list[SlowLink]:
     """Ranks whose network send time per byte persistently exceeds their peers'; ``ranks`` (rank,
     nic, host, switch) lets links with endpoints be grouped by topology; ``links`` (rank, time_us,
-    link, nbytes, send_us: the heartbeats') are those links' sends, measured all along."""
+    link, nbytes, send_us: the heartbeats') are those links' sends, measured all along; ``roles``
+    (``JobData.roles``) lets a link be compared with the links between ranks of the same roles."""
     s = s or Settings()
     out: list[SlowLink] = []
     spans = _spans(links, s) if links is not None and (links["nbytes"] > 0).any() else None
@@ -129,31 +134,60 @@ def slow_links(
         if not pair.all():
             out += _per_rank(f[~pair], s)
         if pair.any() and spans is None:  # an older hook's windows; the heartbeats' spans, if any, say more
-            out += _tomography(f[pair], s, ranks)
+            out += _tomography(f[pair], s, ranks, roles=roles)
     if spans is not None:
-        out += _tomography(spans[0], s, ranks, span_s=spans[1])
+        out += _tomography(spans[0], s, ranks, span_s=spans[1], roles=roles)
     return out
 
 
 def _spans(links: pd.DataFrame, s: Settings) -> tuple[pd.DataFrame, float]:
-    """The heartbeats' link sends as transfer patterns (``stack`` = the link), one window per span,
-    and the span's length: ``span_s``, or the ranks' heartbeat period if longer, so that a span
+    """The heartbeats' link sends as transfer patterns (``stack`` = the link), one row per link and
+    span, and the span's length: ``span_s``, or the ranks' heartbeat period if longer, so that a span
     holds every rank's sends."""
     links = links[links["nbytes"] > 0]
     beats = links[["rank", "time_us"]].drop_duplicates()
     period = beats.groupby("rank")["time_us"].diff().median() / 1e6
     span_s = max(s.span_s, float(period) if period == period else 0.0)  # NaN: one beat per rank
+    # Each rank beats at its own phase of the span, up to a poll early or late: cut at fixed times,
+    # a span held two beats of a rank whose beats fall near its edges and the one before it none.
+    # Each beat goes to the span its rank's phase places it in, the spans cut at the widest gap
+    # between the ranks' phases, so that a span holds one beat of every rank, as close as can be.
+    span_us = int(span_s * 1e6)
+    t = links["time_us"].astype(np.int64)
+    phase = _phases(beats, span_us)
     frame = pd.DataFrame(
         {
             "rank": links["rank"].astype(np.int64),
-            "window": links["time_us"].astype(np.int64) // int(span_s * 1e6),
+            "window": np.round((t - links["rank"].map(phase).to_numpy()) / span_us).astype(np.int64),
             "name": f"{TRANSFER_PREFIX}tcp",
             "stack": links["link"].astype(str),
             "total_us": links["send_us"].astype(float),
             "nbytes": links["nbytes"].astype(float),
         }
     )
-    return frame, span_s
+    # A span may still hold two of a rank's beats (one came late): one link, one row, or its slow
+    # link counts twice against a NIC's other links. The newest span, where most ranks' beats
+    # have not come yet, and the oldest in view say little: spans with under half the ranks' go.
+    frame = frame.groupby(["rank", "window", "name", "stack"], as_index=False)[["total_us", "nbytes"]].sum()
+    ranks = frame.groupby("window")["rank"].transform("nunique")
+    return frame[ranks * 2 >= frame["rank"].nunique()], span_s
+
+
+def _phases(beats: pd.DataFrame, span_us: int) -> pd.Series:
+    """Per rank, the phase of its beats (``rank``, ``time_us``) in a span of ``span_us``: their
+    circular mean, taken in ``[cut, cut + span_us)`` with the cut at the middle of the widest gap
+    between the ranks' phases."""
+    angle = 2 * np.pi * (beats["time_us"].astype(np.int64) % span_us) / span_us
+    mean = (
+        pd.DataFrame({"rank": beats["rank"], "sin": np.sin(angle), "cos": np.cos(angle)})
+        .groupby("rank")
+        .mean()
+    )
+    phase = (np.arctan2(mean["sin"], mean["cos"]) / (2 * np.pi) % 1.0) * span_us
+    ordered = np.sort(phase.to_numpy())
+    gaps = np.diff(np.append(ordered, ordered[0] + span_us))
+    cut = (ordered[int(np.argmax(gaps))] + gaps.max() / 2) % span_us
+    return phase.where(phase >= cut, phase + span_us)
 
 
 def _per_rank(f: pd.DataFrame, s: Settings) -> list[SlowLink]:
@@ -202,7 +236,7 @@ def _per_rank(f: pd.DataFrame, s: Settings) -> list[SlowLink]:
     return out
 
 
-def _slow_links(f: pd.DataFrame, s: Settings) -> pd.DataFrame:
+def _slow_links(f: pd.DataFrame, s: Settings, roles: list[list[int]] | None = None) -> pd.DataFrame:
     """One row per rank, window and link (local > peer address) with its time per byte ``t``, the
     window's healthy time per byte ``base`` and whether the link is ``slow``.
 
@@ -211,6 +245,12 @@ def _slow_links(f: pd.DataFrame, s: Settings) -> pd.DataFrame:
     small job's, and the median would move with them; with 4 links an interpolated quartile moves
     with a third link that backs up behind them (behind a 1 Gbit/s NIC: 3.2 ms per MB where a
     healthy link takes 2.0), and leaves the slow ones short of ``min_excess_us``.
+
+    Where the job's ranks have roles (a pipeline's stages), it is that of the links of its kind,
+    between ranks of the same roles: a healthy pipeline's stage-to-stage sends, bursts of a few
+    megabytes, read 9-16x the time per byte of the data-parallel links beside them (dp x pp on four
+    hosts); compared with those, a healthy pipeline link took up to a third of the extra send time
+    of the slow link beside it, and the slow link fell short of ``coverage`` in one span of three.
 
     Links that carried little (under ``bulk_share`` of the window's busiest) are left out, as the
     hook leaves them out of its heartbeats: their time per byte is the latency of a few small
@@ -229,11 +269,37 @@ def _slow_links(f: pd.DataFrame, s: Settings) -> pd.DataFrame:
             "nbytes": f["nbytes"].astype(float),
         }
     )
-    base = d.groupby("window")["t"].transform(lambda t: t.quantile(0.25, interpolation="lower"))
-    med, scale, n = spread(d["t"], d["window"], s.mad_floor, 1e-30)
+    base = _lower_quartile(d["t"], d["window"])
+    kind = _kinds(d, roles)
+    if kind.nunique() > 1:
+        # A kind's baseline in the window where it holds two links; else over the spans in view,
+        # where it holds two: a span misses a rank whose heartbeat fell in the next one.
+        pair = d["rank"].astype(str) + ">" + d["peer"]
+        in_window = d.groupby([d["window"], kind])["t"].transform("size")
+        base = base.where(pair.groupby(kind).transform("nunique") < 2, _lower_quartile(d["t"], kind))
+        base = base.where(in_window < 2, _lower_quartile(d["t"], [d["window"], kind]))
+    # The deviation test among the links of its kind, the window's own size for the rest.
+    med, scale, alike = spread(d["t"], [d["window"], kind], s.mad_floor, 1e-30)
+    n = d.groupby("window")["t"].transform("size")
     slow = (d["t"] >= s.min_ratio * base) & (n >= 3) & ((d["t"] - base) * d["nbytes"] >= s.min_excess_us)
-    slow &= ((d["t"] - med) / scale >= s.min_z) | (n < s.z_min_ranks)
+    slow &= ((d["t"] - med) / scale >= s.min_z) | (alike < s.z_min_ranks)
     return d.assign(base=base, slow=slow)
+
+
+def _lower_quartile(t: pd.Series, by: object) -> pd.Series:
+    return t.groupby(by).transform(lambda x: x.quantile(0.25, interpolation="lower"))
+
+
+def _kinds(d: pd.DataFrame, roles: list[list[int]] | None) -> pd.Series:
+    """Each link's kind: the role of the rank that sends on it, and the roles of the ranks behind
+    its peer address (those that send from it); one kind where the job has one role."""
+    if not roles or len(roles) < 2:
+        return pd.Series("", index=d.index)
+    role = {r: i for i, group in enumerate(roles) for r in group}
+    behind = d.groupby("local")["rank"].agg(
+        lambda r: ",".join(str(x) for x in sorted({role.get(int(v), -1) for v in r}))
+    )
+    return d["rank"].map(lambda r: str(role.get(int(r), -1))) + ">" + d["peer"].map(behind).fillna("?")
 
 
 def _groups(d: pd.DataFrame, ranks: pd.DataFrame | None, suspects: set[int]) -> list[frozenset[int]]:
@@ -252,10 +318,14 @@ def _groups(d: pd.DataFrame, ranks: pd.DataFrame | None, suspects: set[int]) -> 
 
 
 def _tomography(
-    f: pd.DataFrame, s: Settings, ranks: pd.DataFrame | None, span_s: float = 0.0
+    f: pd.DataFrame,
+    s: Settings,
+    ranks: pd.DataFrame | None,
+    span_s: float = 0.0,
+    roles: list[list[int]] | None = None,
 ) -> list[SlowLink]:
     """The smallest groups of ranks whose links to the rest carry the slow links, in most windows."""
-    d = _slow_links(f, s)
+    d = _slow_links(f, s, roles)
     if not d["slow"].any():
         return []
     # An address stands for the ranks behind it, which share a host and so every group above it:
@@ -272,16 +342,21 @@ def _tomography(
     crossing: dict[frozenset[int], np.ndarray] = {}
     for g in _groups(d, ranks, suspects):
         members = np.fromiter(g, dtype=np.int64)
-        cross = np.isin(src, members) != np.isin(dst, members)
+        sends = np.isin(src, members)
+        cross = sends != np.isin(dst, members)
         crossing[g] = cross
-        for w in np.unique(windows[cross]):
+        other = np.where(sends, dst, src)  # each crossing link's end outside the group
+        # Only spans that hold the group's own sends: the newest, before its beat came, or one it
+        # missed a beat in, shows only the links into it, and one slow link into it is no slow NIC.
+        for w in np.unique(windows[cross & sends]):
             in_w = windows == w
             seen.setdefault(g, []).append(int(w))
             slow_w, cross_w = slow & in_w, cross & in_w
             if (
                 slow_w.any()
                 and extra[slow_w & cross_w].sum() >= s.coverage * extra[slow_w].sum()
-                and (slow_w & cross_w).sum() > s.cut_share * cross_w.sum()
+                and len(ends := set(other[cross_w])) - len(set(other[cross_w & ~slow]))
+                > s.cut_share * len(ends)
             ):
                 flagged.setdefault(g, []).append(int(w))
     # Per window only the smallest groups that explain it; then persistence since the first.
@@ -365,7 +440,7 @@ def _one_link(
 
 def find(data: JobData, s: Settings) -> list[Finding]:
     """One finding per rank whose link is slow."""
-    links = slow_links(data.functions, s, data.ranks, data.links)
+    links = slow_links(data.functions, s, data.ranks, data.links, data.roles())
     hosts = data.hosts_of(r for link in links for r in (link.rank, link.peer) if r >= 0)
     return [_finding(link, hosts) if link.peer < 0 else _link_finding(link, hosts) for link in links]
 
@@ -386,8 +461,8 @@ def _link_finding(link: SlowLink, hosts: dict[int, str]) -> Finding:
         function=link.pattern,
         confidence=round(effect(link.ratio) * link.windows_flagged / max(link.windows, 1), 3),
         summary=(
-            f"the link between {named} is slow — it moves {link.gbps:.3g} GB/s where the job's other "
-            f"links move {link.peer_gbps:.3g} GB/s ({link.ratio:.2f}x the time per byte), while each "
+            f"the link between {named} is slow — it moves {link.gbps:.3g} GB/s where the job's links "
+            f"like it move {link.peer_gbps:.3g} GB/s ({link.ratio:.2f}x the time per byte), while each "
             "end sends at its peers' speed on its other links: look at the path between the two "
             "(a cable, a port, a route), not at either host"
         ),

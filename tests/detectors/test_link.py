@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import pandas as pd
 
 from rankscope.diagnosis import diagnose
@@ -37,6 +38,20 @@ def test_a_slow_nic_is_named_from_when_it_slowed_and_a_burst_is_not() -> None:
     assert (f.ranks, f.evidence["spans_flagged"]) == ([3], "4/4")
     burst = slow["time_us"] // 5_000_000 == (LINK_T0 + 20_000_000) // 5_000_000  # one span of eight
     assert link.find(replace(data, links=healthy.where(~burst, slow)), SETTINGS) == []
+
+
+def test_each_span_holds_one_beat_of_every_rank_whatever_phase_it_beats_at() -> None:
+    """Heartbeats 5.25 s apart (5 s and a poll's lateness, as measured), each rank at its own phase
+    of them, each beat up to 0.3 s early or late: spans cut at fixed times held two beats of a rank
+    near their edges now and then and the one before it none, where rank 3's slow NIC showed only
+    through the links into it (here in one span of 12)."""
+    data = synthetic(ranks=4, hosts_of=4)
+    links = ring_links(4, {(2, 3): 6.0, (3, 0): 6.0}, spans=12)
+    beat = (links["time_us"] - LINK_T0) // 5_000_000
+    jitter = np.random.default_rng(0).integers(-300_000, 300_000, (13, 4))  # the poll it comes at
+    links["time_us"] = LINK_T0 + beat * 5_250_000 + links["rank"] * 1_700_000 + jitter[beat, links["rank"]]
+    f = only(link.find(replace(data, links=links), SETTINGS))
+    assert (f.ranks, f.evidence["spans_flagged"]) == ([3], "12/12"), f.evidence
 
 
 def test_an_older_hooks_windows_with_their_link_sends_still_name_the_slow_nic() -> None:
@@ -98,6 +113,34 @@ def test_a_slow_link_between_two_stages_is_named_as_the_link_not_either_end() ->
         assert (f.cause, f.scope, f.ranks, f.hosts) == ("communication", "link", [2, 3], ["node2", "node3"])
         assert f.summary.startswith("the link between rank 2 (node2) and rank 3 (node3) is slow"), f.summary
         assert f.evidence["spans_flagged"] == "6/6" and f.evidence["ratio"] > 4
+
+
+def test_a_pipelines_slow_link_is_compared_with_the_stage_links_beside_it_whatever_span_a_beat_falls_in() -> (
+    None
+):
+    """The same job with its mesh, as measured on the simulated network: a healthy pipeline's
+    stage-to-stage links read 9-16x the data-parallel links' time per byte and differ from each
+    other by up to 1.8x (here 100 ms per MB on the first pipeline's, 60-70 on the other); and a
+    rank's heartbeat, 5 s apart as the spans are, can fall in the next span (which then holds two
+    of its beats, the one before none): here ranks 0 and 2 every third span, rank 3 the span
+    after. Before, nothing was found. Compared with every link of its span the slow link reads
+    ~300x (against the data-parallel links); counted twice where a span holds two beats of rank 3,
+    it made rank 2 a slow NIC beside it; a span holding, of rank 2's links, only the slow one into
+    it read as rank 2's NIC, which took 4 of the 10 spans from the link; and where the data-parallel
+    link into rank 3 backs up behind it (1.6x, as measured; the other way at its peers' speed),
+    rank 3 read as a slow NIC, both its peers at the end of a slow link."""
+    data = synthetic(ranks=4, hosts_of=4)
+    staged = replace(data, ranks=data.ranks.assign(mesh=[{"dp": r // 2, "pp": r % 2} for r in range(4)]))
+    slow = {(0, 1): 100.0, (1, 0): 100.0, (2, 3): 300.0, (3, 2): 300.0, (1, 3): 1.6}
+    links = pipeline_links(slow, spans=9)
+    span = (links["time_us"] - LINK_T0) // 5_000_000
+    late = (links["rank"].isin([0, 2]) & (span % 3 == 0)) | ((links["rank"] == 3) & (span % 3 == 1))
+    links.loc[late, "time_us"] += 5_000_000
+    healthy = pipeline_links({(0, 1): 100.0, (1, 0): 100.0}, spans=9)
+    assert link.find(replace(staged, links=healthy), SETTINGS) == []
+    f = only(link.find(replace(staged, links=links), SETTINGS))
+    assert (f.cause, f.scope, f.ranks) == ("communication", "link", [2, 3]), f.summary
+    assert f.evidence["spans_flagged"] == "10/10" and 2.0 < f.evidence["ratio"] < 5.0, f.evidence
 
 
 def test_a_link_a_little_slower_than_the_rest_is_its_path_and_one_at_half_its_rate_a_fault() -> None:
