@@ -273,7 +273,7 @@ def _slow_links(f: pd.DataFrame, s: Settings, roles: list[list[int]] | None = No
     kind = _kinds(d, roles)
     if kind.nunique() > 1:
         # A kind's baseline in the window where it holds two links; else over the spans in view,
-        # where it holds two: a span misses a rank whose heartbeat fell in the next one.
+        # where it holds two: a span can miss a rank whose beat came late.
         pair = d["rank"].astype(str) + ">" + d["peer"]
         in_window = d.groupby([d["window"], kind])["t"].transform("size")
         base = base.where(pair.groupby(kind).transform("nunique") < 2, _lower_quartile(d["t"], kind))
@@ -299,7 +299,9 @@ def _kinds(d: pd.DataFrame, roles: list[list[int]] | None) -> pd.Series:
     behind = d.groupby("local")["rank"].agg(
         lambda r: ",".join(str(x) for x in sorted({role.get(int(v), -1) for v in r}))
     )
-    return d["rank"].map(lambda r: str(role.get(int(r), -1))) + ">" + d["peer"].map(behind).fillna("?")
+    return (
+        d["rank"].map(role).fillna(-1).astype(np.int64).astype(str) + ">" + d["peer"].map(behind).fillna("?")
+    )
 
 
 def _groups(d: pd.DataFrame, ranks: pd.DataFrame | None, suspects: set[int]) -> list[frozenset[int]]:
