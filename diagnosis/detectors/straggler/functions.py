@@ -475,9 +475,11 @@ def top_slower(excess: list[FunctionExcess], kinds: tuple[str, ...] = WORK_KINDS
 
 def largest(excess: list[FunctionExcess], n: int) -> list[FunctionExcess]:
     """The ``n`` operators, kernels, copies and functions of the job's own code with the largest
-    excess that the culprit runs as often as its peers, frames that wait in collectives left out."""
+    excess at their median call's time (as :func:`top_slower` picks one) that the culprit runs as
+    often as its peers, frames that wait in collectives left out."""
     kinds = (*WORK_KINDS, "python")
-    return [e for e in excess if e.kind in kinds and not e.extra and not e.waits][:n]
+    same = [e for e in excess if e.kind in kinds and not e.extra and not e.waits]
+    return sorted(same, key=lambda e: e.typical_excess_us, reverse=True)[:n]
 
 
 def work_excess(excess: list[FunctionExcess], kinds: tuple[str, ...] = WORK_KINDS) -> float:
