@@ -58,6 +58,23 @@ def test_a_slower_device_names_what_holds_half_its_excess_or_its_operators_as_a_
     assert f.evidence["stack_samples_in_function"] == "20/32"
 
 
+def test_a_slower_devices_largest_operators_are_quoted_at_their_median_calls_time() -> None:
+    """As the rule weighs them: rank 6's ``aten::mm`` takes as long as its peers' at its median
+    call, its extra 3 ms in a few calls preempted on shared cores. Quoted by their means, it read
+    40% beside "none holding half"; at the median call it holds none of it, and its backward's
+    40% leads."""
+    data = synthetic(slow={6: {"compute_us": 1500}})
+    common = [("op", "aten::mm", 15, 10_000.0), ("op", "AddmmBackward0", 15, 12_000.0)]
+    slow = [("op", "aten::mm", 15, 13_000.0), ("op", "AddmmBackward0", 15, 15_000.0)]
+    functions = functions_frame({r: slow if r == 6 else common for r in range(8)})
+    mm = (functions["rank"] == 6) & (functions["name"] == "aten::mm")
+    functions.loc[mm, "p50_us"] = 10_000.0 / 15  # the peers' median call
+    f = only(diagnose(replace(data, functions=functions)).findings)
+    assert (f.cause, f.ranks, f.function) == ("compute", [6], ACROSS_OPERATORS)
+    assert f.evidence["largest"] == pytest.approx({"AddmmBackward0": 0.4, "aten::mm": 0.0}, abs=0.01)
+    assert "(AddmmBackward0 40%, aten::mm 0%)" in f.summary, f.summary
+
+
 @pytest.mark.parametrize("padded", [False, True])
 def test_a_slower_model_is_named_by_its_innermost_forward_not_the_module_around_it(padded: bool) -> None:
     """The frames of a transformer under DDP, as torch.profiler records them (3 callers each):
