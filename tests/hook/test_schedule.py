@@ -7,6 +7,7 @@ import gzip
 import json
 import math
 import threading
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -278,3 +279,42 @@ def test_a_request_made_while_a_window_is_planned_is_served_after_it() -> None:
     follower.poll(first + 5)
     assert planner.plans == follower.plans == 2
     assert planner.planned == follower.planned > first + 5
+
+
+def test_once_a_plan_and_the_peers_rates_exist_a_follower_reads_each_with_one_request() -> None:
+    """Each request of the store is a round trip that the rank's background thread waits for
+    without the GIL and then takes it back from the training thread: a poll asks for what it must
+    read, not first whether it is there, once it has been."""
+
+    class Counting:
+        def __init__(self, store: torch.distributed.Store) -> None:
+            self.store, self.calls = store, []
+
+        def __getattr__(self, name: str) -> object:
+            self.calls.append(name)
+            return getattr(self.store, name)
+
+    stores, clock = [Counting(torch.distributed.HashStore())], [0.0]
+    store = stores[0]
+    planner, follower = (
+        Schedule(window_s=3600, window_steps=5, trigger_ratio=1.5, rank=r, world_size=2, job="j",
+                 store=lambda: stores[0], clock=lambda: clock[0])
+        for r in (0, 1)
+    )  # fmt: skip
+    clock[0] += 3601  # a window is due
+    planner.poll(100)
+    for s in (follower, planner, follower):  # the plan read; the ranks' rates published, gathered, read
+        s.note_block(10_000.0, 8_000.0)
+        s.poll(100)
+    assert follower.plans == 1
+    store.calls.clear()
+    follower.poll(401)  # nothing new to compare: the plan alone
+    assert store.calls == ["get"]
+    follower.note_block(10_000.0, 8_000.0)
+    store.calls.clear()
+    follower.poll(402)  # its new rates published, the peers' read, the plan read
+    assert store.calls == ["set", "get", "get"]
+    stores[0] = fresh = Counting(torch.distributed.HashStore())  # the process group made again
+    fresh.store.set_timeout(timedelta(seconds=5))
+    follower.poll(403)  # asked whether the plan is there: a get of a missing key would wait
+    assert fresh.calls == ["check"]
