@@ -205,6 +205,7 @@ class Hook:
             main_thread_id=self._training_thread,
             tick=lambda: self.schedule.poll(self.step_num),
             collections=self._gc,
+            sampling=lambda: not self.paused,
         )
         exits.closing_at_exit(self)
         self._blocks.restart()  # the first step's CPU time is not attach's own (imports, patching)
@@ -336,7 +337,7 @@ class Hook:
 
     def pause(self) -> None:
         """Stop measuring until :meth:`resume`: no step accounting, no windows (their clock stops
-        too), collectives unwrapped and DDP's synchronizations untimed."""
+        too), no stack samples, collectives unwrapped and DDP's synchronizations untimed."""
         if not self.enabled or self.paused:
             return
         self.paused = True

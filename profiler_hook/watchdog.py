@@ -144,8 +144,11 @@ class Watchdog:
         main_thread_id: int,
         tick: Callable[[], None] = lambda: None,
         collections: GcClock | None = None,
+        sampling: Callable[[], bool] = lambda: True,
     ) -> None:
         self._make, self._submit, self._progress = make, submit, progress
+        self._sampling = sampling
+        """Whether to sample the training thread's stack now (not while the hook is paused)."""
         self._tracker = tracker
         self._interval_s, self._stall_s = interval_s, stall_s
         self._main = main_thread_id
@@ -207,14 +210,18 @@ class Watchdog:
 
     def _sample_at(self, due_ns: int) -> bool:
         """Sample the training thread at ``due_ns`` with the switch interval lowered until then
-        (``SAMPLE_SWITCH_S``); whether the watchdog was stopped meanwhile."""
+        (``SAMPLE_SWITCH_S``); whether the watchdog was stopped meanwhile. Not while the hook is
+        paused: a sample takes the GIL from the training thread, and more often meanwhile."""
+        if not self._sampling():
+            return self._stop.wait(max(0.0, (due_ns - time.perf_counter_ns()) / 1e9))
         interval = sys.getswitchinterval()
         sys.setswitchinterval(min(interval, SAMPLE_SWITCH_S))
         try:
             if self._stop.wait(max(0.0, (due_ns - time.perf_counter_ns()) / 1e9)):
                 return True
             with contextlib.suppress(Exception):
-                self.sampler.sample(due_ns)
+                if self._sampling():  # paused meanwhile: no sample
+                    self.sampler.sample(due_ns)
         finally:
             sys.setswitchinterval(interval)
         return False

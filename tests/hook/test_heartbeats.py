@@ -76,6 +76,23 @@ def test_stack_samples_find_python_that_holds_the_gil_for_less_than_the_switch_i
     assert sum(counts.values()) >= 60 and held >= 0.08 * sum(counts.values()), counts
 
 
+def test_a_paused_hook_samples_no_stacks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Paused, the hook measures nothing: no stack samples either, each of which takes the GIL from
+    the training thread (and lowers the switch interval before it)."""
+    monkeypatch.setattr(watchdog, "POLL_S", 0.02)
+    hook = one_rank_hook(SlowSink(), window_s=0, heartbeat_s=60)
+    hook.pause()
+    time.sleep(0.3)  # a sample due when it paused is not taken
+    hook.watchdog.sampler.take()
+    time.sleep(0.5)
+    paused = hook.watchdog.sampler.take()
+    hook.resume()
+    time.sleep(0.5)
+    working = hook.watchdog.sampler.take()
+    hook.close(timeout=30)
+    assert paused == {} and sum(working.values()) >= 5, (paused, working)
+
+
 @pytest.mark.releases
 def test_heartbeats_carry_the_function_of_the_jobs_code_each_stack_sample_found_the_thread_in() -> None:
     """The watchdog samples the innermost function of the job's own code the training thread is in,
