@@ -93,10 +93,10 @@ def test_in_run_blocks_alternate_in_pairs_and_a_working_block_goes_on_while_a_wi
     for _ in range(30):
         b.ended()
     assert b.n == 3 and hook.calls == ["resume"]
-    for _ in range(9):  # on, off; then off again, the second pair's order reversed
-        b.ended()
+    for _ in range(12):  # on, off; then off again, the second pair's order reversed: each block's
+        b.ended()  # first step, after the switch, untimed (SETTLING)
     hook._prof = object()  # a window opens in the fourth block (working): it goes on until it ends
-    for _ in range(6):
+    for _ in range(blocks.SETTLING + 6):
         b.ended()
     hook._prof = None
     for _ in range(3):

@@ -29,6 +29,13 @@ from rankscope.profiler_hook.hook import Hook
 
 WARM_TAIL = 20
 """The last warm-up steps whose time sets the blocks' length."""
+SETTLING = 1
+"""Steps after each switch that no block times: they carry the switch itself (``resume`` patches
+the collectives, ``pause`` puts them back, on every rank at the same step, so a pipeline's ranks
+wait for each other's), which a hook that is never paused does not pay. In ten runs of the
+pipeline job the working blocks right after a paused one read 0.57% slower than those after a
+working one (each rank's median block; -0.33 to +1.24%, +1.1% in both runs with only the step
+accounting on), the paused blocks after a working one 0.16% faster than after a paused one."""
 
 
 def window_busy(hook: Hook) -> bool:
@@ -49,6 +56,8 @@ class Blocks:
         self.n = 0
         """Steps per block, once agreed."""
         self.mode, self.in_block, self.length, self.took, self.cpu = "on", 0, 0, 0.0, 0.0
+        self.settling = 0
+        """Steps of the block still to come before it is timed (``SETTLING``)."""
         self.mark, self.cpu_mark = time.perf_counter(), time.process_time()
         self.blocks: list[tuple[str, float, int, float]] = []
         """(mode, seconds, steps, the process's CPU seconds) per block."""
@@ -63,6 +72,10 @@ class Blocks:
             elif self.steps == self.start_steps:
                 self.n = max(3, round(self.block_s * WARM_TAIL / self._most(now - self.mark)))
                 self._begin("on")
+            return
+        if self.settling:
+            self.settling -= 1
+            self.mark, self.cpu_mark = now, cpu
             return
         self.in_block += 1
         if self.in_block < self.length:
@@ -84,6 +97,7 @@ class Blocks:
         else:
             self.hook.pause()
         self.mode, self.in_block, self.length, self.took, self.cpu = mode, 0, self.n, 0.0, 0.0
+        self.settling = SETTLING
         self.mark, self.cpu_mark = time.perf_counter(), time.process_time()
 
     @staticmethod
