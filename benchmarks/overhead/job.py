@@ -33,9 +33,10 @@ than 10%). ``--in-run`` measures inside one run of each job instead (``INRUN``):
 same script under ``benchmarks.overhead.blocks``, its hook alternately working and paused in
 blocks of ``--block-s`` seconds, in pairs, as ``benchmarks.overhead.hook`` does on its MLP; per
 pair the slowest rank's blocks. What it leaves out is what a paused hook still does: its watchdog
-thread's heartbeats and stack samples, the gradient hooks that time DDP's synchronization (they
-return at once while paused), and any effect of a window that outlives its working block (the
-separate runs count those).
+thread's heartbeats (not its stack samples, paused too), the gradient hooks that time DDP's
+synchronization (they return at once while paused), and any effect of a window that outlives its
+working block (the separate runs count those); and each block's first step, which carries the
+switch itself (``blocks.SETTLING``).
 """
 
 from __future__ import annotations
