@@ -44,11 +44,8 @@ log = logging.getLogger(__name__)
 POLL_S = 0.5
 """How often each rank's background thread reads the plan (and rank 0 makes one). Each request of
 the store is a round trip the thread waits for without the GIL, then takes the GIL back from the
-training thread: the dp x pp job (``benchmarks.overhead.job --in-run``, no collectives tracked, no
-window fitting the budget) ran +0.95% (median pair +1.49%) slower with the schedule polling every
-0.5 s, +0.56% (+0.15%) every 2 s (each +-0.8%); at the defaults, polling every 2 s gained nothing
-measurable. A poll makes one request for each key it reads once the key exists
-(:meth:`Schedule._exists`)."""
+training thread (what polling costs a pipeline job: docs/benchmarks.md), so a poll makes one
+request for each key it reads once the key exists (:meth:`Schedule._exists`)."""
 LEAD_S = 2.0
 """A window is planned this many seconds of steps ahead, so that every rank has read the plan."""
 MAX_LEAD_S = 16.0

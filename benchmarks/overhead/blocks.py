@@ -32,10 +32,8 @@ WARM_TAIL = 20
 SETTLING = 1
 """Steps after each switch that no block times: they carry the switch itself (``resume`` patches
 the collectives, ``pause`` puts them back, on every rank at the same step, so a pipeline's ranks
-wait for each other's), which a hook that is never paused does not pay. In ten runs of the
-pipeline job the working blocks right after a paused one read 0.57% slower than those after a
-working one (each rank's median block; -0.33 to +1.24%, +1.1% in both runs with only the step
-accounting on), the paused blocks after a working one 0.16% faster than after a paused one."""
+wait for each other's), which a hook that is never paused does not pay (what it cost the
+pipeline job's working blocks: docs/benchmarks.md)."""
 
 
 def window_busy(hook: Hook) -> bool:
