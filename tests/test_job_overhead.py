@@ -101,7 +101,13 @@ def test_in_run_blocks_alternate_in_pairs_and_a_working_block_goes_on_while_a_wi
     hook._prof = None
     for _ in range(3):
         b.ended()
-    assert [(mode, steps) for mode, _, steps, _ in b.blocks] == [("on", 3), ("off", 3), ("off", 3), ("on", 9)]
+    assert [(mode, steps) for mode, _, steps, *_ in b.blocks] == [
+        ("on", 3),
+        ("off", 3),
+        ("off", 3),
+        ("on", 9),
+    ]
+    assert all(len(block) == 5 and block[4] >= 0 for block in b.blocks)  # and the training thread's CPU time
     assert hook.calls == ["resume", "pause", "pause", "resume", "resume"]
     with pytest.raises(ValueError, match="more than 20 steps of warm-up"):
         OneRank(hook, Path("unused"), start_steps=blocks.WARM_TAIL, block_s=1.0)
@@ -110,8 +116,8 @@ def test_in_run_blocks_alternate_in_pairs_and_a_working_block_goes_on_while_a_wi
 def test_in_run_figures_take_each_pairs_slowest_rank_and_leave_out_a_block_without_its_partner() -> None:
     def rank(scale: float) -> dict:
         return {"steps_per_block": 10, "windows": 1, "window_cost_us": 50_000,
-                "blocks": [["on", 1.02 * scale, 10, 0.9], ["off", 1.0, 10, 0.8], ["off", 1.0, 10, 0.8],
-                           ["on", 1.01, 10, 0.8], ["on", 1.0, 10, 0.8]]}  # fmt: skip
+                "blocks": [["on", 1.02 * scale, 10, 0.9, 0.7], ["off", 1.0, 10, 0.8, 0.5], ["off", 1.0, 10, 0.8, 0.5],
+                           ["on", 1.01, 10, 0.8, 0.6], ["on", 1.0, 10, 0.8, 0.6]]}  # fmt: skip
 
     run = {"job": "j", "loop_s": 5.0, "ranks": {0: {"share_pct": 0.4}, 1: {"share_pct": 0.5}},
            "blocks": [rank(1.0), rank(1.01)]}  # fmt: skip
@@ -119,4 +125,9 @@ def test_in_run_figures_take_each_pairs_slowest_rank_and_leave_out_a_block_witho
     assert row["pairs"] == 2 and row["pair_pct"] == pytest.approx([3.02, 1.0], abs=0.01)
     # CPU: both ranks' processes together per step, 1.8 s against 1.6 s, then 1.6 against 1.6
     assert row["cpu_ms_per_step"] == [160.0, 170.0] and row["cpu_pct"] == pytest.approx(6.25)
+    # ...of which the training threads': 1.4 s against 1.0 s, then 1.2 against 1.0
+    assert row["train_cpu_ms_per_step"] == [100.0, 130.0] and row["train_cpu_pct"] == pytest.approx(30.0)
+    for r in run["blocks"]:  # a run kept before the threads' time was recorded: none
+        r["blocks"] = [block[:4] for block in r["blocks"]]
+    assert job_overhead.block_figures(run)["train_cpu_pct"] is None
     assert row["windows"] == [1, 1] and row["window_ms"] == 50.0 and row["windows_share_pct"] == [0.4, 0.5]

@@ -36,6 +36,12 @@ wait for each other's), which a hook that is never paused does not pay (what it 
 pipeline job's working blocks: docs/benchmarks.md)."""
 
 
+def _clocks() -> tuple[float, float, float]:
+    """Now, the process's CPU time and the calling thread's (the training thread's: blocks are
+    switched after its steps), seconds."""
+    return time.perf_counter(), time.process_time(), time.thread_time()
+
+
 def window_busy(hook: Hook) -> bool:
     """Whether a window of ``hook`` is profiling or being summarized (a pause would cut it short,
     or leave its summarizing to the paused block)."""
@@ -53,38 +59,40 @@ class Blocks:
         self.steps = 0
         self.n = 0
         """Steps per block, once agreed."""
-        self.mode, self.in_block, self.length, self.took, self.cpu = "on", 0, 0, 0.0, 0.0
+        self.mode, self.in_block, self.length = "on", 0, 0
+        self.took = [0.0, 0.0, 0.0]
+        """The block's timed steps so far: seconds, the process's CPU seconds, the training thread's."""
         self.settling = 0
         """Steps of the block still to come before it is timed (``SETTLING``)."""
-        self.mark, self.cpu_mark = time.perf_counter(), time.process_time()
-        self.blocks: list[tuple[str, float, int, float]] = []
-        """(mode, seconds, steps, the process's CPU seconds) per block."""
+        self.mark = _clocks()
+        self.blocks: list[tuple[str, float, int, float, float]] = []
+        """(mode, seconds, steps, the process's CPU seconds, the training thread's) per block."""
 
     def ended(self) -> None:
         """After each step, working or paused."""
-        now, cpu = time.perf_counter(), time.process_time()
+        now = _clocks()
         self.steps += 1
         if not self.n:
             if self.steps == self.start_steps - WARM_TAIL:
                 self.mark = now
             elif self.steps == self.start_steps:
-                self.n = max(3, round(self.block_s * WARM_TAIL / self._most(now - self.mark)))
+                self.n = max(3, round(self.block_s * WARM_TAIL / self._most(now[0] - self.mark[0])))
                 self._begin("on")
             return
         if self.settling:
             self.settling -= 1
-            self.mark, self.cpu_mark = now, cpu
+            self.mark = now
             return
         self.in_block += 1
         if self.in_block < self.length:
             return
-        self.took += now - self.mark
-        self.cpu += cpu - self.cpu_mark
+        self.took = [took + b - a for took, a, b in zip(self.took, self.mark, now, strict=True)]
         if self.mode == "on" and self._most(float(window_busy(self.hook))):
             self.length += self.n  # a window is busy on some rank: the working block goes on
-            self.mark, self.cpu_mark = time.perf_counter(), time.process_time()
+            self.mark = _clocks()
             return
-        self.blocks.append((self.mode, self.took, self.in_block, self.cpu))
+        seconds, cpu, thread = self.took
+        self.blocks.append((self.mode, seconds, self.in_block, cpu, thread))
         pair, first = divmod(len(self.blocks), 2)
         order = ("on", "off") if pair % 2 == 0 else ("off", "on")
         self._begin(order[first])
@@ -94,9 +102,9 @@ class Blocks:
             self.hook.resume()
         else:
             self.hook.pause()
-        self.mode, self.in_block, self.length, self.took, self.cpu = mode, 0, self.n, 0.0, 0.0
+        self.mode, self.in_block, self.length, self.took = mode, 0, self.n, [0.0, 0.0, 0.0]
         self.settling = SETTLING
-        self.mark, self.cpu_mark = time.perf_counter(), time.process_time()
+        self.mark = _clocks()
 
     @staticmethod
     def _most(value: float) -> float:

@@ -254,25 +254,33 @@ def block_figures(run: dict[str, Any]) -> dict[str, Any]:
     """One in-run job's figures from its ranks' blocks: per pair, the slowest rank's working and
     paused blocks (the job runs at its slowest rank's pace); and the CPU time all ranks' processes
     took per step (``cpu_ms_per_step``: paused, working), whose ratio moves far less with the
-    machine's other load than the time does."""
+    machine's other load than the time does, and of that their training threads' (``train_cpu_``;
+    the rest is the hook's threads, the backend's and the windows' summarizing: where a cost is).
+    Runs kept before the training threads' time was recorded have none (None)."""
     ranks = [r["blocks"] for r in run["blocks"]]
-    pairs, cpu_pairs = [], []
+    pairs, cpu_pairs, thread_pairs = [], [], []
     for i in range(0, min(map(len, ranks)) // 2 * 2, 2):
         per = [{mode: block for mode, *block in r[i : i + 2]} for r in ranks]
         on, off = per[0]["on"], per[0]["off"]
         pairs.append([max(p["on"][0] for p in per), on[1], max(p["off"][0] for p in per), off[1]])
         cpu_pairs.append([sum(p["on"][2] for p in per), on[1], sum(p["off"][2] for p in per), off[1]])
+        if all(len(p["on"]) > 3 for p in per):
+            thread_pairs.append([sum(p["on"][3] for p in per), on[1], sum(p["off"][3] for p in per), off[1]])
     if not pairs:
         raise SystemExit(f"{run['job']}: no pair of blocks; give it a longer run (--flags)")
     windows = [r["windows"] for r in run["blocks"]]
     cost_us = [r["window_cost_us"] for r in run["blocks"]]
     cpu = _figures(cpu_pairs)
+    thread = _figures(thread_pairs) if len(thread_pairs) == len(pairs) else None
     return {
         "steps_per_block": run["blocks"][0]["steps_per_block"],
         **_figures(pairs),
         "cpu_ms_per_step": [cpu["off_ms_per_step"], cpu["on_ms_per_step"]],
         "cpu_pct": cpu["overhead_pct"],
         "cpu_ci95_pct": cpu["ci95_pct"],
+        "train_cpu_ms_per_step": [thread["off_ms_per_step"], thread["on_ms_per_step"]] if thread else None,
+        "train_cpu_pct": thread["overhead_pct"] if thread else None,
+        "train_cpu_ci95_pct": thread["ci95_pct"] if thread else None,
         "windows": windows,
         "window_ms": round(sum(cost_us) / sum(windows) / 1e3, 1) if sum(windows) else 0.0,
         "windows_share_pct": [v["share_pct"] for _, v in sorted(run["ranks"].items())],
@@ -348,7 +356,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   "block_s": a.block_s, "rows": rows, "runs": runs, "seconds": round(time.perf_counter() - t0, 1)}  # fmt: skip
         _table(rows, ["job", "pairs", "steps_per_block", "off_ms_per_step", "on_ms_per_step", "overhead_pct",
                       "ci95_pct", "median_pair_pct", "median_ci95_pct", "cpu_ms_per_step", "cpu_pct",
-                      "cpu_ci95_pct", "windows", "window_ms", "windows_share_pct"])  # fmt: skip
+                      "cpu_ci95_pct", "train_cpu_ms_per_step", "train_cpu_pct", "train_cpu_ci95_pct", "windows",
+                      "window_ms", "windows_share_pct"])  # fmt: skip
         if a.json:
             Path(a.json).write_text(json.dumps(result, indent=2))
         return result
