@@ -20,7 +20,9 @@ counted and numbered from c10d's own per-group sequence number, which every coll
 on a group advances: the step rows count them once per block (:meth:`CollectiveTracker.catch_up`);
 DDP's are timed per backward pass, the others where the training thread waits on their work.
 Heartbeats report c10d's numbers (:func:`c10d_seqs`), so a rank that never launched the
-collective its peers wait in is named whatever launched it.
+collective its peers wait in is named whatever launched it. At most steps (those that neither read
+the run-queue wait nor record a window) a blocking call and a point-to-point one are only noted as
+made and their waits timed; the step's end counts and numbers them (:attr:`CollectiveTracker.noted`).
 Flight Recorder itself is not read always-on: on gloo it has no completion times, and one dump of
 its 2,000-entry ring holds the GIL for ~30 ms.
 """
@@ -275,6 +277,34 @@ def _arg(args: tuple, kwargs: dict, name: str, pos: int) -> Any:
     return args[pos] if 0 <= pos < len(args) else None
 
 
+@dataclass(frozen=True, slots=True)
+class _Site:
+    """A wrapped function: the name its calls are recorded under, and where a call's arguments
+    give its group and its peer (a point-to-point call's)."""
+
+    op: str
+    group_pos: int
+    peer: tuple[str, str, int] = ("", "", -1)
+    """A point-to-point call's peer parameter, its group-rank twin and the first's position."""
+
+    def note(self, args: tuple, kwargs: dict, start_ns: int) -> Noted:
+        """A call: its group and peer as given (no tensor: a note must not keep one alive)."""
+        group = _arg(args, kwargs, "group", self.group_pos)
+        name, group_name, pos = self.peer
+        if not name:
+            return (self, group, None, None, start_ns)
+        return (self, group, _arg(args, kwargs, name, pos), kwargs.get(group_name), start_ns)
+
+
+Noted = tuple[_Site, Any, Any, Any, int]
+"""A call as a wrapper noted it (:meth:`_Site.note`): its function, its group and its peer as
+given (as a global rank, or as a rank of the group) and where it, or the wait for it, started
+(``time.perf_counter_ns``)."""
+
+MAX_NOTED = 1024
+"""Calls noted at most before they are counted, where no step ends (a loop the hook does not see)."""
+
+
 def _noting_stage(run: Any, attribute: str, stages: set[int]) -> Any:
     """``run`` (a pipeline stage's or engine's method), first adding its object's stage index
     (``attribute``) to ``stages``."""
@@ -301,8 +331,9 @@ class CollectiveTracker:
     """Counts, sequences and times collectives; read by the step accounting and the watchdog."""
 
     last_seq: dict[str, int] = field(default_factory=dict)
-    current: CollectiveCall | None = None
-    """The blocking call the training thread is inside now."""
+    current: CollectiveCall | Noted | None = None
+    """The blocking call the training thread is inside now (as noted, at a lean step:
+    :meth:`oldest_inflight` reads it)."""
     inflight: dict[tuple[str, int], CollectiveCall] = field(default_factory=dict)
     """Asynchronous calls launched and not yet complete, oldest first."""
     last_exit_ns: int = 0
@@ -348,6 +379,16 @@ class CollectiveTracker:
     stages: set[int] = field(default_factory=set)
     """The indices of the ``torch.distributed.pipelining`` stages this rank ran a microbatch of
     (:meth:`_watch_stages`): its place in a pipeline where no device mesh says it."""
+    noted: list[Noted] = field(default_factory=list)
+    """The calls of this step, where it is lean: one that neither reads the run-queue wait nor
+    records a window. There a wrapper only notes a call (its function, arguments and start) and
+    times the wait in it, or in its work's ``wait()``; :meth:`take_step` counts and numbers them,
+    and a hang's heartbeat reads the one the thread is in. A call costs a third of the full path's
+    Python, which runs from cold caches inside a training step: an ``isend`` or ``irecv`` and its
+    wait ~11 µs of the training thread's CPU in a 2-rank gloo exchange, the full path's ~22
+    (``docs/benchmarks.md``)."""
+    _noted_awaited: dict[int, Noted] = field(default_factory=dict)
+    """The ``isend``/``irecv`` works launched at a lean step, by ``id``, until the thread waits on them."""
     _awaited: dict[int, CollectiveCall] = field(default_factory=dict)
     """Calls by what the thread will wait on (an ``isend``/``irecv``'s work: its ``id``; a
     functional collective's tensor: :func:`_wait_key`), until it does."""
@@ -418,6 +459,7 @@ class CollectiveTracker:
         if self.active:
             self._patch_functional()
             self._watch_stages()
+        self.count_noted()  # counted by the wrappers, not by c10d's numbers alone
         extra, unnumbered = 0, set[str]()
         seqs = c10d_seqs(unnumbered)
         if unnumbered - self.unnumbered:
@@ -438,10 +480,19 @@ class CollectiveTracker:
                 self.last_seq[group] = seq
         return extra
 
+    def entered(self) -> dict[str, int]:
+        """Per group, the last call the wrappers saw this rank enter: those numbered, and this
+        step's noted ones (:attr:`noted`). For any thread."""
+        seqs = dict(self.last_seq)
+        for note in list(self.noted):  # a copy: the training thread adds to it
+            group = self.name_of(note[1])
+            seqs[group] = seqs.get(group, 0) + 1
+        return seqs
+
     def seqs(self) -> dict[str, int]:
         """Per group, the last collective this rank entered: c10d's number where it is further on
         (collectives launched from C++ since the last :meth:`catch_up`). For any thread."""
-        seqs = dict(self.last_seq)
+        seqs = self.entered()
         for group, seq in c10d_seqs().items():
             if seq > seqs.get(group, 0):
                 seqs[group] = seq
@@ -542,14 +593,66 @@ class CollectiveTracker:
             if enter_wait >= 0:
                 self.step_comm_wait_ns += max(0, self.thread_wait() - enter_wait)
 
+    def inside_noted(self, call: Noted, run: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """``run(*args, **kwargs)``, a blocking call (or the wait for one) noted at a lean step:
+        the thread is inside it until it returns, and the time is the step's wait in collectives."""
+        local = self._local
+        self.current, local.inside = call, True
+        try:
+            return run(*args, **kwargs)
+        finally:
+            now = time.perf_counter_ns()
+            self.current, local.inside = None, False
+            self.last_exit_ns = now
+            self.step_comm_ns += now - call[4]
+
     def oldest_inflight(self) -> CollectiveCall | None:
         """The call the rank is waiting in now: the blocking one, else the oldest asynchronous one."""
-        if self.current is not None:
-            return self.current
+        current = self.current  # read once: the training thread may leave it meanwhile
+        if isinstance(current, tuple):
+            return self._resolved(current)
+        if current is not None:
+            return current
         try:
             return next(iter(self.inflight.values()), None)
         except RuntimeError:  # changed size while iterating: another thread completed one
             return None
+
+    def _resolved(self, note: Noted) -> CollectiveCall:
+        """The call a lean step noted, as the full path records it (its bytes not known): numbered
+        as the last its group entered so far (a heartbeat takes c10d's number where that is further
+        on)."""
+        site, pg, peer, group_peer, start_ns = note
+        group = self.name_of(pg)
+        seq = self.entered().get(group, 0)
+        return CollectiveCall(group, site.op, seq, 0, start_ns, peer=self._peer(pg, peer, group_peer))
+
+    def _peer(self, group: Any, peer: Any, group_peer: Any) -> int:
+        """A point-to-point call's peer as a global rank (-1: none, or any rank)."""
+        if peer is None and group_peer is not None:
+            peer = self.peer_of(group, group_peer)
+        return -1 if peer is None else int(peer)
+
+    def note(self, note: Noted) -> None:
+        """Note a call made at a lean step (:attr:`noted`)."""
+        self.noted.append(note)
+        if len(self.noted) >= MAX_NOTED:
+            self.count_noted()
+
+    def count_noted(self) -> None:
+        """Count and number the calls noted so far, in the order they were made, into this step."""
+        noted = self.noted
+        if not noted:
+            return
+        n, first = len(noted), noted[0][4]
+        for note in noted[:n]:
+            group = self.name_of(note[1])
+            self.last_seq[group] = self.last_seq.get(group, 0) + 1
+            self.counted[group] = self.counted.get(group, 0) + 1
+        del noted[:n]  # in place: the wrappers hold the list
+        self.step_count += n
+        if self.step_first_enter_ns < 0 or first < self.step_first_enter_ns:
+            self.step_first_enter_ns = first
 
     def take_step(self, now_ns: int) -> tuple[int, int, int, int, int, int]:
         """(comm_ns, count, first_enter_ns, comm_wait_ns, step_wait_ns, step_cpu_ns) since the last call, then
@@ -581,6 +684,7 @@ class CollectiveTracker:
         if self.read_wait and self._step_wait_mark >= 0:
             mark, cpu_mark = self.thread_wait(), self.thread_cpu()
             step_wait, step_cpu = mark - self._step_wait_mark, cpu_mark - self._step_cpu_mark
+        self.count_noted()
         calls = self.step_count
         out = (comm, calls, self.step_first_enter_ns, comm_wait, step_wait, step_cpu)
         self.step_comm_ns, self.step_count, self.step_first_enter_ns = 0, 0, -1
@@ -613,11 +717,16 @@ class CollectiveTracker:
         if "Work.wait" not in self._originals and hasattr(dist, "Work"):
             self._originals["Work.wait"] = wait = dist.Work.wait
             awaited, tracker, local = self._awaited, self, self._local
+            noted_awaited, perf = self._noted_awaited, time.perf_counter_ns
 
             def waited(work: Any, *args: Any, **kwargs: Any) -> Any:
                 """An ``isend``/``irecv``'s work waited on: the thread waits for its peer here. Any
                 other work the training thread waits on, outside a wrapped call, is one no wrapper
                 saw launched: its wait is timed too (:meth:`CollectiveTracker.wait_unwrapped`)."""
+                if noted_awaited and (launched := noted_awaited.pop(id(work), None)) is not None:
+                    if not tracker.active:
+                        return wait(work, *args, **kwargs)
+                    return tracker.inside_noted((*launched[:4], perf()), wait, (work, *args), kwargs)
                 call = awaited.pop(id(work), None) if awaited else None
                 if call is None and tracker.active and not local.inside:
                     return tracker.wait_unwrapped(work, wait, args, kwargs)
@@ -699,6 +808,7 @@ class CollectiveTracker:
                 setattr(dist, op, original)
         self._originals.clear()
         self._awaited.clear()
+        self._noted_awaited.clear()
         self._names.clear()
         self._peers.clear()
 
@@ -738,17 +848,21 @@ class CollectiveTracker:
         return wrapper
 
     def _wrap(self, op: str, original: Any) -> Any:
-        tracker, local = self, self._local
-        group_pos, async_pos = _position(original, "group"), _position(original, "async_op")
+        tracker, local, perf = self, self._local, time.perf_counter_ns
+        site, async_pos = _Site(op, _position(original, "group")), _position(original, "async_op")
 
         @functools.wraps(original)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             # One user call is one collective: all_gather_into_tensor calls all_gather_single.
             if local.inside:
                 return original(*args, **kwargs)
+            blocking = not _arg(args, kwargs, "async_op", async_pos)
+            if blocking and not tracker.read_wait and tracker.recording is None:  # a lean step
+                note = site.note(args, kwargs, perf())
+                tracker.note(note)
+                return tracker.inside_noted(note, original, args, kwargs)
             try:
-                blocking = not _arg(args, kwargs, "async_op", async_pos)
-                group = tracker.name_of(_arg(args, kwargs, "group", group_pos))
+                group = tracker.name_of(_arg(args, kwargs, "group", site.group_pos))
                 call = tracker.enter(group, op, _nbytes(args[0]) if args else 0, blocking)
             except Exception:  # tracking must never break the collective
                 return original(*args, **kwargs)
@@ -772,23 +886,31 @@ class CollectiveTracker:
 
     def _wrap_p2p(self, op: str, original: Any) -> Any:
         tracker, local, blocking = self, self._local, op in ("send", "recv")
+        awaited, perf = self._noted_awaited, time.perf_counter_ns
         params = ("dst", "group_dst") if op.endswith("send") else ("src", "group_src")
-        peer_pos, group_pos = _position(original, params[0]), _position(original, "group")
-        name = op.removeprefix("i")
+        site = _Site(
+            op.removeprefix("i"), _position(original, "group"), (*params, _position(original, params[0]))
+        )
 
         @functools.wraps(original)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             # One user call is one transfer: send and recv are isend and irecv waited on at once.
             if local.inside:
                 return original(*args, **kwargs)
+            if not tracker.read_wait and tracker.recording is None:  # a lean step
+                note = site.note(args, kwargs, perf())
+                tracker.note(note)
+                if blocking:
+                    return tracker.inside_noted(note, original, args, kwargs)
+                work = original(*args, **kwargs)
+                if work is not None:  # None: inside a coalescing manager (NCCL's batch_isend_irecv)
+                    _keep(awaited, id(work), note)
+                return work
             try:
-                pg = _arg(args, kwargs, "group", group_pos)
-                peer = _arg(args, kwargs, params[0], peer_pos)
-                if peer is None and (group_peer := kwargs.get(params[1])) is not None:
-                    peer = tracker.peer_of(pg, group_peer)
+                _, pg, peer, group_peer, _ = site.note(args, kwargs, 0)
                 nbytes = _nbytes(args[0] if args else kwargs.get("tensor"))
                 call = tracker.enter(
-                    tracker.name_of(pg), name, nbytes, blocking, -1 if peer is None else int(peer)
+                    tracker.name_of(pg), site.op, nbytes, blocking, tracker._peer(pg, peer, group_peer)
                 )
             except Exception:  # tracking must never break the call
                 return original(*args, **kwargs)
@@ -800,7 +922,7 @@ class CollectiveTracker:
                     local.inside = False
                     tracker.exit(call)
             work = original(*args, **kwargs)
-            if work is not None:  # None: inside a coalescing manager (NCCL's batch_isend_irecv)
+            if work is not None:
                 tracker.expect_wait(id(work), call)
             return work
 

@@ -175,7 +175,8 @@ class Watchdog:
         elif call is None and stalled:
             # No tracked call: a stalled rank waits in the last collective launched from C++ (a
             # functional collective's wait, say), the one c10d numbered past the tracker's count.
-            ahead = [(g, n) for g, n in seqs.items() if n > self._tracker.last_seq.get(g, 0)]
+            entered = self._tracker.entered()
+            ahead = [(g, n) for g, n in seqs.items() if n > entered.get(g, 0)]
             if ahead:
                 (group, seq), op = max(ahead, key=lambda gn: gn[1]), "c10d"
         return self._make(

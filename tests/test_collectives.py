@@ -36,6 +36,15 @@ def spawn(job: Callable[..., None], nprocs: int, *args: Path | str) -> None:
     mp.start_processes(job, args=(free_port(), *map(str, args)), nprocs=nprocs, start_method="spawn")
 
 
+def _stalled(records: list) -> list[Heartbeat]:
+    """A rank's heartbeats a second or more into ``spawned.STUCK_AT``, the step a job is stuck in."""
+    return [
+        x
+        for x in records
+        if isinstance(x, Heartbeat) and x.step == spawned.STUCK_AT - 1 and x.progress_age_s >= 1.0
+    ]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("loop", "attach"),
@@ -144,11 +153,7 @@ def test_collectives_launched_from_cxx_are_counted_numbered_and_name_the_rank_a_
 
     # Stuck, rank 1 never launched the all-reduce numbered after its last; rank 0 waits in it.
     def stalled(rank: int) -> list[Heartbeat]:
-        return [
-            x
-            for x in recs[rank]
-            if isinstance(x, Heartbeat) and x.step == spawned.STUCK_AT - 1 and x.progress_age_s >= 1.0
-        ]
+        return _stalled(recs[rank])
 
     waiting = [x for x in stalled(0) if x.coll_op == "all_reduce"]
     assert waiting and {(x.coll_group, x.coll_seq) for x in waiting} == {
@@ -192,20 +197,37 @@ def test_a_send_and_its_recv_are_one_transfer_each_timed_once_on_the_rank_that_w
     """``send`` and ``recv`` are ``isend`` and ``irecv`` waited on at once (torch 2.6 on): each is
     one call, counted, numbered and timed once, as c10d numbers it (DeepSpeed's pipeline engine
     moves its activations so). Rank 1 sends 30 ms late: rank 0 waits for it inside ``recv``, or in
-    the wait of an ``irecv`` whose peer is given as a rank of the default group (``group_src``)."""
+    the wait of an ``irecv`` whose peer is given as a rank of the default group (``group_src``).
+    Then 1.5 s late: rank 0's heartbeats name the transfer it waits in and its peer, as a hang's
+    diagnosis reads them, whether the step noted the call (a lean step) or recorded it in full."""
     spawn(spawned.send_recv_job, 2, tmp_path, tmp_path, how)
     recs = spool_records(tmp_path, "sendrecv")
+    n = spawned.STUCK_AT + 1
     for rank, rs in recs.items():
         before, after = map(int, (tmp_path / f"rank{rank}").read_text().split())
         rows = [row for x in rs if isinstance(x, StepBatch) for row in x.rows]
-        assert sum(row.n_steps for row in rows) == 5 and sum(row.n_coll for row in rows) == 5, (rank, rows)
+        assert sum(row.n_steps for row in rows) == n and sum(row.n_coll for row in rows) == n, (rank, rows)
         assert all(row.comm_us <= row.dur_us for row in rows), (rank, rows)
-        assert [x for x in rs if isinstance(x, Heartbeat)][-1].last_seq["world"] == after == before + 5
-        comm = sum(row.comm_us for row in rows if row.step > 0) / 4
+        assert [x for x in rs if isinstance(x, Heartbeat)][-1].last_seq["world"] == after == before + n
+        comm = sum(row.comm_us for row in rows if 0 < row.step < spawned.STUCK_AT) / (spawned.STUCK_AT - 1)
         if rank == 0:
             assert 25_000 < comm < 60_000, rows  # its 30 ms wait, once
         else:
             assert comm < 15_000, rows
+    before = int((tmp_path / "rank0").read_text().split()[0])
+    # Rank 0 waits in the transfer numbered after its last, for rank 1, from the step's start...
+    waiting = [x for x in _stalled(recs[0]) if x.coll_op]
+    assert waiting and {(x.coll_op, x.coll_group, x.coll_seq, x.coll_peer) for x in waiting} == {
+        ("recv", "world", before + n, 1)
+    }, _stalled(recs[0])
+    assert all(x.coll_age_s >= 1.0 for x in waiting), waiting
+    # ...which rank 1, asleep, has not entered (until it wakes up and sends).
+    asleep = [x for x in _stalled(recs[1]) if x.last_seq["world"] == before + n - 1]
+    assert asleep and all(x.coll_seq == -1 for x in asleep), _stalled(recs[1])
+    hang = locate(
+        pd.DataFrame([dataclasses.asdict(x) for x in (waiting[-1], asleep[-1])]), HangSettings(stall_s=1.0)
+    )
+    assert hang is not None and hang.ranks == [1], hang
 
 
 @pytest.mark.slow

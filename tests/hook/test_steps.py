@@ -10,11 +10,12 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 
 import pytest
 
 from rankscope.profiler_hook.blocks import StepBlocks
-from rankscope.profiler_hook.collectives import CollectiveTracker
+from rankscope.profiler_hook.collectives import MAX_NOTED, CollectiveTracker
 from rankscope.profiler_hook.schedstat import ThreadWait
 from rankscope.wire.records import (
     StepBatch,
@@ -244,6 +245,53 @@ def test_a_point_to_point_call_reads_the_wait_where_the_thread_waits_on_it_only(
     tracker.exit(call)
     *_, comm_wait_ns, step_wait_ns, _ = tracker.take_step(time.perf_counter_ns())
     assert len(reads) == 3 and comm_wait_ns == 1_000_000 and step_wait_ns == 2_000_000
+
+
+def test_a_lean_steps_calls_are_noted_and_counted_and_numbered_at_its_end_as_in_full() -> None:
+    """At a step that neither reads the run-queue wait nor records a window, a wrapper only notes a
+    call and times it; the step's end counts and numbers it as the full path does. The call the
+    thread is inside reads as the full path records it (a hang's heartbeat reads it so), and no
+    note keeps a tensor alive. Noted calls with no step's end are counted at ``MAX_NOTED``."""
+    tracker, inside = CollectiveTracker(), []
+
+    class Tensor:
+        nbytes = 8
+
+    def send(tensor, dst=None, group=None, tag=0, group_dst=None):  # type: ignore[no-untyped-def]
+        inside.append(tracker.oldest_inflight())
+        time.sleep(0.002)
+
+    def all_reduce(tensor, op=None, group=None, async_op=False):  # type: ignore[no-untyped-def]
+        inside.append(tracker.oldest_inflight())
+
+    send_w, all_reduce_w = tracker._wrap_p2p("send", send), tracker._wrap("all_reduce", all_reduce)
+    tracker.take_step(time.perf_counter_ns())
+    tracker.take_step(time.perf_counter_ns())  # the first step after it reads the wait: not lean
+    assert not tracker.read_wait and tracker.recording is None
+    t = Tensor()
+    kept = weakref.ref(t)
+    send_w(t, 1)
+    all_reduce_w(t)
+    all_reduce_w(tensor=t, async_op=False)
+    del t
+    assert kept() is None
+    assert [(c.group, c.op, c.seq, c.peer) for c in inside if c is not None] == [
+        ("world", "send", 1, 1), ("world", "all_reduce", 2, -1), ("world", "all_reduce", 3, -1)
+    ]  # fmt: skip
+    assert tracker.oldest_inflight() is None and tracker.entered() == {"world": 3}
+    comm_ns, count, first_ns, *_ = tracker.take_step(time.perf_counter_ns())
+    assert count == 3 and comm_ns >= 2_000_000 and first_ns > 0
+    assert tracker.last_seq == tracker.counted == {"world": 3} and not tracker.noted
+    tracker.recording = []  # a window: every call in full, with its bytes
+    send_w(Tensor(), 1)
+    tracker.take_step(time.perf_counter_ns())
+    assert [(c.op, c.seq, c.nbytes, c.peer) for c in tracker.recording] == [("send", 4, 8, 1)]
+    tracker.recording, tracker.read_wait = None, False  # lean again, however long this took
+    for _ in range(MAX_NOTED + 5):
+        all_reduce_w(Tensor())
+    assert len(tracker.noted) < MAX_NOTED
+    assert tracker.take_step(time.perf_counter_ns())[1] == MAX_NOTED + 5
+    assert tracker.last_seq == {"world": 4 + MAX_NOTED + 5}
 
 
 def test_a_steps_garbage_collection_is_timed_in_the_block_of_the_steps_it_stopped() -> None:

@@ -53,7 +53,9 @@ def user_hook_job(rank: int, port: int, spool: str, out: str) -> None:
 
 
 STUCK_AT = 12
-"""The tensor-parallel step rank 1 is stuck in for 3 s, before the all-reduce rank 0 waits in."""
+"""The step rank 1 is stuck in: for 3 s before the tensor-parallel all-reduce rank 0 waits in, or
+``P2P_STUCK_S`` before the transfer rank 0 waits for."""
+P2P_STUCK_S = 1.5
 
 
 def launched_from_cxx_job(rank: int, port: int, spool: str, out: str) -> None:
@@ -169,19 +171,22 @@ def bound_before_attach_job(rank: int, port: int, spool: str) -> None:
 
 
 def send_recv_job(rank: int, port: int, spool: str, out: str, how: str) -> None:
-    """Rank 1 sends rank 0 a tensor every step, 30 ms late; rank 0 waits for it in ``recv``
-    (``how`` = "call"), or in the work of an ``irecv`` given its peer as a rank of the default
-    group, not as a global rank ("group_rank")."""
+    """Rank 1 sends rank 0 a tensor every step, 30 ms late (``P2P_STUCK_S`` at step ``STUCK_AT``);
+    rank 0 waits for it in ``recv`` (``how`` = "call"), or in the work of an ``irecv`` given its
+    peer as a rank of the default group, not as a global rank ("group_rank")."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    hook = profiler_hook.attach(job="sendrecv", spool_dir=spool, rank=rank, world_size=2, window_s=0)
+    hook = profiler_hook.attach(
+        job="sendrecv", spool_dir=spool, rank=rank, world_size=2, window_s=0, step_block_s=0,
+        heartbeat_s=0.2, stall_s=1.0,
+    )  # fmt: skip
     world = dist.distributed_c10d._get_default_group()
     before = world._get_sequence_number_for_group()
     t = torch.zeros(1024)
-    for _ in range(5):
+    for step in range(STUCK_AT + 1):
         with hook.step():
             if rank == 1:
-                time.sleep(0.03)
+                time.sleep(P2P_STUCK_S if step == STUCK_AT else 0.03)
             if how == "group_rank":
                 work = dist.isend(t, group_dst=0) if rank == 1 else dist.irecv(t, group_src=1)
                 work.wait()
