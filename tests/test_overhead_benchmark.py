@@ -1,4 +1,5 @@
-"""``benchmarks.overhead.hook``: its analysis, and one short run of the real 2-rank DDP and pipeline jobs."""
+"""``benchmarks.overhead.hook``: its analysis, and one short run of the real 2-rank DDP and pipeline jobs;
+``benchmarks.overhead.calls``: one short run."""
 
 from __future__ import annotations
 
@@ -66,3 +67,16 @@ def test_a_short_in_run_ab_of_a_ddp_and_a_pipeline_job_reports_every_figure(tmp_
     assert low <= row["median_pair_pct"] <= high and len(row["pair_s"]) == 2
     assert 0 < row["always_on_kb_per_min"] < 100  # step rows and heartbeats of the uninterrupted tail
     assert result["step_us"] > 0 and result["window_ms"] > 0 and result["stacked_window_ms"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_the_per_call_benchmark_runs_every_mode_in_turn_and_reports_each_against_off(tmp_path: Path) -> None:
+    """``benchmarks.overhead.calls``: a short run of its real 2-rank exchange."""
+    from benchmarks.overhead import calls
+
+    result = calls.main(["--rounds", "3", "--iters", "5", "--json", str(tmp_path / "calls.json")])
+    assert [r["mode"] for r in result["rows"]] == ["off", "lean", "full"]
+    assert all(len(v) == 3 and min(v) > 0 for v in result["us"].values())
+    assert all(r["cpu_us_per_iteration"] > 0 for r in result["rows"])
+    assert json.loads((tmp_path / "calls.json").read_text())["rows"] == result["rows"]

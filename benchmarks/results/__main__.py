@@ -195,6 +195,17 @@ def _ingest(run: dict[str, Any]) -> list[str]:
     return [what, f"{n:,} summaries", f"{rate:,} summaries/s", f"{ceiling:,} summaries/s"]
 
 
+def _calls(run: dict[str, Any]) -> list[str]:
+    rows = {r["mode"]: r for r in run["rows"]}
+    lean, full = rows["lean"], rows["full"]
+    return [
+        f"{run['rounds']} × {run['iters']:,}",
+        f"{rows['off']['cpu_us_per_iteration']} µs",
+        f"+{lean['over_off_us']} µs ({lean['over_off_quartiles_us'][0]} … {lean['over_off_quartiles_us'][2]})",
+        f"+{full['over_off_us']} µs ({full['over_off_quartiles_us'][0]} … {full['over_off_quartiles_us'][2]})",
+    ]
+
+
 TABLES: dict[str, tuple[str, list[str], Callable[[dict[str, Any]], list[str]]]] = {
     "faults": (
         "Fault suite (`python -m benchmarks.faults`)",
@@ -259,6 +270,17 @@ TABLES: dict[str, tuple[str, list[str], Callable[[dict[str, Any]], list[str]]]] 
             "always-on per step",
         ],
         _overhead,
+    ),
+    "tracking_calls": (
+        "The tracking's CPU per call (`python -m benchmarks.overhead.calls`): an iteration of a 2-rank "
+        "exchange (an isend/irecv pair and their waits, a blocking all-gather), interleaved",
+        [
+            "rounds × iterations",
+            "an iteration, unpatched",
+            "lean step (quartiles)",
+            "every call in full (quartiles)",
+        ],
+        _calls,
     ),
     "gpu_check": (
         "On a GPU (`python -m benchmarks.gpu_check`): one rank's loops on NCCL, four ranks' scenarios",
