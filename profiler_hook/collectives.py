@@ -381,12 +381,11 @@ class CollectiveTracker:
     (:meth:`_watch_stages`): its place in a pipeline where no device mesh says it."""
     noted: list[Noted] = field(default_factory=list)
     """The calls of this step, where it is lean: one that neither reads the run-queue wait nor
-    records a window. There a wrapper only notes a call (its function, arguments and start) and
+    records a window. There a wrapper only notes a call (its function, group, peer and start) and
     times the wait in it, or in its work's ``wait()``; :meth:`take_step` counts and numbers them,
-    and a hang's heartbeat reads the one the thread is in. A call costs a third of the full path's
-    Python, which runs from cold caches inside a training step: an ``isend`` or ``irecv`` and its
-    wait ~11 µs of the training thread's CPU in a 2-rank gloo exchange, the full path's ~22
-    (``docs/benchmarks.md``)."""
+    and a hang's heartbeat reads the one the thread is in. The wrappers' Python runs from cold
+    caches inside a training step, where each object it touches costs: noting a call makes fewer
+    of them than recording it (``benchmarks.overhead.calls`` measures both)."""
     _noted_awaited: dict[int, Noted] = field(default_factory=dict)
     """The ``isend``/``irecv`` works launched at a lean step, by ``id``, until the thread waits on them."""
     _awaited: dict[int, CollectiveCall] = field(default_factory=dict)
@@ -922,7 +921,7 @@ class CollectiveTracker:
                     local.inside = False
                     tracker.exit(call)
             work = original(*args, **kwargs)
-            if work is not None:
+            if work is not None:  # None: inside a coalescing manager (NCCL's batch_isend_irecv)
                 tracker.expect_wait(id(work), call)
             return work
 
