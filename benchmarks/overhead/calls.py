@@ -11,7 +11,7 @@ Per block of ``--iters`` iterations, the training thread's CPU time; blocks rota
 modes, round after round: ``off`` (nothing patched), ``lean`` (the tracker patched, a lean step:
 calls noted, counted at the step's end) and ``full`` (patched, every call recorded in full, as at a
 step that reads the run-queue wait; the reads themselves left out). Per mode, the median block's
-µs per iteration, and its difference from ``off``, per pair of adjacent rounds' blocks.
+µs per iteration, and its difference from ``off`` in the same round (median, quartiles).
 """
 
 from __future__ import annotations
