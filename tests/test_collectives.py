@@ -198,7 +198,7 @@ def test_a_send_and_its_recv_are_one_transfer_each_timed_once_on_the_rank_that_w
     one call, counted, numbered and timed once, as c10d numbers it (DeepSpeed's pipeline engine
     moves its activations so). Rank 1 sends 30 ms late: rank 0 waits for it inside ``recv``, or in
     the wait of an ``irecv`` whose peer is given as a rank of the default group (``group_src``).
-    Then 1.5 s late: rank 0's heartbeats name the transfer it waits in and its peer, as a hang's
+    Then 2 s late: rank 0's heartbeats name the transfer it waits in and its peer, as a hang's
     diagnosis reads them, whether the step noted the call (a lean step) or recorded it in full."""
     spawn(spawned.send_recv_job, 2, tmp_path, tmp_path, how)
     recs = spool_records(tmp_path, "sendrecv")

@@ -55,7 +55,7 @@ def user_hook_job(rank: int, port: int, spool: str, out: str) -> None:
 STUCK_AT = 12
 """The step rank 1 is stuck in: for 3 s before the tensor-parallel all-reduce rank 0 waits in, or
 ``P2P_STUCK_S`` before the transfer rank 0 waits for."""
-P2P_STUCK_S = 1.5
+P2P_STUCK_S = 2.0
 
 
 def launched_from_cxx_job(rank: int, port: int, spool: str, out: str) -> None:
